@@ -1,0 +1,123 @@
+"""Control-plane clients: how trainer rank 0 drives the inference side.
+
+``WeightSyncClient`` is structural (four blocking calls on plain dicts), like vLLM's
+``VLLMWeightSyncClient``. Every call fans out to every engine (replica) and raises
+``RemoteCallError`` carrying the remote error text when any of them fails.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = ["WeightSyncClient", "RemoteCallError", "HTTPVLLMWeightSyncClient", "RayVLLMWeightSyncClient"]
+
+UpdatePayload = dict[str, Any] | list[dict[str, Any]]
+
+
+class RemoteCallError(RuntimeError):
+    """An inference-side call failed; the message carries the remote error text."""
+
+
+@runtime_checkable
+class WeightSyncClient(Protocol):
+    """The four control-plane calls trainer rank 0 makes. All block until every engine is done."""
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None: ...
+
+    def start_weight_update(self) -> None: ...
+
+    def update_weights(self, update_info: UpdatePayload) -> None: ...
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None: ...
+
+
+class HTTPVLLMWeightSyncClient:
+    """Talks to one or more ``vllm serve`` instances over their RL routes, JSON only (no pickle).
+
+    Args:
+        base_url: ``http://host:port`` or a list of them (one per replica).
+        timeout_s: per-request limit.
+    """
+
+    def __init__(self, base_url: str | list[str], *, timeout_s: float = 300.0) -> None:
+        urls = [base_url] if isinstance(base_url, str) else list(base_url)
+        if not urls or any(not isinstance(u, str) or not u.startswith(("http://", "https://")) for u in urls):
+            raise ValueError(f"base_url must be http(s) URL(s), got {base_url!r}")
+        self.base_urls = [u.rstrip("/") for u in urls]
+        self.timeout_s = timeout_s
+
+    def _post_one(self, url: str, path: str, body: dict[str, Any] | None) -> Any:
+        data = json.dumps(body if body is not None else {}).encode()
+        req = urllib.request.Request(f"{url}/{path}", data=data, method="POST",
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")
+            raise RemoteCallError(f"POST {url}/{path} -> HTTP {e.code}: {detail}") from None
+        except (urllib.error.URLError, TimeoutError, OSError) as e:
+            raise RemoteCallError(f"POST {url}/{path} failed: {e}") from None
+        return json.loads(raw) if raw else None
+
+    def _post(self, path: str, body: dict[str, Any] | None = None) -> None:
+        with ThreadPoolExecutor(len(self.base_urls)) as pool:
+            for f in [pool.submit(self._post_one, u, path, body) for u in self.base_urls]:
+                f.result()
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._post("init_weight_transfer_engine", {"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self._post("start_weight_update")
+
+    def update_weights(self, update_info: UpdatePayload) -> None:
+        self._post("update_weights", {"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._post("finish_weight_update", {"weight_version": weight_version} if weight_version is not None else None)
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._post("shutdown_weight_transfer_engine")
+
+
+class RayVLLMWeightSyncClient:
+    """Talks to one or more vLLM ``LLM`` Ray actors (one per replica); Ray is imported on use."""
+
+    def __init__(self, handle: Any, *, timeout_s: float = 300.0) -> None:
+        self.handles = list(handle) if isinstance(handle, (list, tuple)) else [handle]
+        if not self.handles:
+            raise ValueError("handle must be an actor handle or a non-empty list of them")
+        self.timeout_s = timeout_s
+
+    def _call(self, method: str, *args: Any) -> None:
+        import ray
+
+        refs = [getattr(h, method).remote(*args) for h in self.handles]
+        try:
+            ray.get(refs, timeout=self.timeout_s)
+        except ray.exceptions.RayError as e:
+            raise RemoteCallError(f"{method} failed on an inference actor: {e}") from None
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        self._call("init_weight_transfer_engine", WeightTransferInitRequest(init_info=init_info))
+
+    def start_weight_update(self) -> None:
+        self._call("start_weight_update")
+
+    def update_weights(self, update_info: UpdatePayload) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        self._call("update_weights", WeightTransferUpdateRequest(update_info=update_info))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._call("finish_weight_update", weight_version)
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._call("shutdown_weight_transfer_engine")

@@ -1,0 +1,56 @@
+"""vLLM plugin: registers weightsync's engines in vLLM's two weight-transfer factories.
+
+Wired as a ``vllm.general_plugins`` entry point, so vLLM runs ``register()`` in every process it
+starts (driver and workers). Idempotent. The classes vLLM gets are weightsync's engines with
+vLLM's own ABCs mixed in (``WeightTransferEngine`` / ``TrainerWeightTransferEngine``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from ..registry import BACKENDS
+
+__all__ = ["register", "vllm_worker_class", "vllm_trainer_class"]
+
+_CACHE: dict[tuple[str, str], type] = {}
+
+
+def _mixed(kind: str, name: str) -> type:
+    key = (kind, name)
+    if key not in _CACHE:
+        from vllm.distributed.weight_transfer import TrainerWeightTransferEngine, WeightTransferEngine
+
+        module, trainer, worker = BACKENDS[name]
+        ours = getattr(importlib.import_module(module), worker if kind == "worker" else trainer)
+        vllm_base = WeightTransferEngine if kind == "worker" else TrainerWeightTransferEngine
+        _CACHE[key] = type(ours.__name__, (ours, vllm_base), {"__module__": ours.__module__,
+                                                               "__doc__": ours.__doc__})
+    return _CACHE[key]
+
+
+def vllm_worker_class(name: str) -> type:
+    """Our worker engine for backend ``name``, as a subclass of vLLM's ``WeightTransferEngine``."""
+    return _mixed("worker", name)
+
+
+def vllm_trainer_class(name: str) -> type:
+    """Our trainer engine for backend ``name``, as a subclass of vLLM's ``TrainerWeightTransferEngine``."""
+    return _mixed("trainer", name)
+
+
+def _register_into(factory: Any, name: str, loader: Any) -> None:
+    registry = getattr(factory, "_registry", {})
+    if name in registry:
+        return  # already ours (the plugin may run several times in one process)
+    factory.register_engine(name, loader)
+
+
+def register() -> None:
+    """Register ``weightsync_*`` backends in vLLM's factories; safe to call repeatedly."""
+    from vllm.distributed.weight_transfer import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+    for name in BACKENDS:
+        _register_into(WeightTransferEngineFactory, name, vllm_worker_class(name))
+        _register_into(WeightTransferTrainerFactory, name, vllm_trainer_class(name))

@@ -1,0 +1,162 @@
+"""Long-lived local worker processes ("actors") that run named functions on request.
+
+Each actor is a spawned Python process listening on a loopback socket (authkey-protected,
+``multiprocessing.connection``); any process holding its address can call
+``module:function`` in it. Calls run one at a time on the actor's main thread; objects a call
+wants to keep (a model, an engine) go into ``STATE``. Used by the CPU demo and the tests: each
+vLLM process costs seconds to import, so actors are started once and reused.
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing as mp
+import os
+import queue
+import secrets
+import threading
+import traceback
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from multiprocessing.connection import Client, Listener
+from typing import Any
+
+__all__ = ["STATE", "ActorAddress", "Actor", "call", "RemoteError"]
+
+STATE: dict[str, Any] = {}
+"""Per-process storage for what calls keep between calls."""
+
+
+class RemoteError(RuntimeError):
+    """A call raised in an actor; the message holds the remote exception and traceback."""
+
+
+@dataclass(frozen=True)
+class ActorAddress:
+    host: str
+    port: int
+    authkey: bytes
+    name: str
+
+
+def _resolve(fn: str) -> Any:
+    module, _, attr = fn.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def call(addr: ActorAddress, fn: str, *args: Any, timeout_s: float | None = 600.0, **kwargs: Any) -> Any:
+    """Run ``fn`` (``"module:function"``) in the actor at ``addr`` and return its result."""
+    with Client((addr.host, addr.port), authkey=addr.authkey) as conn:
+        conn.send((fn, args, kwargs))
+        if not conn.poll(timeout_s):
+            raise TimeoutError(f"{fn} in actor {addr.name} did not answer within {timeout_s}s")
+        status, value = conn.recv()
+    if status == "ok":
+        return value
+    raise RemoteError(f"{fn} in actor {addr.name} failed: {value}")
+
+
+def _serve_connection(conn: Any, jobs: "queue.Queue[Any]") -> None:
+    with conn:
+        try:
+            request = conn.recv()
+        except EOFError:
+            return
+        done = threading.Event()
+        box: list[Any] = []
+        jobs.put((request, box, done))
+        done.wait()
+        try:
+            conn.send(box[0])
+        except (BrokenPipeError, ConnectionResetError, OSError):
+            pass
+
+
+def _actor_main(name: str, env: dict[str, str], ready: Any) -> None:
+    os.environ.update(env)
+    authkey = secrets.token_bytes(16)
+    listener = Listener(("127.0.0.1", 0), authkey=authkey)
+    jobs: queue.Queue[Any] = queue.Queue()
+
+    def accept_loop() -> None:
+        while True:
+            conn = listener.accept()
+            threading.Thread(target=_serve_connection, args=(conn, jobs), daemon=True).start()
+
+    threading.Thread(target=accept_loop, daemon=True).start()
+    host, port = listener.address
+    ready.send(ActorAddress(host, port, authkey, name))
+    ready.close()
+    while True:
+        (fn, args, kwargs), box, done = jobs.get()
+        if fn == "__exit__":
+            box.append(("ok", None))
+            done.set()
+            os._exit(0)  # skips seconds of native teardown (vLLM, gloo)
+        try:
+            box.append(("ok", _resolve(fn)(*args, **kwargs)))
+        except BaseException as e:  # noqa: BLE001 - everything goes back to the caller
+            box.append(("err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        done.set()
+
+
+class Actor:
+    """Parent-side handle: starts the process and calls into it."""
+
+    def __init__(self, name: str, env: dict[str, str] | None = None) -> None:
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe(duplex=False)
+        self.process = ctx.Process(target=_actor_main, args=(name, dict(env or {}), child), daemon=True, name=name)
+        self.process.start()
+        child.close()
+        self._ready, self.name = parent, name
+        self._address: ActorAddress | None = None
+        self._pool = ThreadPoolExecutor(1)
+
+    @property
+    def address(self) -> ActorAddress:
+        """The actor's address; waits for the process to come up (started in ``__init__``)."""
+        if self._address is None:
+            if not self._ready.poll(120):
+                self.process.kill()
+                raise RuntimeError(f"actor {self.name} did not start within 120 s")
+            self._address = self._ready.recv()
+        return self._address
+
+    def call(self, fn: str, *args: Any, timeout_s: float | None = 600.0, **kwargs: Any) -> Any:
+        return call(self.address, fn, *args, timeout_s=timeout_s, **kwargs)
+
+    def submit(self, fn: str, *args: Any, timeout_s: float | None = 600.0, **kwargs: Any) -> Future:
+        return self._pool.submit(self.call, fn, *args, timeout_s=timeout_s, **kwargs)
+
+    def alive(self) -> bool:
+        return self.process.is_alive()
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join(5)
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            try:
+                self.call("__exit__", timeout_s=5)
+            except Exception:  # noqa: BLE001 - it is going away anyway
+                pass
+            self.process.join(5)
+            if self.process.is_alive():
+                self.kill()
+        self._pool.shutdown(wait=False)
+
+
+def gather(futures: list[Future]) -> list[Any]:
+    """Results of ``futures`` in order; the first failure is raised after all have finished."""
+    results, first_error = [], None
+    for f in futures:
+        try:
+            results.append(f.result())
+        except BaseException as e:  # noqa: BLE001
+            first_error = first_error or e
+            results.append(None)
+    if first_error is not None:
+        raise first_error
+    return results

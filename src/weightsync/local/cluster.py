@@ -1,0 +1,143 @@
+"""A local CPU cluster: FSDP2 trainer processes and vLLM receiver processes (TP over gloo).
+
+Used by ``weightsync demo`` and the test suite. Processes are started once and re-laid-out for
+each scenario (trainer count, TP, replicas, dtype, model), since each vLLM process costs seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+from .actors import Actor, gather
+from .client import LocalWeightSyncClient
+from .receiver import VLLM_CPU_ENV
+
+__all__ = ["Layout", "LocalCluster", "model_config_dir", "free_port"]
+
+_T = "weightsync.local.trainer:"
+_R = "weightsync.local.receiver:"
+
+
+def model_config_dir(name: str) -> str:
+    """Directory of a config shipped in ``weightsync/configs`` (or ``name`` itself if it is a path)."""
+    if os.path.isdir(name):
+        return os.path.abspath(name)
+    path = resources.files("weightsync") / "configs" / name
+    if not path.joinpath("config.json").is_file():
+        raise ValueError(f"model config {name!r} is neither a directory nor one of the shipped configs")
+    return str(path)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One scenario: who trains, who serves, in which dtype, on which model."""
+
+    trainers: int = 2
+    tp: int = 2
+    replicas: int = 1
+    dtype: str = "float32"
+    model: str = "tiny_qwen3"
+    backend: str = "weightsync_nccl"
+    seed: int = 0
+    fsdp: bool = True
+
+    @property
+    def num_workers(self) -> int:
+        return self.tp * self.replicas
+
+
+class LocalCluster:
+    """Holds the actor processes; ``setup(layout)`` (re)builds trainers and receivers."""
+
+    def __init__(self) -> None:
+        self.trainers: list[Actor] = []
+        self.receivers: list[Actor] = []
+        self.layout: Layout | None = None
+
+    def _grow(self, trainers: int, receivers: int) -> None:
+        env = {"OMP_NUM_THREADS": "1"}
+        while len(self.trainers) < trainers:
+            self.trainers.append(Actor(f"trainer{len(self.trainers)}", env))
+        while len(self.receivers) < receivers:
+            self.receivers.append(Actor(f"receiver{len(self.receivers)}", VLLM_CPU_ENV))
+        for a in self.trainers + self.receivers:
+            _ = a.address  # all processes start in parallel; wait for each once
+
+    def setup(self, layout: Layout) -> None:
+        """Build ``layout`` on the processes (collective over all of them)."""
+        if layout.trainers < 1 or layout.tp < 1 or layout.replicas < 1:
+            raise ValueError(f"trainers, tp and replicas must be >= 1, got {layout}")
+        self._grow(layout.trainers, layout.num_workers)
+        self.teardown()
+        model_dir = model_config_dir(layout.model)
+        tport = free_port()
+        futs = [a.submit(_T + "setup", model_dir, world=layout.trainers, rank=r, port=tport, dtype=layout.dtype,
+                         seed=layout.seed, fsdp=layout.fsdp) for r, a in enumerate(self.trainers[: layout.trainers])]
+        for rep in range(layout.replicas):
+            rport = free_port()
+            for r in range(layout.tp):
+                a = self.receivers[rep * layout.tp + r]
+                futs.append(a.submit(_R + "setup", model_dir, tp=layout.tp, rank=r, replica=rep, port=rport,
+                                     dtype=layout.dtype, backend=layout.backend))
+        gather(futs)
+        self.layout = layout
+
+    @property
+    def active_trainers(self) -> list[Actor]:
+        assert self.layout is not None, "setup() first"
+        return self.trainers[: self.layout.trainers]
+
+    @property
+    def active_receivers(self) -> list[Actor]:
+        assert self.layout is not None, "setup() first"
+        return self.receivers[: self.layout.num_workers]
+
+    def client(self, timeout_s: float = 300.0) -> LocalWeightSyncClient:
+        tp = self.layout.tp if self.layout else 1
+        addrs = [a.address for a in self.active_receivers]
+        return LocalWeightSyncClient([addrs[i : i + tp] for i in range(0, len(addrs), tp)], timeout_s=timeout_s)
+
+    def on_trainers(self, fn: str, *args: Any, **kwargs: Any) -> list[Any]:
+        return gather([a.submit(_T + fn, *args, **kwargs) for a in self.active_trainers])
+
+    def on_receivers(self, fn: str, *args: Any, **kwargs: Any) -> list[Any]:
+        return gather([a.submit(_R + fn, *args, **kwargs) for a in self.active_receivers])
+
+    def make_engines(self, init_info: Any, *, source: str = "full", bucket_bytes: int | None = None,
+                     client: Any = None) -> None:
+        self.on_trainers("make_engine", init_info, client or self.client(), source=source, bucket_bytes=bucket_bytes)
+
+    def sync(self, weight_version: str | None = None) -> dict[str, Any]:
+        """``send_weights`` on every trainer rank; returns rank 0's stats."""
+        return self.on_trainers("send_weights", weight_version)[0]
+
+    def train_step(self, seed: int) -> float:
+        return self.on_trainers("train_step", seed)[0]
+
+    def verify(self) -> dict[str, list[str]]:
+        """Receiver name -> parameters that differ from vLLM's ``load_weights`` of the trainer's
+        full state dict (all lists empty = bit-exact)."""
+        sd = self.on_trainers("full_state_dict")[0]
+        bad = self.on_receivers("compare_with_oracle", sd)
+        return {a.name: b for a, b in zip(self.active_receivers, bad)}
+
+    def teardown(self) -> None:
+        """Release the current layout's groups (processes stay)."""
+        futs = [a.submit(_T + "teardown") for a in self.trainers] + [a.submit(_R + "teardown") for a in self.receivers]
+        gather(futs)
+        self.layout = None
+
+    def close(self) -> None:
+        for a in self.trainers + self.receivers:
+            a.close()
+        self.trainers, self.receivers, self.layout = [], [], None

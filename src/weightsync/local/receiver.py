@@ -1,0 +1,164 @@
+"""What runs inside a local vLLM receiver process: vLLM's real model class with TP over gloo,
+plus the worker-side weight-transfer methods exactly as vLLM's ``Worker`` exposes them.
+
+Every function here is called through ``weightsync.local.actors``; state lives in ``STATE``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any
+
+import torch
+
+from .actors import STATE
+
+__all__ = ["VLLM_CPU_ENV", "setup", "teardown", "init_weight_transfer_engine", "start_weight_update",
+           "update_weights", "finish_weight_update", "shutdown_weight_transfer_engine", "checksum",
+           "compare_with_oracle", "params", "weight_version"]
+
+_CACHE = os.path.join(tempfile.gettempdir(), "weightsync-vllm-cache")
+VLLM_CPU_ENV = {
+    "VLLM_TARGET_DEVICE": "cpu",
+    "VLLM_CACHE_ROOT": _CACHE,
+    "VLLM_RPC_BASE_PATH": os.path.join(_CACHE, "rpc"),
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    "OMP_NUM_THREADS": "1",
+}
+"""Environment a receiver process needs before vLLM is imported."""
+
+
+def _build_model(vc: Any) -> torch.nn.Module:
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    with set_default_torch_dtype(vc.model_config.dtype), torch.device("cpu"):
+        return initialize_model(vllm_config=vc)  # records reload metadata too
+
+
+def setup(model_dir: str, *, tp: int, rank: int, replica: int, port: int, dtype: str, backend: str,
+          seed: int = 0) -> None:
+    """Build vLLM's model (TP rank ``rank`` of replica ``replica``) and its weight-transfer engine,
+    the way vLLM's worker does: through vLLM's own factory, after loading general plugins."""
+    os.makedirs(VLLM_CPU_ENV["VLLM_RPC_BASE_PATH"], exist_ok=True)
+    torch.set_num_threads(1)
+    teardown()
+    from vllm.config import (DeviceConfig, ModelConfig, ParallelConfig, VllmConfig, WeightTransferConfig,
+                             set_current_vllm_config)
+    from vllm.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+    from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    mc = ModelConfig(model=model_dir, tokenizer=None, skip_tokenizer_init=True, dtype=dtype,
+                     max_model_len=128, enforce_eager=True, seed=seed)
+    vc = VllmConfig(model_config=mc, parallel_config=ParallelConfig(tensor_parallel_size=tp),
+                    device_config=DeviceConfig(device="cpu"),
+                    weight_transfer_config=WeightTransferConfig(backend=backend))
+    vc.parallel_config.rank = rank
+    vc.parallel_config.data_parallel_index = replica
+    with set_current_vllm_config(vc):
+        init_distributed_environment(world_size=tp, rank=rank, local_rank=rank, backend="gloo",
+                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
+        initialize_model_parallel(tensor_model_parallel_size=tp)
+        model = _build_model(vc)
+        engine = WeightTransferEngineFactory.create_engine(vc.weight_transfer_config, vc, torch.device("cpu"), model)
+    STATE.update(vllm_config=vc, model=model, engine=engine, active=False, weight_version=None, oracle=None)
+
+
+def teardown() -> None:
+    """Release the engine and vLLM's groups so this process can host another layout."""
+    engine = STATE.pop("engine", None)
+    if engine is not None:
+        engine.shutdown()
+    if STATE.pop("vllm_config", None) is not None:
+        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+        destroy_model_parallel()
+        destroy_distributed_environment()
+    for k in ("model", "oracle", "active", "weight_version"):
+        STATE.pop(k, None)
+
+
+def _ctx() -> Any:
+    from vllm.config import set_current_vllm_config
+
+    return set_current_vllm_config(STATE["vllm_config"])
+
+
+# --- vLLM Worker's weight-transfer methods (same checks, same order) ----------------------
+def init_weight_transfer_engine(init_info: dict) -> None:
+    engine = STATE["engine"]
+    with _ctx():
+        engine.init_transfer_engine(engine.parse_init_info(init_info))
+
+
+def start_weight_update() -> None:
+    if STATE["active"]:
+        raise RuntimeError("start_weight_update called while a weight update is already active")
+    with _ctx():
+        STATE["engine"].start_weight_update()
+    STATE["active"] = True
+
+
+def update_weights(update_info: dict | list) -> None:
+    if not STATE["active"]:
+        raise RuntimeError("start_weight_update must be called before update_weights")
+    engine = STATE["engine"]
+    if isinstance(update_info, list):
+        update_info = update_info[engine.worker_rank]
+    try:
+        with _ctx():
+            engine.update_weights(update_info)
+    except BaseException:
+        STATE["active"] = False
+        raise
+
+
+def finish_weight_update(weight_version: str | None = None) -> None:
+    if not STATE["active"]:
+        raise RuntimeError("finish_weight_update called without a matching start_weight_update")
+    with _ctx():
+        STATE["engine"].finish_weight_update()
+    STATE["active"] = False
+    if weight_version is not None:
+        STATE["weight_version"] = weight_version
+
+
+def shutdown_weight_transfer_engine() -> None:
+    STATE["engine"].shutdown()
+
+
+def weight_version() -> str | None:
+    return STATE.get("weight_version")
+
+
+# --- verification helpers ---------------------------------------------------------------
+def params() -> dict[str, torch.Tensor]:
+    """A copy of every vLLM parameter on this rank."""
+    return {n: p.detach().clone() for n, p in STATE["model"].named_parameters()}
+
+
+def checksum() -> dict[str, float]:
+    """Per-parameter float64 sums (cheap change detection)."""
+    return {n: float(p.detach().double().sum()) for n, p in STATE["model"].named_parameters()}
+
+
+def compare_with_oracle(state_dict: dict[str, torch.Tensor]) -> list[str]:
+    """Load ``state_dict`` into a second instance of the model with vLLM's own ``load_weights``
+    and return the names of live parameters that are not ``torch.equal`` to it (empty = exact)."""
+    with _ctx():
+        if STATE.get("oracle") is None:
+            cc = STATE["vllm_config"].compilation_config
+            live, cc.static_forward_context = cc.static_forward_context, {}  # attention layers register by name
+            try:
+                STATE["oracle"] = _build_model(STATE["vllm_config"])
+            finally:
+                cc.static_forward_context = live
+        oracle = STATE["oracle"]
+        oracle.load_weights(iter(state_dict.items()))
+    expected = dict(oracle.named_parameters())
+    bad = [n for n, p in STATE["model"].named_parameters()
+           if n not in expected or p.dtype != expected[n].dtype or not torch.equal(p.detach(), expected[n].detach())]
+    return bad

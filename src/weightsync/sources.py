@@ -1,0 +1,131 @@
+"""Weight sources over a torch module: FSDP2 (DTensor) or plain.
+
+* ``FullTensorSource`` yields full tensors under HF names, gathering DTensors with
+  ``full_tensor()`` one bucket at a time (collective on every trainer rank).
+* ``DTensorModuleSource`` yields each rank's local shard plus its layout; it never gathers.
+
+Both iterate ``module.named_parameters()`` order (tied parameters once), which is the same on
+every trainer rank; that order is the metadata order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from functools import cached_property
+
+import torch
+
+from .layout.regions import Replicate, Shard, placements_from_torch
+from .protocol import ParamMeta, WeightSource
+
+__all__ = ["FullTensorSource", "DTensorModuleSource"]
+
+DEFAULT_BUCKET_BYTES = 256 << 20
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return hasattr(t, "device_mesh") and hasattr(t, "placements")
+
+
+def _named(module: torch.nn.Module, name_map: Callable[[str], str | None] | None) -> list[tuple[str, torch.Tensor]]:
+    out = []
+    for name, p in module.named_parameters():
+        hf = name_map(name) if name_map is not None else name
+        if hf is not None:
+            out.append((hf, p))
+    names = [n for n, _ in out]
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"name_map maps several parameters to the same name(s): {dup}")
+    return out
+
+
+class FullTensorSource(WeightSource):
+    """Full tensors under HF names from a plain or FSDP2 module.
+
+    Args:
+        module: the trainer's model (plain ``nn.Module`` or ``fully_shard``-ed).
+        bucket_bytes: gathered tensors are produced in groups of at most this many bytes; at most
+            one group is alive at a time (the previous group is released before the next gather).
+        name_map: optional ``module name -> HF name`` (return None to skip a parameter).
+        dtype: optional wire dtype (e.g. ``torch.bfloat16`` from an fp32 master copy).
+    """
+
+    def __init__(self, module: torch.nn.Module, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 name_map: Callable[[str], str | None] | None = None, dtype: torch.dtype | None = None) -> None:
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+        self.module, self.bucket_bytes, self.name_map, self.dtype = module, bucket_bytes, name_map, dtype
+
+    @cached_property
+    def metadata(self) -> list[ParamMeta]:
+        return [ParamMeta(n, self.dtype or p.dtype, tuple(p.shape)) for n, p in _named(self.module, self.name_map)]
+
+    def _full(self, p: torch.Tensor) -> torch.Tensor:
+        t = p.detach()
+        t = t.full_tensor() if _is_dtensor(t) else t
+        return t.to(self.dtype) if self.dtype is not None and t.dtype != self.dtype else t
+
+    def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Collective on every trainer rank: yields every tensor, gathered, in metadata order."""
+        group: list[tuple[str, torch.Tensor]] = []
+        used = 0
+        with torch.no_grad():
+            for name, p in _named(self.module, self.name_map):
+                nbytes = p.numel() * (self.dtype or p.dtype).itemsize
+                if group and used + nbytes > self.bucket_bytes:
+                    yield from group
+                    group, used = [], 0
+                group.append((name, self._full(p)))
+                used += nbytes
+            yield from group
+
+
+class DTensorModuleSource(WeightSource):
+    """Local FSDP2 shards and their layout; never gathers.
+
+    Args:
+        module: the ``fully_shard``-ed model.
+        num_trainer_ranks: ranks of the trainer mesh; every DTensor's mesh must cover exactly
+            these ranks (checked here, on every rank, before anything moves).
+        name_map: optional ``module name -> HF name`` (None skips a parameter).
+    """
+
+    def __init__(self, module: torch.nn.Module, num_trainer_ranks: int, *,
+                 name_map: Callable[[str], str | None] | None = None) -> None:
+        if not isinstance(num_trainer_ranks, int) or num_trainer_ranks < 1:
+            raise ValueError(f"num_trainer_ranks must be an int >= 1, got {num_trainer_ranks!r}")
+        self.module, self.num_trainer_ranks, self.name_map = module, num_trainer_ranks, name_map
+
+    @cached_property
+    def metadata(self) -> list[ParamMeta]:
+        metas = []
+        for name, p in _named(self.module, self.name_map):
+            if not _is_dtensor(p):
+                coords = tuple((r,) for r in range(self.num_trainer_ranks))
+                metas.append(ParamMeta(name, p.dtype, tuple(p.shape), mesh_shape=(self.num_trainer_ranks,),
+                                       placements=(Replicate(),), rank_coordinates=coords))
+                continue
+            mesh = p.device_mesh.mesh
+            if mesh.numel() != self.num_trainer_ranks or sorted(mesh.flatten().tolist()) != list(
+                    range(self.num_trainer_ranks)):
+                raise ValueError(f"parameter {name!r}: its device mesh holds ranks {mesh.flatten().tolist()}, "
+                                 f"expected all of num_trainer_ranks={self.num_trainer_ranks}")
+            coords: list[tuple[int, ...]] = [()] * self.num_trainer_ranks
+            for idx in torch.cartesian_prod(*[torch.arange(s) for s in mesh.shape]).reshape(mesh.numel(), -1):
+                coord = tuple(int(i) for i in idx)
+                coords[int(mesh[coord])] = coord
+            placements = placements_from_torch(p.placements)
+            if any(not isinstance(pl, (Shard, Replicate)) for pl in placements):
+                raise ValueError(f"parameter {name!r}: placements {p.placements} are not Shard/Replicate")
+            metas.append(ParamMeta(name, p.dtype, tuple(p.shape), mesh_shape=tuple(mesh.shape),
+                                   placements=tuple(placements), rank_coordinates=tuple(coords)))
+        return metas
+
+    def iter_local(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's shard of every tensor, in metadata order (no collectives)."""
+        for name, p in _named(self.module, self.name_map):
+            t = p.detach()
+            yield name, (t.to_local() if _is_dtensor(t) else t)

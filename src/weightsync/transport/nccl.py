@@ -1,0 +1,338 @@
+"""``nccl`` transport: trainer rank 0 broadcasts packed buckets to every worker of every replica.
+
+Data group: trainer rank 0 (data rank 0) + all workers (data ranks 1..W); NCCL on CUDA, gloo on
+CPU. Other trainer ranks take part in the source's gathers and join the rendezvous store only.
+Every bucket message is ``payload | status word``: an aborting sender still sends the bucket the
+workers expect, flagged, so no peer is left waiting and the workers roll back what they applied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from ..buckets import ALIGN, Bucket, metadata_digest, pack, plan_buckets, unpack
+from ..comm import Communicator, DataPlaneError
+from ..protocol import (ParamMeta, SyncStats, TrainerEngine, TrainerInitInfo, WeightSource,
+                        WorkerInitInfo, WorkerUpdateInfo, dtype_from_name)
+from ..worker import LayerwiseApplier, WorkerEngine
+
+__all__ = ["NCCLTrainerInitInfo", "NCCLWorkerInitInfo", "NCCLUpdateInfo", "NCCLTrainerEngine", "NCCLWorkerEngine"]
+
+DEFAULT_BUCKET_BYTES = 256 << 20
+_OK, _ABORT = 1, 2
+
+
+def _default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass(kw_only=True)
+class NCCLTrainerInitInfo(TrainerInitInfo):
+    """Trainer side of the broadcast transport. Give the same values on every trainer rank."""
+
+    backend: ClassVar[str] = "weightsync_nccl"
+    master_address: str
+    """Host of the rendezvous store (trainer rank 0 hosts it)."""
+    master_port: int
+    """Free port on ``master_address`` for the store."""
+    world_size: int
+    """Data-group size: 1 (trainer rank 0) + the number of workers over all replicas."""
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    """Size of each packed buffer; every tensor must fit in one."""
+    num_buffers: int = 2
+    """Buckets in flight on the sender (pack one while the previous one is on the wire)."""
+    timeout_s: float = 300.0
+    """Limit for every blocking step."""
+    rollback: bool = True
+    """Workers keep a host copy of their parameters during a sync and restore it on failure."""
+    device: str = field(default_factory=_default_device)
+    """``"cuda"`` (NCCL) or ``"cpu"`` (gloo)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.world_size < 2:
+            raise ValueError(f"world_size must be >= 2 (sender + at least one worker), got {self.world_size}")
+        if self.num_buffers < 1:
+            raise ValueError(f"num_buffers must be >= 1, got {self.num_buffers}")
+        if self.bucket_bytes < ALIGN or self.bucket_bytes % ALIGN:
+            raise ValueError(f"bucket_bytes must be a positive multiple of {ALIGN}, got {self.bucket_bytes}")
+
+
+@dataclass(kw_only=True)
+class NCCLWorkerInitInfo(WorkerInitInfo):
+    """What workers receive in ``init_weight_transfer_engine`` (built by trainer rank 0)."""
+
+    master_address: str
+    master_port: int
+    world_size: int
+    rank_offset: int = 1
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    timeout_s: float = 300.0
+    rollback: bool = True
+
+
+@dataclass(kw_only=True)
+class NCCLUpdateInfo(WorkerUpdateInfo):
+    """One sync. Empty lists reuse the previous sync's metadata (checked by ``digest``)."""
+
+    sync_id: int
+    digest: str
+    names: list[str] = field(default_factory=list)
+    dtype_names: list[str] = field(default_factory=list)
+    shapes: list[list[int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not len(self.names) == len(self.dtype_names) == len(self.shapes):
+            raise ValueError(f"names, dtype_names and shapes must have equal lengths, got "
+                             f"{len(self.names)}, {len(self.dtype_names)}, {len(self.shapes)}")
+
+
+def _message(bucket: Bucket) -> int:
+    """Bytes of one bucket message: aligned payload plus the status word."""
+    return (bucket.nbytes + ALIGN - 1) // ALIGN * ALIGN + 8
+
+
+def _status(buf: torch.Tensor, nbytes: int) -> torch.Tensor:
+    return buf[nbytes - 8 : nbytes].view(torch.int64)
+
+
+def checked(source_iter: Iterator[tuple[str, torch.Tensor]], metas: list[ParamMeta]) -> Iterator[tuple[ParamMeta, torch.Tensor]]:
+    """Yield ``(meta, tensor)``; ``ValueError`` naming the parameter when iteration and metadata differ."""
+    i = 0
+    for name, t in source_iter:
+        if i >= len(metas):
+            raise ValueError(f"source yielded {name!r} beyond the {len(metas)} parameters in its metadata")
+        m = metas[i]
+        if name != m.name or t.dtype != m.dtype or tuple(t.shape) != m.shape:
+            raise ValueError(f"parameter {m.name!r}: metadata says {m.name!r} {m.dtype} {m.shape}, "
+                             f"source yielded {name!r} {t.dtype} {tuple(t.shape)}")
+        i += 1
+        yield m, t
+    if i != len(metas):
+        raise ValueError(f"parameter {metas[i].name!r}: source stopped after {i} of {len(metas)} parameters")
+
+
+class NCCLTrainerEngine(TrainerEngine):
+    """Broadcast trainer engine. ``trainer_init`` and ``send_weights`` run on every trainer rank."""
+
+    init_info_cls = NCCLTrainerInitInfo
+
+    @classmethod
+    def trainer_init(cls, init_info: NCCLTrainerInitInfo, *, client: Any, source: WeightSource | None = None) -> "NCCLTrainerEngine":
+        if source is None:
+            raise ValueError("source is required for the nccl transport")
+        self = cls(init_info, client=client, source=source)
+        self.sync_id = 0
+        self.comm: Communicator | None = None
+        self.store: Any = None
+        self._sent_digest: str | None = None
+        i = init_info
+        if self.is_sender:
+            worker_info = NCCLWorkerInitInfo(master_address=i.master_address, master_port=i.master_port,
+                                             world_size=i.world_size, bucket_bytes=i.bucket_bytes,
+                                             timeout_s=i.timeout_s, rollback=i.rollback)
+            with ThreadPoolExecutor(1) as pool:  # workers block in the rendezvous until we join it
+                fut = pool.submit(client.init_weight_transfer_engine, asdict(worker_info))
+                self.comm = Communicator.from_tcp_store(i.master_address, i.master_port, 0, i.world_size,
+                                                        device=i.device, timeout_s=i.timeout_s)
+                fut.result(timeout=i.timeout_s)
+            self.store = self.comm.store
+            dev = torch.device(i.device)
+            self._buffers = [torch.empty(i.bucket_bytes + ALIGN + 8, dtype=torch.uint8, device=dev)
+                             for _ in range(i.num_buffers)]
+        else:
+            self.store = dist.TCPStore(i.master_address, i.master_port, is_master=False,
+                                       timeout=timedelta(seconds=i.timeout_s))
+        return self
+
+    def _publish(self, key: str, value: str) -> None:
+        self.store.set(f"ws/{key}", value)
+
+    def send_weights(self, *, weight_version: str | None = None) -> SyncStats:
+        """Collective on every trainer rank; returns after every worker applied the weights."""
+        info: NCCLTrainerInitInfo = self.init_info  # type: ignore[assignment]
+        stats = SyncStats(backend="weightsync_nccl", rank=self.rank, weight_version=weight_version)
+        self.sync_id += 1
+        with stats.timed("preflight"):
+            metas = self.source.metadata
+            buckets = plan_buckets(metas, info.bucket_bytes)  # raises on every rank alike
+        stats.num_tensors, stats.num_chunks = len(metas), len(buckets)
+        if not self.is_sender:
+            error = None
+            try:
+                for _ in checked(self.source.iter_full(), metas):
+                    pass
+            except Exception as e:  # still wait for the sender's verdict below
+                error = e
+            self.store.wait([f"ws/done/{self.sync_id}"], timedelta(seconds=info.timeout_s))
+            verdict = self.store.get(f"ws/done/{self.sync_id}").decode()
+            if error is not None:
+                raise error
+            if verdict != "ok":
+                raise RuntimeError(f"weight sync {self.sync_id} failed on trainer rank 0: {verdict}")
+            return stats
+        try:
+            self._send(metas, buckets, stats, weight_version)
+        except BaseException as e:
+            self._publish(f"done/{self.sync_id}", f"{type(e).__name__}: {e}")
+            raise
+        self._publish(f"done/{self.sync_id}", "ok")
+        return stats
+
+    def _send(self, metas: list[ParamMeta], buckets: list[Bucket], stats: SyncStats, version: str | None) -> None:
+        info: NCCLTrainerInitInfo = self.init_info  # type: ignore[assignment]
+        digest = metadata_digest(m.wire() for m in metas)
+        wire = [m.wire() for m in metas] if digest != self._sent_digest else []
+        update = NCCLUpdateInfo(sync_id=self.sync_id, digest=digest, names=[w["name"] for w in wire],
+                                dtype_names=[w["dtype"] for w in wire], shapes=[w["shape"] for w in wire])
+        with stats.timed("start"):
+            self.client.start_weight_update()
+        pool = ThreadPoolExecutor(1)
+        try:
+            fut = pool.submit(self.client.update_weights, asdict(update))
+            with stats.timed("transfer"):
+                self._broadcast(metas, buckets, stats, fut)
+                fut.result(timeout=info.timeout_s)
+        finally:
+            pool.shutdown(wait=False)  # never join a thread whose peer may be gone
+        self._sent_digest = digest
+        with stats.timed("finish"):
+            self.client.finish_weight_update(version)
+        per_worker = sum(b.nbytes for b in buckets)
+        stats.bytes_received_per_worker = {w: per_worker for w in range(info.world_size - 1)}
+
+    def _broadcast(self, metas: list[ParamMeta], buckets: list[Bucket], stats: SyncStats, fut: Any) -> None:
+        comm = self.comm
+        assert comm is not None
+        works: list[Any] = [None] * len(self._buffers)
+        it = checked(self.source.iter_full(), metas)
+        error: BaseException | None = None
+        for b, bucket in enumerate(buckets):
+            slot = b % len(self._buffers)
+            if works[slot] is not None:
+                comm.wait(works[slot], "bucket broadcast")
+            buf = self._buffers[slot][: _message(bucket)]
+            if error is None:
+                try:
+                    for entry in bucket.entries:
+                        _, tensor = next(it)
+                        pack(buf, entry, tensor)
+                    if b == len(buckets) - 1:
+                        next(it, None)  # lets `checked` report a source that yields too much
+                except BaseException as e:
+                    error = e
+                    self._publish(f"abort/{self.sync_id}", f"{type(e).__name__}: {e}")
+            _status(buf, buf.numel()).fill_(_OK if error is None else _ABORT)
+            if buf.device.type == "cuda":
+                torch.cuda.current_stream().synchronize()
+            if fut.done() and fut.exception() is not None:
+                raise fut.exception()  # a worker failed: stop before blocking on it
+            works[slot] = comm.broadcast(buf, src=0, async_op=True)
+            stats.bytes_sent += bucket.nbytes
+            if error is not None:
+                break
+        for w in works:
+            if w is not None:
+                comm.wait(w, "bucket broadcast")
+        if error is not None:
+            raise error
+
+    def shutdown(self) -> None:
+        if self.comm is not None:
+            self.comm.shutdown()
+        self.comm, self.store, self._buffers = None, None, []
+
+
+class NCCLWorkerEngine(WorkerEngine):
+    """Broadcast worker engine: receives buckets and applies them through layerwise reload."""
+
+    init_info_cls = NCCLWorkerInitInfo
+    update_info_cls = NCCLUpdateInfo
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.comm: Communicator | None = None
+        self.info: NCCLWorkerInitInfo | None = None
+        self._metas: list[ParamMeta] = []
+        self._digest: str | None = None
+        self._applier: LayerwiseApplier | None = None
+
+    def init_transfer_engine(self, init_info: NCCLWorkerInitInfo) -> None:
+        self.shutdown()
+        self.info, self.poisoned = init_info, None
+        self.comm = Communicator.from_tcp_store(
+            init_info.master_address, init_info.master_port, init_info.rank_offset + self.worker_rank,
+            init_info.world_size, device=self.device, timeout_s=init_info.timeout_s)
+
+    def start_weight_update(self) -> None:
+        self._check_not_poisoned()
+        if self.comm is None or self.info is None:
+            raise RuntimeError("init_transfer_engine must run before start_weight_update")
+        self._applier = LayerwiseApplier(self.model, self.model_config, rollback=self.info.rollback)
+        self._applier.start()
+
+    def receive_weights(self, update_info: NCCLUpdateInfo) -> None:
+        self._check_not_poisoned()
+        if self._applier is None or self.comm is None or self.info is None:
+            raise RuntimeError("start_weight_update must run before update_weights")
+        try:
+            if update_info.names:
+                metas = [ParamMeta(n, dtype_from_name(d), tuple(s))
+                         for n, d, s in zip(update_info.names, update_info.dtype_names, update_info.shapes)]
+                digest = metadata_digest(m.wire() for m in metas)
+                self._metas, self._digest = metas, digest
+            if update_info.digest != self._digest:
+                raise ValueError(f"update_info.digest {update_info.digest!r} does not match this worker's "
+                                 f"metadata digest {self._digest!r}")
+            self._receive(plan_buckets(self._metas, self.info.bucket_bytes), update_info.sync_id)
+        except BaseException as e:
+            self.poisoned = f"{type(e).__name__}: {e}"
+            self._applier.abort()
+            self._applier = None
+            raise
+
+    def _receive(self, buckets: list[Bucket], sync_id: int) -> None:
+        comm = self.comm
+        assert comm is not None and self._applier is not None
+        pending = None
+        for b, bucket in enumerate(buckets):
+            # A fresh buffer per bucket: layerwise reload may keep views until a layer is complete.
+            buf = torch.empty(_message(bucket), dtype=torch.uint8, device=self.device)
+            work = comm.broadcast(buf, src=0, async_op=True)
+            if pending is not None:
+                self._apply(*pending, sync_id)
+            comm.wait(work, f"bucket {b} broadcast")
+            pending = (buf, bucket)
+        if pending is not None:
+            self._apply(*pending, sync_id)
+
+    def _apply(self, buf: torch.Tensor, bucket: Bucket, sync_id: int) -> None:
+        if int(_status(buf, buf.numel()).item()) != _OK:
+            try:
+                reason = self.comm.store.get(f"ws/abort/{sync_id}").decode()
+            except Exception:  # the key may be missing if the sender died mid-publish
+                reason = "no reason published"
+            raise DataPlaneError(f"trainer aborted weight sync {sync_id}: {reason}")
+        self._applier.load(unpack(buf, bucket))
+
+    def finish_weight_update(self) -> None:
+        self._check_not_poisoned()
+        if self._applier is None:
+            raise RuntimeError("finish_weight_update without start_weight_update")
+        self._applier.finish()
+        self._applier = None
+
+    def shutdown(self) -> None:
+        if self._applier is not None and self._applier.active:
+            self._applier.abort()
+        self._applier = None
+        if self.comm is not None:
+            self.comm.shutdown()
+        self.comm = None
