@@ -1,0 +1,44 @@
+"""Pure layout algebra and transfer planning: regions, placements, the M2N TransferPlan.
+
+Nothing here imports torch.distributed or vLLM; :mod:`weightsync.layout.reference` (the
+single-process reference executor) is the only module that imports torch, and it is not
+imported here.
+"""
+
+from weightsync.layout.plan import (
+    DestPiece,
+    PlanCoverage,
+    TensorSource,
+    TransferItem,
+    TransferPlan,
+    build_plan,
+    dtype_itemsize,
+)
+from weightsync.layout.regions import (
+    Placement,
+    Region,
+    Replicate,
+    Shard,
+    local_region,
+    mesh_coordinates,
+    placements_from_torch,
+    source_regions,
+)
+
+__all__ = [
+    "DestPiece",
+    "Placement",
+    "PlanCoverage",
+    "Region",
+    "Replicate",
+    "Shard",
+    "TensorSource",
+    "TransferItem",
+    "TransferPlan",
+    "build_plan",
+    "dtype_itemsize",
+    "local_region",
+    "mesh_coordinates",
+    "placements_from_torch",
+    "source_regions",
+]
