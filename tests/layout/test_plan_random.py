@@ -107,7 +107,7 @@ def _naive_plan(sources, dests):
         groups.setdefault((s.shape, s.dtype, s.regions, mine), []).append(t)
     choice_of = {}
     for key, tensors in groups.items():
-        shape, dtype, regions, mine = key
+        _, dtype, regions, mine = key
         holders: dict[Region, list[int]] = {}
         for r, reg in enumerate(regions):
             if not reg.is_empty:
@@ -156,7 +156,8 @@ def test_random_plan(seed):
     # Data: reference executor over arange tensors == the plan-free oracle, padding untouched.
     full = {s.name: (torch.arange(math.prod(s.shape), dtype=torch.float64) + 1000 * i).reshape(s.shape)
             for i, s in enumerate(sources)}
-    got = {w: {p: torch.full(sh, -1.0, dtype=torch.float64) for p, sh in ps.items()} for w, ps in enumerate(param_shapes)}
+    got = {w: {p: torch.full(sh, -1.0, dtype=torch.float64) for p, sh in ps.items()}
+           for w, ps in enumerate(param_shapes)}
     want = {w: {p: t.clone() for p, t in ps.items()} for w, ps in got.items()}
     execute_reference(plan, make_local_shards(full, sources), got)
     write_destinations(full, dests, want)

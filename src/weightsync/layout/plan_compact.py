@@ -104,7 +104,7 @@ def _worker_entries(
         if bad is not None:
             raise TypeError(f"destinations[{w}] must hold DestPiece objects, got {bad!r}")
     names = list(map(_NAME, pieces))
-    ts = list(map(name_index.get, names))
+    ts: list[Any] = list(map(name_index.get, names))
     if None in ts:
         p = pieces[ts.index(None)]
         raise ValueError(f"destination piece on worker {w} names unknown tensor {p.name!r} (param {p.param!r})")
@@ -112,7 +112,7 @@ def _worker_entries(
     rids = regions.ids_by_identity(regs)
     offs = list(map(_OFFSETS, pieces))
     oids = offsets.ids_by_value(offs)
-    params = list(map(_PARAM, pieces))
+    params: list[Any] = list(map(_PARAM, pieces))
     if not all(map(le, ts, ts[1:])):
         order = sorted(range(len(ts)), key=ts.__getitem__)
         ts, rids, oids, params = ([col[j] for j in order] for col in (ts, rids, oids, params))
@@ -143,6 +143,7 @@ def _flatten(n: int, classes: Sequence[_Entries]) -> tuple[list[tuple[int, ...]]
             flat[t] += (c, rid, oid)
             pnames[t].append(param)
     return list(map(tuple, flat)), list(map(tuple, pnames))
+
 
 def compact_plan(
     sources: Sequence[Any], destinations: Sequence[Sequence[Any]], itemsize_of: Callable[[str], int]
@@ -188,7 +189,7 @@ def compact_plan(
         c = class_of_list.get(id(pieces))
         if c is None:
             entries = _worker_entries(w, pieces, name_index, regions, offsets)
-            c = class_by_key.setdefault(tuple(map(tuple, entries)), len(classes))
+            c = class_by_key.setdefault(tuple(tuple(col) for col in entries), len(classes))
             if c == len(classes):
                 classes.append(entries)
             class_of_list[id(pieces)] = c
@@ -204,10 +205,10 @@ def compact_plan(
     sig_count: list[int] = []
     tensor_sig = []
     for t, s in enumerate(sources):
-        key = (s.shape, s.dtype, src_ids[t], flat[t])
-        sig = sig_index.setdefault(key, len(sig_keys))
+        sig_key = (s.shape, s.dtype, src_ids[t], flat[t])
+        sig = sig_index.setdefault(sig_key, len(sig_keys))
         if sig == len(sig_keys):
-            sig_keys.append(key)
+            sig_keys.append(sig_key)
             sig_first.append(t)
             sig_count.append(0)
         sig_count[sig] += 1

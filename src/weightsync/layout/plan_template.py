@@ -95,6 +95,7 @@ def source_layout(name: str, shape: tuple[int, ...], regions: Sequence[Any]) -> 
     ends_sorted = all(a <= b for a, b in pairwise(ends))
     return SourceLayout(regs, holders, split_dim, order, starts, ends, ends_sorted)
 
+
 @dataclass
 class Template:
     """The plan of one signature, shared by every tensor that has it."""
@@ -131,6 +132,7 @@ class Template:
         return [
             (r, p[0], p[1], p[2], p[3]) for r, p in zip(self.choices[dst], self.protos[worker_class[dst]])
         ]
+
 
 def _overlaps(
     name: str, w: int, layout: SourceLayout, region: Region
