@@ -364,3 +364,39 @@ def test_digest_agreement_and_sensitivity():
     swapped = (src[0].regions[1], src[0].regions[0], *src[0].regions[2:])
     assert build_plan([TensorSource("q", (8, 2), "bfloat16", swapped), *src[1:]], dst).digest != a.digest
     assert build_plan(src, [*dst, []]).digest != a.digest  # one more worker
+
+
+_DIGEST_SCRIPT = """
+import sys, types
+# Load weightsync.layout without weightsync/__init__.py, with torch made unimportable: the
+# layout and plan modules must stay pure (reference.py is the only one allowed torch).
+pkg = types.ModuleType("weightsync")
+pkg.__path__ = [sys.argv[1]]
+sys.modules["weightsync"] = pkg
+sys.modules["torch"] = None
+from weightsync.layout import DestPiece, Region, Shard, TensorSource, build_plan, mesh_coordinates, source_regions
+regions = source_regions((8, 2), (4,), [Shard(0)], mesh_coordinates((4,)))
+src = [TensorSource(n, (8, 2), "bfloat16", regions) for n in ("q", "k", "v")]
+dst = [[DestPiece(n, Region((4 * d, 0), (4, 2)), "qkv", (4 * i, 0)) for i, n in enumerate(("q", "k", "v"))]
+       for d in range(2)]
+print(build_plan(src, dst).digest)
+"""
+
+
+def test_digest_independent_of_hash_seed_and_torch_free():
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    import weightsync.layout
+
+    pkg_dir = str(pathlib.Path(weightsync.layout.__file__).resolve().parents[1])
+    outs = set()
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        run = subprocess.run([sys.executable, "-c", _DIGEST_SCRIPT, pkg_dir], env=env, capture_output=True,
+                             text=True, timeout=60)
+        assert run.returncode == 0, run.stderr
+        outs.add(run.stdout.strip())
+    assert outs == {build_plan(*_qkv_inputs()).digest}
