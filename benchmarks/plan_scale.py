@@ -136,10 +136,10 @@ def main() -> None:
     plan = build_plan(sources, destinations)
     t_plan = time.perf_counter() - t0
     t0 = time.perf_counter()
-    items0 = plan.items_for_src(0)
+    n_src0 = len(plan.items_for_src(0))  # freed before the next listing
     t_src = time.perf_counter() - t0
     t0 = time.perf_counter()
-    items_dst0 = plan.items_for_dst(0)
+    n_dst0 = len(plan.items_for_dst(0))
     t_dst = time.perf_counter() - t0
     t0 = time.perf_counter()
     cov = plan.coverage()
@@ -152,7 +152,7 @@ def main() -> None:
           "| items for worker 0 | list s | coverage ratio | coverage s | send max/mean |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     print(f"| {plan.num_tensors:,} | {plan.num_src_ranks} | {plan.num_dst_ranks} | {plan.num_signatures} "
-          f"| {t_plan:.2f} | {len(items0):,} | {t_src:.2f} | {len(items_dst0):,} | {t_dst:.2f} "
+          f"| {t_plan:.2f} | {n_src0:,} | {t_src:.2f} | {n_dst0:,} | {t_dst:.2f} "
           f"| {cov.ratio:.2f} | {t_cov:.2f} | {max(cov.send_bytes) / mean(cov.send_bytes):.3f} |")
 
 
