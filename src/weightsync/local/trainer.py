@@ -28,7 +28,7 @@ def setup(model_dir: str, *, world: int, rank: int, port: int, dtype: str, seed:
                             timeout=timedelta(seconds=300))
     torch.manual_seed(seed)
     cfg = AutoConfig.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_config(cfg, torch_dtype=getattr(torch, dtype))
+    model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
     if fsdp:
         from torch.distributed.fsdp import fully_shard
 

@@ -1,0 +1,87 @@
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from weightsync import (FullTensorSource, ParamMeta, WeightSource, WeightTransferTrainerFactory,
+                        WorkerEngineFactory)
+from weightsync.protocol import dtype_from_name, dtype_name, parse_info
+from weightsync.transport.nccl import NCCLTrainerInitInfo, NCCLUpdateInfo, NCCLWorkerInitInfo
+
+
+def test_import_pulls_in_no_vllm_ray_or_nccl():
+    code = ("import weightsync, weightsync.transport.nccl, sys; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'vllm', 'ray', 'nccl'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_parse_info_turns_bad_fields_into_value_errors():
+    ok = parse_info(NCCLWorkerInitInfo, {"master_address": "h", "master_port": 1, "world_size": 3})
+    assert ok.rank_offset == 1 and ok.bucket_bytes == 256 << 20
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['worldsize'\]"):
+        parse_info(NCCLWorkerInitInfo, {"master_address": "h", "master_port": 1, "worldsize": 3})
+    with pytest.raises(ValueError, match="missing 1 required keyword-only argument: 'world_size'"):
+        parse_info(NCCLWorkerInitInfo, {"master_address": "h", "master_port": 1})
+    with pytest.raises(ValueError, match="must be a dict, got list"):
+        parse_info(NCCLWorkerInitInfo, [1])
+    with pytest.raises(ValueError, match="names, dtype_names and shapes must have equal lengths, got 1, 0, 0"):
+        parse_info(NCCLUpdateInfo, {"sync_id": 1, "digest": "x", "names": ["a"]})
+
+
+def test_trainer_init_info_validation_names_the_field():
+    with pytest.raises(ValueError, match="world_size must be >= 2"):
+        NCCLTrainerInitInfo(master_address="h", master_port=1, world_size=1, rank=0)
+    with pytest.raises(ValueError, match="rank must be an int >= 0, got -1"):
+        NCCLTrainerInitInfo(master_address="h", master_port=1, world_size=2, rank=-1)
+    with pytest.raises(ValueError, match="bucket_bytes must be a positive multiple of 256, got 1000"):
+        NCCLTrainerInitInfo(master_address="h", master_port=1, world_size=2, rank=0, bucket_bytes=1000)
+    with pytest.raises(TypeError):
+        NCCLTrainerInitInfo("h", 1, 2, 0)  # rank is keyword-only; everything else too
+
+
+def test_dtype_names_roundtrip_and_reject_unknown():
+    for dt in (torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.int64):
+        assert dtype_from_name(dtype_name(dt)) is dt
+    with pytest.raises(ValueError, match="unknown dtype name 'float128'"):
+        dtype_from_name("float128")
+    with pytest.raises(ValueError, match="dtype torch.complex64 is not supported"):
+        ParamMeta("x", torch.complex64, (1,))
+
+
+def test_registries_are_lazy_and_list_names():
+    assert "weightsync_nccl" in WorkerEngineFactory.available()
+    assert WorkerEngineFactory.engine_class("nccl").__name__ == "NCCLWorkerEngine"  # short alias
+    with pytest.raises(ValueError, match=r"unknown weight-transfer backend 'gloo'; available: \['weightsync_nccl'"):
+        WeightTransferTrainerFactory.engine_class("gloo")
+    with pytest.raises(TypeError, match="init_info must be a TrainerInitInfo, got dict"):
+        WeightTransferTrainerFactory.trainer_init({}, client=None)
+
+
+def test_metadata_must_be_cached_property():
+    with pytest.raises(TypeError, match="Bad.metadata must be a functools.cached_property"):
+        class Bad(WeightSource):  # noqa: F841
+            @property
+            def metadata(self):
+                return []
+
+
+def test_full_tensor_source_on_plain_module_in_parameter_order_with_buckets():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2, bias=False))
+    src = FullTensorSource(m, bucket_bytes=100, dtype=torch.bfloat16)
+    assert [(p.name, p.dtype, p.shape) for p in src.metadata] == [
+        ("0.weight", torch.bfloat16, (8, 4)), ("0.bias", torch.bfloat16, (8,)), ("1.weight", torch.bfloat16, (2, 8))]
+    got = dict(src.iter_full())
+    assert list(got) == ["0.weight", "0.bias", "1.weight"]
+    assert all(torch.equal(got[n], p.detach().to(torch.bfloat16)) for n, p in m.named_parameters())
+
+
+def test_full_tensor_source_name_map_skips_and_rejects_collisions():
+    m = torch.nn.Linear(2, 2)
+    src = FullTensorSource(m, name_map=lambda n: None if n == "bias" else f"model.{n}")
+    assert [p.name for p in src.metadata] == ["model.weight"]
+    with pytest.raises(ValueError, match=r"name_map maps several parameters to the same name\(s\): \['x'\]"):
+        FullTensorSource(m, name_map=lambda n: "x").metadata
