@@ -73,6 +73,7 @@ def make_engine(init_info: Any, client: Any, *, source: str = "full", bucket_byt
     """Build the source and ``trainer_init`` the engine (every rank, collective)."""
     from .. import DTensorModuleSource, FullTensorSource, WeightTransferTrainerFactory
 
+    shutdown_engine()
     model = STATE["model"]
     if source == "full":
         src = FullTensorSource(model, **({"bucket_bytes": bucket_bytes} if bucket_bytes else {}))

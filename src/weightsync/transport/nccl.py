@@ -219,6 +219,7 @@ class NCCLTrainerEngine(TrainerEngine):
             if works[slot] is not None:
                 comm.wait(works[slot], "bucket broadcast")
             buf = self._buffers[slot][: _message(bucket)]
+            aborted_before = error is not None
             if error is None:
                 try:
                     for entry in bucket.entries:
@@ -236,8 +237,8 @@ class NCCLTrainerEngine(TrainerEngine):
                 raise fut.exception()  # a worker failed: stop before blocking on it
             works[slot] = comm.broadcast(buf, src=0, async_op=True)
             stats.bytes_sent += bucket.nbytes
-            if error is not None:
-                break
+            if aborted_before:
+                break  # workers receive one message ahead: the flagged bucket and the next one
         for w in works:
             if w is not None:
                 comm.wait(w, "bucket broadcast")
@@ -301,26 +302,28 @@ class NCCLWorkerEngine(WorkerEngine):
     def _receive(self, buckets: list[Bucket], sync_id: int) -> None:
         comm = self.comm
         assert comm is not None and self._applier is not None
-        pending = None
-        for b, bucket in enumerate(buckets):
-            # A fresh buffer per bucket: layerwise reload may keep views until a layer is complete.
-            buf = torch.empty(_message(bucket), dtype=torch.uint8, device=self.device)
-            work = comm.broadcast(buf, src=0, async_op=True)
-            if pending is not None:
-                self._apply(*pending, sync_id)
-            comm.wait(work, f"bucket {b} broadcast")
-            pending = (buf, bucket)
-        if pending is not None:
-            self._apply(*pending, sync_id)
 
-    def _apply(self, buf: torch.Tensor, bucket: Bucket, sync_id: int) -> None:
-        if int(_status(buf, buf.numel()).item()) != _OK:
-            try:
-                reason = self.comm.store.get(f"ws/abort/{sync_id}").decode()
-            except Exception:  # the key may be missing if the sender died mid-publish
-                reason = "no reason published"
-            raise DataPlaneError(f"trainer aborted weight sync {sync_id}: {reason}")
-        self._applier.load(unpack(buf, bucket))
+        def post(b: int) -> tuple[torch.Tensor, Any]:
+            # A fresh buffer per bucket: layerwise reload may keep views until a layer is complete.
+            buf = torch.empty(_message(buckets[b]), dtype=torch.uint8, device=self.device)
+            return buf, comm.broadcast(buf, src=0, async_op=True)
+
+        inflight = post(0) if buckets else None
+        for b, bucket in enumerate(buckets):
+            buf, work = inflight
+            inflight = post(b + 1) if b + 1 < len(buckets) else None  # receive b+1 while applying b
+            comm.wait(work, f"bucket {b} broadcast")
+            if int(_status(buf, buf.numel()).item()) != _OK:
+                if inflight is not None:  # an aborting sender still sends the next message
+                    comm.wait(inflight[1], f"bucket {b + 1} broadcast")
+                raise DataPlaneError(f"trainer aborted weight sync {sync_id}: {self._abort_reason(sync_id)}")
+            self._applier.load(unpack(buf, bucket))
+
+    def _abort_reason(self, sync_id: int) -> str:
+        try:
+            return self.comm.store.get(f"ws/abort/{sync_id}").decode()
+        except Exception:  # noqa: BLE001 - the sender may have died before publishing
+            return "no reason published"
 
     def finish_weight_update(self) -> None:
         self._check_not_poisoned()
