@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Set up, then run the main job: FSDP2 trainer ranks -> vLLM TP ranks on CPU, every transport, verified.
+# Extra arguments go to `weightsync demo` (e.g. --transport nccl --trainers 2 --tp 2).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+exec .venv/bin/weightsync demo "$@"
