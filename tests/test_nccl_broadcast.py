@@ -28,7 +28,7 @@ def mismatches(cluster) -> dict[str, list[str]]:
     Layout(trainers=2, tp=2, replicas=2, dtype="float32", model="tiny_qwen3"),
 ], ids=["qwen3-fp32", "qwen3-bf16", "llama-fp32", "qwen3-2x2"])
 def test_broadcast_is_bit_exact_against_vllm_load_weights(cluster, layout):
-    cluster.setup(layout)
+    cluster.setup(layout, fresh=True)
     cluster.make_engines(init_info(layout))
     assert mismatches(cluster), "receivers start with different weights, so the check can fail"
 

@@ -15,10 +15,11 @@ from functools import cached_property
 
 import torch
 
-from .layout.regions import Replicate, Shard, placements_from_torch
-from .protocol import ParamMeta, WeightSource
+from .layout.plan import TensorSource
+from .layout.regions import Replicate, Shard, placements_from_torch, source_regions
+from .protocol import ParamMeta, WeightSource, dtype_name
 
-__all__ = ["FullTensorSource", "DTensorModuleSource"]
+__all__ = ["FullTensorSource", "DTensorModuleSource", "tensor_sources"]
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 
@@ -129,3 +130,14 @@ class DTensorModuleSource(WeightSource):
         for name, p in _named(self.module, self.name_map):
             t = p.detach()
             yield name, (t.to_local() if _is_dtensor(t) else t)
+
+
+def tensor_sources(metas: list[ParamMeta]) -> list[TensorSource]:
+    """The planner's view of sharded metadata: every trainer rank's region of every tensor."""
+    out = []
+    for m in metas:
+        if m.mesh_shape is None or m.rank_coordinates is None:
+            raise ValueError(f"parameter {m.name!r} has no layout; use DTensorModuleSource metadata")
+        regions = source_regions(m.shape, m.mesh_shape, m.placements, m.rank_coordinates)
+        out.append(TensorSource(m.name, m.shape, dtype_name(m.dtype), regions))
+    return out

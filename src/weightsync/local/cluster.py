@@ -63,6 +63,7 @@ class LocalCluster:
         self.trainers: list[Actor] = []
         self.receivers: list[Actor] = []
         self.layout: Layout | None = None
+        self._keys: tuple[Any, Any] | None = None
 
     def _grow(self, trainers: int, receivers: int) -> None:
         env = {"OMP_NUM_THREADS": "1"}
@@ -73,24 +74,34 @@ class LocalCluster:
         for a in self.trainers + self.receivers:
             _ = a.address  # all processes start in parallel; wait for each once
 
-    def setup(self, layout: Layout) -> None:
-        """Build ``layout`` on the processes (collective over all of them)."""
+    def setup(self, layout: Layout, *, fresh: bool = False) -> None:
+        """Build ``layout`` on the processes. A side (trainers or receivers) whose part of the layout
+        is unchanged is kept as it is (trained weights and all) unless ``fresh``."""
         if layout.trainers < 1 or layout.tp < 1 or layout.replicas < 1:
             raise ValueError(f"trainers, tp and replicas must be >= 1, got {layout}")
         self._grow(layout.trainers, layout.num_workers)
-        self.teardown()
         model_dir = model_config_dir(layout.model)
-        tport = free_port()
-        futs = [a.submit(_T + "setup", model_dir, world=layout.trainers, rank=r, port=tport, dtype=layout.dtype,
-                         seed=layout.seed, fsdp=layout.fsdp) for r, a in enumerate(self.trainers[: layout.trainers])]
-        for rep in range(layout.replicas):
-            rport = free_port()
-            for r in range(layout.tp):
-                a = self.receivers[rep * layout.tp + r]
-                futs.append(a.submit(_R + "setup", model_dir, tp=layout.tp, rank=r, replica=rep, port=rport,
-                                     dtype=layout.dtype, backend=layout.backend))
+        tkey = (layout.trainers, layout.dtype, model_dir, layout.seed, layout.fsdp)
+        rkey = (layout.tp, layout.replicas, layout.dtype, model_dir, layout.backend)
+        old = self._keys
+        self._keys, self.layout = None, None
+        futs = []
+        if fresh or old is None or old[0] != tkey:
+            futs += [a.submit(_T + "teardown") for a in self.trainers]
+            tport = free_port()
+            futs += [a.submit(_T + "setup", model_dir, world=layout.trainers, rank=r, port=tport,
+                              dtype=layout.dtype, seed=layout.seed, fsdp=layout.fsdp)
+                     for r, a in enumerate(self.trainers[: layout.trainers])]
+        if fresh or old is None or old[1] != rkey:
+            gather([a.submit(_R + "teardown") for a in self.receivers])
+            for rep in range(layout.replicas):
+                rport = free_port()
+                for r in range(layout.tp):
+                    a = self.receivers[rep * layout.tp + r]
+                    futs.append(a.submit(_R + "setup", model_dir, tp=layout.tp, rank=r, replica=rep, port=rport,
+                                         dtype=layout.dtype, backend=layout.backend))
         gather(futs)
-        self.layout = layout
+        self._keys, self.layout = (tkey, rkey), layout
 
     @property
     def active_trainers(self) -> list[Actor]:
@@ -135,7 +146,7 @@ class LocalCluster:
         """Release the current layout's groups (processes stay)."""
         futs = [a.submit(_T + "teardown") for a in self.trainers] + [a.submit(_R + "teardown") for a in self.receivers]
         gather(futs)
-        self.layout = None
+        self.layout, self._keys = None, None
 
     def close(self) -> None:
         for a in self.trainers + self.receivers:

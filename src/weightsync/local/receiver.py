@@ -16,7 +16,7 @@ from .actors import STATE
 
 __all__ = ["VLLM_CPU_ENV", "setup", "teardown", "init_weight_transfer_engine", "start_weight_update",
            "update_weights", "finish_weight_update", "shutdown_weight_transfer_engine", "checksum",
-           "compare_with_oracle", "params", "weight_version"]
+           "compare_with_oracle", "compare_tensors_with_oracle", "destinations", "params", "weight_version"]
 
 _CACHE = os.path.join(tempfile.gettempdir(), "weightsync-vllm-cache")
 VLLM_CPU_ENV = {
@@ -145,9 +145,15 @@ def checksum() -> dict[str, float]:
     return {n: float(p.detach().double().sum()) for n, p in STATE["model"].named_parameters()}
 
 
-def compare_with_oracle(state_dict: dict[str, torch.Tensor]) -> list[str]:
-    """Load ``state_dict`` into a second instance of the model with vLLM's own ``load_weights``
-    and return the names of live parameters that are not ``torch.equal`` to it (empty = exact)."""
+def destinations(metas: list[tuple[str, str, list[int]]]) -> Any:
+    """This worker's ``WorkerDestinations`` for HF tensors ``(name, dtype, shape)``."""
+    from ..destinations import resolve_destinations
+
+    return resolve_destinations(STATE["model"], metas)
+
+
+def _oracle(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """vLLM's own ``load_weights`` of ``state_dict`` into a second instance of the model."""
     with _ctx():
         if STATE.get("oracle") is None:
             cc = STATE["vllm_config"].compilation_config
@@ -158,7 +164,21 @@ def compare_with_oracle(state_dict: dict[str, torch.Tensor]) -> list[str]:
                 cc.static_forward_context = live
         oracle = STATE["oracle"]
         oracle.load_weights(iter(state_dict.items()))
-    expected = dict(oracle.named_parameters())
-    bad = [n for n, p in STATE["model"].named_parameters()
-           if n not in expected or p.dtype != expected[n].dtype or not torch.equal(p.detach(), expected[n].detach())]
-    return bad
+    return {n: p.detach() for n, p in oracle.named_parameters()}
+
+
+def _differences(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> list[str]:
+    bad = [n for n, t in got.items() if n not in expected or t.dtype != expected[n].dtype
+           or not torch.equal(t, expected[n])]
+    return bad + sorted(set(expected) - set(got))
+
+
+def compare_with_oracle(state_dict: dict[str, torch.Tensor]) -> list[str]:
+    """Names of live parameters not ``torch.equal`` to vLLM's ``load_weights`` of ``state_dict``."""
+    live = {n: p.detach() for n, p in STATE["model"].named_parameters()}
+    return _differences(live, _oracle(state_dict))
+
+
+def compare_tensors_with_oracle(params: dict[str, torch.Tensor], state_dict: dict[str, torch.Tensor]) -> list[str]:
+    """Names in ``params`` (tensors shaped like this worker's parameters) that differ from the oracle."""
+    return _differences(params, _oracle(state_dict))

@@ -69,6 +69,14 @@ def full_state_dict() -> dict[str, torch.Tensor] | None:
     return out if STATE["rank"] == 0 else None
 
 
+def local_shards() -> tuple[list[Any], dict[str, torch.Tensor]]:
+    """This rank's ``DTensorModuleSource`` view: planner sources (same on every rank) and local shards."""
+    from ..sources import DTensorModuleSource, tensor_sources
+
+    src = DTensorModuleSource(STATE["model"], STATE["world"])
+    return tensor_sources(src.metadata), {n: t.clone() for n, t in src.iter_local()}
+
+
 def make_engine(init_info: Any, client: Any, *, source: str = "full", bucket_bytes: int | None = None) -> None:
     """Build the source and ``trainer_init`` the engine (every rank, collective)."""
     from .. import DTensorModuleSource, FullTensorSource, WeightTransferTrainerFactory

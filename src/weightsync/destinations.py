@@ -1,0 +1,167 @@
+"""Where each HF tensor lands in a live vLLM model on this worker (read from the model itself).
+
+For every HF tensor name this resolves, on this TP rank, which region of the tensor lands in which
+vLLM parameter at which offset, by reading the model's own modules: the packed-modules mapping
+(``qkv_proj`` <- q/k/v, ``gate_up_proj`` <- gate/up), each parallel layer's sharding attributes
+(``tp_rank``, ``output_sizes``, ``num_kv_head_replicas``, vocab ``shard_indices``) and each
+parameter's ``output_dim``/``input_dim``. No per-model table. What it cannot prove to be a plain
+block copy becomes a counted fallback (the whole tensor goes to the parameter's own loader).
+Tied parameters (``lm_head`` sharing ``embed_tokens``) get no destination: they arrive once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .layout.plan import DestPiece
+from .layout.regions import Region
+
+__all__ = ["Fallback", "WorkerDestinations", "resolve_destinations"]
+
+_COPY_DTYPES = {torch.float32, torch.bfloat16, torch.float16, torch.float64}
+_UNQUANTIZED = {"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"}
+
+
+@dataclass(frozen=True)
+class Fallback:
+    name: str  # HF tensor name
+    reason: str  # why it could not be placed directly
+    nbytes: int  # bytes of the full tensor this worker then receives
+
+
+@dataclass(frozen=True)
+class WorkerDestinations:
+    pieces: tuple[DestPiece, ...]  # direct destinations, in metadata order
+    fallbacks: tuple[Fallback, ...]  # tensors that go whole through load_weights
+    tied: tuple[str, ...]  # names that share storage with an earlier parameter (sent once)
+    param_shapes: dict[str, tuple[int, ...]]  # every vLLM parameter's local shape
+    param_dtypes: dict[str, str]  # every vLLM parameter's dtype name
+
+
+def _cls(module: Any) -> str:
+    return type(module).__name__
+
+
+def _find(name: str, modules: dict[str, Any], packed: dict[str, list[str]]) -> tuple[str, Any, Any] | None:
+    """``(vllm param name, module, shard id)`` for HF ``name``, or None."""
+    path, _, attr = name.rpartition(".")
+    if path in modules and isinstance(getattr(modules[path], attr, None), torch.nn.Parameter):
+        return name, modules[path], None
+    prefix, _, leaf = path.rpartition(".")
+    for fused, parts in packed.items():
+        if leaf in parts:
+            fpath = f"{prefix}.{fused}" if prefix else fused
+            module = modules.get(fpath)
+            if module is not None and isinstance(getattr(module, attr, None), torch.nn.Parameter):
+                idx = parts.index(leaf)
+                shard = "qkv"[idx] if _cls(module) == "QKVParallelLinear" else idx
+                return f"{fpath}.{attr}", module, shard
+    return None
+
+
+def _box(shape: Sequence[int], dim: int, start: int, size: int) -> Region:
+    offsets = [0] * len(shape)
+    sizes = list(shape)
+    offsets[dim], sizes[dim] = start, size
+    return Region(tuple(offsets), tuple(sizes))
+
+
+def _place(shape: tuple[int, ...], module: Any, param: torch.nn.Parameter, shard: Any) -> tuple[Region, tuple[int, ...]] | str:
+    """(HF region, param offsets) for one tensor, or the reason it is not a plain block copy."""
+    cls = _cls(module)
+    out_dim, in_dim = getattr(param, "output_dim", None), getattr(param, "input_dim", None)
+    if getattr(param, "packed_dim", None) is not None:
+        return "packed (quantized) parameter"
+    if cls == "QKVParallelLinear" and out_dim is not None and shard is not None:
+        size, offset = module._get_shard_size_mapping(shard), module._get_shard_offset_mapping(shard)
+        rank = module.tp_rank if shard == "q" else module.tp_rank // module.num_kv_head_replicas
+        region = _box(shape, out_dim, rank * size, size)
+        return region, tuple(offset if d == out_dim else 0 for d in range(len(shape)))
+    if cls == "MergedColumnParallelLinear" and out_dim is not None and shard is not None:
+        size = module.output_sizes[shard] // module.tp_size
+        offset = sum(module.output_sizes[:shard]) // module.tp_size
+        region = _box(shape, out_dim, module.tp_rank * size, size)
+        return region, tuple(offset if d == out_dim else 0 for d in range(len(shape)))
+    if shard is not None:
+        return f"fused into {cls}, which is not a known fused layer"
+    if cls in ("ColumnParallelLinear", "RowParallelLinear") and (out_dim is not None or in_dim is not None):
+        dim = out_dim if cls == "ColumnParallelLinear" else in_dim
+        if dim is None:
+            return f"{cls} parameter without its sharded dim"
+        size = param.shape[dim]
+        return _box(shape, dim, module.tp_rank * size, size), (0,) * len(shape)
+    if cls in ("VocabParallelEmbedding", "ParallelLMHead") and out_dim is not None:
+        idx = module.shard_indices
+        start, end = idx.org_vocab_start_index, idx.org_vocab_end_index
+        if getattr(idx, "num_added_elements", 0):
+            return "vocab embedding with added (LoRA) vocabulary"
+        return _box(shape, out_dim, start, end - start), (0,) * len(shape)
+    if out_dim is None and in_dim is None and tuple(param.shape) == shape:
+        loader = getattr(param, "weight_loader", None)
+        if loader is not None and getattr(loader, "__name__", "") != "default_weight_loader":
+            return f"custom weight loader {getattr(loader, '__qualname__', loader)!r}"
+        return Region((0,) * len(shape), shape), (0,) * len(shape)
+    return f"{cls} parameter with shape {tuple(param.shape)} from HF shape {shape} is not a known layout"
+
+
+def resolve_destinations(model: torch.nn.Module, metas: Sequence[tuple[str, str, Sequence[int]]]) -> WorkerDestinations:
+    """Destinations on this worker for HF tensors ``(name, dtype name, shape)``, in that order."""
+    modules = dict(model.named_modules())
+    params = dict(model.named_parameters())
+    owner = {id(p): n for n, p in params.items()}
+    packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
+    pieces: list[DestPiece] = []
+    fallbacks: list[Fallback] = []
+    tied: list[str] = []
+    sizes: dict[str, int] = {}
+    for name, dtype, shape in metas:
+        shape = tuple(int(s) for s in shape)
+        nbytes = sizes[name] = getattr(torch, dtype).itemsize * torch.Size(shape).numel()
+        found = _find(name, modules, packed)
+        if found is None:
+            fallbacks.append(Fallback(name, "no vLLM parameter or fused layer for this name", nbytes))
+            continue
+        pname, module, shard = found
+        param = getattr(module, pname.rpartition(".")[2])
+        if owner.get(id(param)) != pname:
+            tied.append(name)  # the same storage is reached through another name, sent there
+            continue
+        quant = getattr(module, "quant_method", None)
+        result: Any
+        if quant is not None and _cls(quant) not in _UNQUANTIZED:
+            result = f"quantized layer ({_cls(quant)})"
+        elif param.dtype not in _COPY_DTYPES:
+            result = f"parameter dtype {param.dtype}"
+        elif len(shape) != param.dim():
+            result = f"HF shape {shape} and parameter shape {tuple(param.shape)} differ in rank"
+        else:
+            result = _place(shape, module, param, shard)
+        if isinstance(result, str):
+            fallbacks.append(Fallback(name, result, nbytes))
+            continue
+        region, offsets = result
+        if any(o + s > p for o, s, p in zip(offsets, region.sizes, param.shape)) or any(
+                o + s > g for o, s, g in zip(region.offsets, region.sizes, shape)):
+            fallbacks.append(Fallback(name, f"region {region} at {offsets} does not fit parameter "
+                                            f"{tuple(param.shape)} / HF shape {shape}", nbytes))
+            continue
+        pieces.append(DestPiece(name, region, pname, offsets))
+    # Layerwise reload finalizes a module as a unit: a module with any fallback goes whole by fallback.
+    fallback_modules = {found[0].rpartition(".")[0] for f in fallbacks
+                        if (found := _find(f.name, modules, packed)) is not None}
+    direct = []
+    for p in pieces:
+        module_path = p.param.rpartition(".")[0]
+        if module_path in fallback_modules:
+            fallbacks.append(Fallback(p.name, f"shares module {module_path} with a fallback", sizes[p.name]))
+        else:
+            direct.append(p)
+    pieces = direct
+    return WorkerDestinations(
+        tuple(pieces), tuple(fallbacks), tuple(tied),
+        {n: tuple(p.shape) for n, p in params.items()},
+        {n: str(p.dtype).removeprefix("torch.") for n, p in params.items()})
