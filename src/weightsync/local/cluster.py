@@ -50,6 +50,8 @@ class Layout:
     backend: str = "weightsync_nccl"
     seed: int = 0
     fsdp: bool = True
+    device: str = "cpu"
+    """Receivers' model device; ``"meta"`` builds layouts only (no weights, no transfers)."""
 
     @property
     def num_workers(self) -> int:
@@ -77,12 +79,12 @@ class LocalCluster:
     def setup(self, layout: Layout, *, fresh: bool = False) -> None:
         """Build ``layout`` on the processes. A side (trainers or receivers) whose part of the layout
         is unchanged is kept as it is (trained weights and all) unless ``fresh``."""
-        if layout.trainers < 1 or layout.tp < 1 or layout.replicas < 1:
-            raise ValueError(f"trainers, tp and replicas must be >= 1, got {layout}")
+        if layout.trainers < 0 or layout.tp < 1 or layout.replicas < 1:
+            raise ValueError(f"trainers >= 0, tp >= 1 and replicas >= 1 are needed, got {layout}")
         self._grow(layout.trainers, layout.num_workers)
         model_dir = model_config_dir(layout.model)
         tkey = (layout.trainers, layout.dtype, model_dir, layout.seed, layout.fsdp)
-        rkey = (layout.tp, layout.replicas, layout.dtype, model_dir, layout.backend)
+        rkey = (layout.tp, layout.replicas, layout.dtype, model_dir, layout.backend, layout.device)
         old = self._keys
         self._keys, self.layout = None, None
         futs = []
@@ -99,7 +101,7 @@ class LocalCluster:
                 for r in range(layout.tp):
                     a = self.receivers[rep * layout.tp + r]
                     futs.append(a.submit(_R + "setup", model_dir, tp=layout.tp, rank=r, replica=rep, port=rport,
-                                         dtype=layout.dtype, backend=layout.backend))
+                                         dtype=layout.dtype, backend=layout.backend, device=layout.device))
         gather(futs)
         self._keys, self.layout = (tkey, rkey), layout
 

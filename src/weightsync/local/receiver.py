@@ -29,18 +29,19 @@ VLLM_CPU_ENV = {
 """Environment a receiver process needs before vLLM is imported."""
 
 
-def _build_model(vc: Any) -> torch.nn.Module:
+def _build_model(vc: Any, device: str = "cpu") -> torch.nn.Module:
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    with set_default_torch_dtype(vc.model_config.dtype), torch.device("cpu"):
+    with set_default_torch_dtype(vc.model_config.dtype), torch.device(device):
         return initialize_model(vllm_config=vc)  # records reload metadata too
 
 
 def setup(model_dir: str, *, tp: int, rank: int, replica: int, port: int, dtype: str, backend: str,
-          seed: int = 0) -> None:
+          seed: int = 0, device: str = "cpu") -> None:
     """Build vLLM's model (TP rank ``rank`` of replica ``replica``) and its weight-transfer engine,
-    the way vLLM's worker does: through vLLM's own factory, after loading general plugins."""
+    the way vLLM's worker does: through vLLM's own factory, after loading general plugins.
+    ``device="meta"`` builds shapes and layouts only (for planning large models)."""
     os.makedirs(VLLM_CPU_ENV["VLLM_RPC_BASE_PATH"], exist_ok=True)
     torch.set_num_threads(1)
     teardown()
@@ -62,7 +63,7 @@ def setup(model_dir: str, *, tp: int, rank: int, replica: int, port: int, dtype:
         init_distributed_environment(world_size=tp, rank=rank, local_rank=rank, backend="gloo",
                                      distributed_init_method=f"tcp://127.0.0.1:{port}")
         initialize_model_parallel(tensor_model_parallel_size=tp)
-        model = _build_model(vc)
+        model = _build_model(vc, device)
         engine = WeightTransferEngineFactory.create_engine(vc.weight_transfer_config, vc, torch.device("cpu"), model)
     STATE.update(vllm_config=vc, model=model, engine=engine, active=False, weight_version=None, oracle=None)
 
