@@ -121,6 +121,20 @@ class Communicator:
     def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Any:
         return self._pg.recv([tensor], src, tag)
 
+    def exchange(self, sends: list[tuple[torch.Tensor, int, int]], recvs: list[tuple[torch.Tensor, int, int]],
+                 what: str = "point-to-point round") -> None:
+        """Post every ``(tensor, peer, tag)`` send and receive together, then wait for all of them
+        (NCCL: one coalesced group). The peers must post the matching ops in their own call."""
+        cuda = self.device.type == "cuda"
+        if cuda:
+            self._pg._start_coalescing(self.device)
+        works = [self._pg.send([t], peer, tag) for t, peer, tag in sends]
+        works += [self._pg.recv([t], peer, tag) for t, peer, tag in recvs]
+        if cuda:
+            works = [self._pg._end_coalescing(self.device)]
+        for w in works:
+            self._wait(w, what)
+
     def barrier(self) -> None:
         flag = torch.zeros(1, dtype=torch.int32, device=self.device)
         self._wait(self._pg.allreduce([flag]), "barrier")

@@ -189,7 +189,9 @@ class SyncStats:
     bytes_sent: int = 0
     """Payload bytes this rank put on the wire (per destination: a broadcast counts once)."""
     bytes_received_per_worker: dict[int, int] = field(default_factory=dict)
-    """Payload bytes each worker received (known to rank 0 from the plan or the metadata)."""
+    """Payload bytes each worker received (rank 0; measured by the workers where the transport can)."""
+    lower_bound_per_worker: dict[int, int] = field(default_factory=dict)
+    """Least payload bytes each worker needs (its shard of every tensor); filled by sharded transports."""
     num_tensors: int = 0
     num_chunks: int = 0
     phases: dict[str, float] = field(default_factory=dict)

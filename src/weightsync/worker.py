@@ -36,11 +36,17 @@ class LayerwiseApplier:
         self._snapshot: dict[str, torch.Tensor] | None = None
         self.active = False
 
-    def start(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
+    def start(self, *, layerwise: bool = True) -> None:
+        """Take the rollback snapshot; with ``layerwise``, also enter layerwise reload (else call
+        ``begin_layerwise`` later, once in-place writes are done)."""
         if self.rollback:
             self._snapshot = {n: p.detach().to("cpu", copy=True) for n, p in self.model.named_parameters()}
+        if layerwise:
+            self.begin_layerwise()
+
+    def begin_layerwise(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
         initialize_layerwise_reload(self.model)
         self.active = True
 
@@ -55,9 +61,9 @@ class LayerwiseApplier:
             return set(self.model.load_weights(weights) or ())
 
     def finish(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
         if self.active:
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
             finalize_layerwise_reload(self.model, self.model_config)
         self.active, self._snapshot = False, None
 

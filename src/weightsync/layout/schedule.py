@@ -1,0 +1,122 @@
+"""Messages and rounds for executing a TransferPlan point-to-point with bounded staging memory.
+
+Both ends of a (trainer, worker) pair cut the pair's items (in plan order) into the same messages
+of at most ``cap`` bytes, splitting an item along its leading dims when it alone is larger. Round k
+carries the k-th message of every pair: each rank posts its round-k sends and receives together and
+waits for them before round k+1. Every op of round k is matched in round k, so rounds cannot
+deadlock, and a rank never stages more than ``peers x cap`` bytes at a time.
+
+Pure: plain data in, frozen dataclasses out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+
+from weightsync.layout.plan import TransferItem
+from weightsync.layout.regions import Region
+
+__all__ = ["ALIGN", "Message", "split_item", "pair_messages", "message_cap", "rounds"]
+
+ALIGN = 64
+"""Byte alignment of each item inside a message (any dtype can be viewed in place)."""
+
+
+@dataclass(frozen=True)
+class Message:
+    src: int  # trainer rank that sends it
+    dst: int  # worker rank that receives it
+    index: int  # k: the k-th message of this pair, sent in round k
+    items: tuple[TransferItem, ...]  # in plan order
+    offsets: tuple[int, ...]  # byte offset of each item in the message
+    nbytes: int  # message size in bytes
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _shift(item: TransferItem, dim: int, start: int, size: int) -> TransferItem:
+    off, sizes = list(item.region.offsets), list(item.region.sizes)
+    off[dim] += start
+    sizes[dim] = size
+    src, par = list(item.src_offsets), list(item.param_offsets)
+    src[dim] += start
+    par[dim] += start
+    return replace(item, region=Region(tuple(off), tuple(sizes)), src_offsets=tuple(src), param_offsets=tuple(par))
+
+
+def split_item(item: TransferItem, itemsize: int, cap: int) -> list[TransferItem]:
+    """``item`` as consecutive pieces of at most ``cap`` bytes, split along the leading dims."""
+    nbytes = item.region.numel * itemsize
+    if nbytes <= cap:
+        return [item]
+    sizes = item.region.sizes
+    for dim, n in enumerate(sizes):
+        inner = itemsize
+        for s in sizes[dim + 1 :]:
+            inner *= s
+        if n > 1 and inner <= cap:
+            step = cap // inner
+            return [_shift(item, dim, start, min(step, n - start)) for start in range(0, n, step)]
+        if n > 1:  # even one slice along this dim is too big: split each slice further
+            out: list[TransferItem] = []
+            for start in range(n):
+                out += split_item(_shift(item, dim, start, 1), itemsize, cap)
+            return out
+    raise ValueError(f"item of tensor {item.name!r} ({nbytes} bytes) cannot be split below cap={cap} bytes")
+
+
+def pair_messages(items: Iterable[TransferItem], *, by: str, cap: int,
+                  itemsize_of: Callable[[str], int]) -> dict[int, list[Message]]:
+    """One rank's messages, per peer. ``items`` is the rank's plan view in plan order
+    (``items_for_src`` with ``by="dst"``, ``items_for_dst`` with ``by="src"``)."""
+    if by not in ("src", "dst"):
+        raise ValueError(f"by must be 'src' or 'dst', got {by!r}")
+    if cap < ALIGN:
+        raise ValueError(f"cap must be >= {ALIGN} bytes, got {cap}")
+    per_peer: dict[int, list[tuple[TransferItem, int]]] = {}
+    for item in items:
+        size = itemsize_of(item.name)
+        for piece in split_item(item, size, cap):
+            per_peer.setdefault(getattr(item, f"{by}_rank"), []).append((piece, size))
+    out: dict[int, list[Message]] = {}
+    for peer, pieces in per_peer.items():
+        msgs: list[Message] = []
+        cur: list[TransferItem] = []
+        offs: list[int] = []
+        used = 0
+
+        def flush() -> None:
+            msgs.append(Message(cur[0].src_rank, cur[0].dst_rank, len(msgs), tuple(cur), tuple(offs), used))
+
+        for piece, size in pieces:
+            nbytes = piece.region.numel * size
+            start = _align(used)
+            if cur and start + nbytes > cap:
+                flush()
+                cur, offs, start = [], [], 0
+            cur.append(piece)
+            offs.append(start)
+            used = start + nbytes
+        if cur:
+            flush()
+        out[peer] = msgs
+    return out
+
+
+def message_cap(staging_bytes: int, num_src: int, num_dst: int) -> int:
+    """Largest message such that a rank's round (one message per peer) fits ``staging_bytes``."""
+    peers = max(num_src, num_dst, 1)
+    cap = staging_bytes // peers // ALIGN * ALIGN
+    if cap < ALIGN:
+        raise ValueError(f"staging_bytes={staging_bytes} is too small for {peers} peers "
+                         f"(needs at least {ALIGN * peers})")
+    return cap
+
+
+def rounds(messages: dict[int, list[Message]]) -> list[list[Message]]:
+    """Round k = the k-th message of every peer (peers in ascending order)."""
+    n = max((len(m) for m in messages.values()), default=0)
+    return [[messages[p][k] for p in sorted(messages) if k < len(messages[p])] for k in range(n)]

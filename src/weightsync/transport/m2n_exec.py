@@ -1,0 +1,136 @@
+"""M2N plumbing shared by the trainer and worker engines: the JSON wire form of sources and
+destinations exchanged over the rendezvous store, the plan both sides build from them, and the
+round executor that moves messages between staging and tensors."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..comm import Communicator
+from ..layout.plan import DestPiece, TensorSource, TransferPlan, build_plan, dtype_itemsize
+from ..layout.regions import Region
+from ..layout.schedule import Message, pair_messages, rounds
+from ..protocol import dtype_from_name
+
+__all__ = ["FALLBACK", "sources_to_wire", "sources_from_wire", "dests_to_wire", "Gathered", "gather_plan",
+           "run_rounds"]
+
+FALLBACK = "fallback:"
+"""Prefix of the pseudo-parameter a fallback tensor lands in (whole), before ``load_weights``."""
+
+
+def sources_to_wire(sources: list[TensorSource]) -> list[Any]:
+    """JSON-safe form of the trainer sources (compared for equality across trainer ranks)."""
+    return [[s.name, list(s.shape), s.dtype, [[list(r.offsets), list(r.sizes)] for r in s.regions]]
+            for s in sources]
+
+
+def sources_from_wire(wire: list[Any]) -> list[TensorSource]:
+    shared: dict[str, tuple[Region, ...]] = {}  # one regions tuple per layout keeps planning fast
+    out = []
+    for name, shape, dtype, regions in wire:
+        key = json.dumps(regions)
+        if key not in shared:
+            shared[key] = tuple(Region(tuple(o), tuple(s)) for o, s in regions)
+        out.append(TensorSource(name, tuple(shape), dtype, shared[key]))
+    return out
+
+
+def dests_to_wire(dests: Any) -> dict[str, Any]:
+    """``WorkerDestinations`` -> JSON-safe: direct pieces, fallbacks (land whole), tied names."""
+    return {
+        "pieces": [[p.name, list(p.region.offsets), list(p.region.sizes), p.param, list(p.param_offsets)]
+                   for p in dests.pieces],
+        "fallbacks": [[f.name, f.reason, f.nbytes] for f in dests.fallbacks],
+        "tied": list(dests.tied),
+    }
+
+
+@dataclass(frozen=True)
+class Gathered:
+    plan: TransferPlan
+    pieces: list[list[DestPiece]]  # per worker, fallbacks included as whole-tensor pieces
+    fallbacks: list[list[tuple[str, str]]]  # per worker: (name, reason)
+
+
+def gather_plan(comm: Communicator, sources: list[TensorSource], num_workers: int, prefix: str) -> Gathered:
+    """Read every worker's destinations from the store and build the plan (every rank, same result).
+
+    Raises ``ValueError`` with a worker's own error when it could not resolve its destinations.
+    """
+    by_name = {s.name: s for s in sources}
+    interned: dict[str, list[DestPiece]] = {}  # equal layouts (replicas) share one list object
+    pieces, fallbacks = [], []
+    for w in range(num_workers):
+        raw = comm.read(f"{prefix}/dest/{w}")
+        if "error" in raw:
+            raise ValueError(f"worker {w} could not resolve destinations: {raw['error']}")
+        key = json.dumps([raw["pieces"], [f[0] for f in raw["fallbacks"]]])
+        if key not in interned:
+            lst = [DestPiece(n, Region(tuple(o), tuple(s)), p, tuple(po)) for n, o, s, p, po in raw["pieces"]]
+            for name, _, _ in raw["fallbacks"]:
+                shape = by_name[name].shape
+                lst.append(DestPiece(name, Region.full(shape), FALLBACK + name, (0,) * len(shape)))
+            interned[key] = lst
+        pieces.append(interned[key])
+        fallbacks.append([(n, r) for n, r, _ in raw["fallbacks"]])
+    return Gathered(build_plan(sources, pieces), pieces, fallbacks)
+
+
+def agree(comm: Communicator, prefix: str, value: str, what: str) -> None:
+    """Every rank of ``comm`` publishes ``value``; raise ``ValueError`` on every rank if any differs."""
+    comm.publish(f"{prefix}/{comm.rank}", value)
+    for r in range(comm.world_size):
+        theirs = comm.read(f"{prefix}/{r}")
+        if theirs != value:
+            raise ValueError(f"{what} differs between ranks: rank {comm.rank} has {value!r}, rank {r} has {theirs!r}")
+
+
+def my_messages(plan: TransferPlan, sources: list[TensorSource], *, rank: int, sender: bool, cap: int) -> list[list[Message]]:
+    """This rank's messages grouped into rounds (same cuts as its peers')."""
+    size = {s.name: dtype_itemsize(s.dtype) for s in sources}
+    items = plan.items_for_src(rank) if sender else plan.items_for_dst(rank)
+    return rounds(pair_messages(items, by="dst" if sender else "src", cap=cap, itemsize_of=size.__getitem__))
+
+
+def run_rounds(comm: Communicator, plan_rounds: list[list[Message]], staging: torch.Tensor, *, sender: bool,
+               peer_rank: Callable[[int], int], dtypes: Mapping[str, str],
+               tensor_of: Callable[[Message, int], torch.Tensor]) -> int:
+    """Execute rounds; returns payload bytes moved. Sender: copy each item's region of its local shard
+    (``tensor_of`` gives the shard) into staging, send. Receiver: receive into staging, copy each item
+    into its target region (``tensor_of`` gives the parameter or fallback buffer; dtype cast if needed)."""
+    moved = 0
+    for msgs in plan_rounds:
+        bufs, base = [], 0
+        for m in msgs:
+            bufs.append(staging[base : base + m.nbytes])
+            base += (m.nbytes + 63) // 64 * 64
+        if sender:
+            for m, buf in zip(msgs, bufs):
+                for i, (item, off) in enumerate(zip(m.items, m.offsets)):
+                    view = _view(buf, off, item, dtypes)
+                    view.copy_(tensor_of(m, i)[_slices(item.src_offsets, item.region.sizes)])
+        ops = [(buf, peer_rank(m.dst if sender else m.src), m.index) for m, buf in zip(msgs, bufs)]
+        comm.exchange(ops if sender else [], [] if sender else ops, "M2N round")
+        for m, buf in zip(msgs, bufs):
+            moved += sum(it.region.numel * dtype_itemsize(dtypes[it.name]) for it in m.items)
+            if not sender:
+                for i, (item, off) in enumerate(zip(m.items, m.offsets)):
+                    target = tensor_of(m, i)[_slices(item.param_offsets, item.region.sizes)]
+                    target.copy_(_view(buf, off, item, dtypes))
+    return moved
+
+
+def _slices(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[slice, ...]:
+    return tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
+
+
+def _view(buf: torch.Tensor, off: int, item: Any, dtypes: Mapping[str, str]) -> torch.Tensor:
+    dtype = dtype_from_name(dtypes[item.name])
+    n = item.region.numel * dtype.itemsize
+    return buf[off : off + n].view(dtype).view(item.region.sizes)
