@@ -14,7 +14,7 @@ from .cluster import Layout, LocalCluster, free_port
 
 __all__ = ["TRANSPORTS", "run_demo", "format_table"]
 
-TRANSPORTS = ("nccl",)
+TRANSPORTS = ("nccl", "ipc")
 """Transports the demo runs (``all`` = every one of them)."""
 
 
@@ -25,6 +25,11 @@ def _init_info(transport: str, layout: Layout, bucket_bytes: int) -> Any:
         return NCCLTrainerInitInfo(master_address="127.0.0.1", master_port=free_port(),
                                    world_size=1 + layout.num_workers, bucket_bytes=bucket_bytes,
                                    device="cpu", rank=0)
+    if transport == "ipc":  # colocated: worker w is served by trainer rank w % trainers (shared memory)
+        from ..transport.ipc import IPCTrainerInitInfo
+
+        return IPCTrainerInitInfo(num_trainer_ranks=layout.trainers, num_workers=layout.num_workers,
+                                  master_port=free_port(), bucket_bytes=bucket_bytes, device="cpu", rank=0)
     raise ValueError(f"unknown transport {transport!r}; choose from {TRANSPORTS} or 'all'")
 
 
