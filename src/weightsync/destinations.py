@@ -100,12 +100,19 @@ def _place(shape: tuple[int, ...], module: Any, param: torch.nn.Parameter, shard
         if getattr(idx, "num_added_elements", 0):
             return "vocab embedding with added (LoRA) vocabulary"
         return _box(shape, out_dim, start, end - start), (0,) * len(shape)
-    if out_dim is None and in_dim is None and tuple(param.shape) == shape:
+    if out_dim is None and in_dim is None:
         loader = getattr(param, "weight_loader", None)
         if loader is not None and getattr(loader, "__name__", "") != "default_weight_loader":
             return f"custom weight loader {getattr(loader, '__qualname__', loader)!r}"
+        if tuple(param.shape) != shape:
+            raise ValueError(f"parameter {param_name(module, param)!r}: vLLM holds it whole with shape "
+                             f"{tuple(param.shape)}, the trainer's tensor has shape {shape}")
         return Region((0,) * len(shape), shape), (0,) * len(shape)
     return f"{cls} parameter with shape {tuple(param.shape)} from HF shape {shape} is not a known layout"
+
+
+def param_name(module: Any, param: torch.nn.Parameter) -> str:
+    return next((f"{type(module).__name__}.{n}" for n, p in module.named_parameters(recurse=False) if p is param), "?")
 
 
 def resolve_destinations(model: torch.nn.Module, metas: Sequence[tuple[str, str, Sequence[int]]]) -> WorkerDestinations:
@@ -137,7 +144,8 @@ def resolve_destinations(model: torch.nn.Module, metas: Sequence[tuple[str, str,
         elif param.dtype not in _COPY_DTYPES:
             result = f"parameter dtype {param.dtype}"
         elif len(shape) != param.dim():
-            result = f"HF shape {shape} and parameter shape {tuple(param.shape)} differ in rank"
+            raise ValueError(f"parameter {name!r}: the trainer's shape {shape} and vLLM's {pname} "
+                             f"{tuple(param.shape)} differ in rank")
         else:
             result = _place(shape, module, param, shard)
         if isinstance(result, str):
@@ -146,9 +154,9 @@ def resolve_destinations(model: torch.nn.Module, metas: Sequence[tuple[str, str,
         region, offsets = result
         if any(o + s > p for o, s, p in zip(offsets, region.sizes, param.shape)) or any(
                 o + s > g for o, s, g in zip(region.offsets, region.sizes, shape)):
-            fallbacks.append(Fallback(name, f"region {region} at {offsets} does not fit parameter "
-                                            f"{tuple(param.shape)} / HF shape {shape}", nbytes))
-            continue
+            raise ValueError(f"parameter {name!r}: the trainer's shape {shape} does not match vLLM's "
+                             f"{pname} {tuple(param.shape)} on this TP rank (it needs rows/cols "
+                             f"{region.offsets}+{region.sizes} at {offsets})")
         pieces.append(DestPiece(name, region, pname, offsets))
     # Layerwise reload finalizes a module as a unit: a module with any fallback goes whole by fallback.
     fallback_modules = {found[0].rpartition(".")[0] for f in fallbacks

@@ -71,17 +71,18 @@ class FullTensorSource(WeightSource):
 
     def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Collective on every trainer rank: yields every tensor, gathered, in metadata order."""
+        # No grad-mode context here: a suspended generator would leak it into the caller's thread;
+        # the tensors are detached before gathering instead.
         group: list[tuple[str, torch.Tensor]] = []
         used = 0
-        with torch.no_grad():
-            for name, p in _named(self.module, self.name_map):
-                nbytes = p.numel() * (self.dtype or p.dtype).itemsize
-                if group and used + nbytes > self.bucket_bytes:
-                    yield from group
-                    group, used = [], 0
-                group.append((name, self._full(p)))
-                used += nbytes
-            yield from group
+        for name, p in _named(self.module, self.name_map):
+            nbytes = p.numel() * (self.dtype or p.dtype).itemsize
+            if group and used + nbytes > self.bucket_bytes:
+                yield from group
+                group, used = [], 0
+            group.append((name, self._full(p)))
+            used += nbytes
+        yield from group
 
 
 class DTensorModuleSource(WeightSource):

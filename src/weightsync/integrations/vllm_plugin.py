@@ -40,17 +40,27 @@ def vllm_trainer_class(name: str) -> type:
     return _mixed("trainer", name)
 
 
-def _register_into(factory: Any, name: str, loader: Any) -> None:
-    registry = getattr(factory, "_registry", {})
-    if name in registry:
-        return  # already ours (the plugin may run several times in one process)
-    factory.register_engine(name, loader)
+_WORKER, _TRAINER = "VLLMWorker_", "VLLMTrainer_"
+
+
+def __getattr__(attr: str) -> type:
+    """``VLLMWorker_<backend>`` / ``VLLMTrainer_<backend>``: what vLLM's factories import lazily."""
+    for prefix, kind in ((_WORKER, "worker"), (_TRAINER, "trainer")):
+        if attr.startswith(prefix) and attr[len(prefix):] in BACKENDS:
+            return _mixed(kind, attr[len(prefix):])
+    raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
+
+
+def _register_into(factory: Any, name: str, class_name: str) -> None:
+    if name in getattr(factory, "_registry", {}):
+        return  # already registered (the plugin may run several times in one process)
+    factory.register_engine(name, __name__, class_name)
 
 
 def register() -> None:
-    """Register ``weightsync_*`` backends in vLLM's factories; safe to call repeatedly."""
+    """Register ``weightsync_*`` backends in vLLM's factories, lazily by import path; idempotent."""
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
     for name in BACKENDS:
-        _register_into(WeightTransferEngineFactory, name, vllm_worker_class(name))
-        _register_into(WeightTransferTrainerFactory, name, vllm_trainer_class(name))
+        _register_into(WeightTransferEngineFactory, name, _WORKER + name)
+        _register_into(WeightTransferTrainerFactory, name, _TRAINER + name)

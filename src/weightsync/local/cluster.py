@@ -52,6 +52,8 @@ class Layout:
     fsdp: bool = True
     device: str = "cpu"
     """Receivers' model device; ``"meta"`` builds layouts only (no weights, no transfers)."""
+    trainer_model: str | None = None
+    """The trainer's model config when it differs from the receivers' (to test mismatches)."""
 
     @property
     def num_workers(self) -> int:
@@ -83,7 +85,8 @@ class LocalCluster:
             raise ValueError(f"trainers >= 0, tp >= 1 and replicas >= 1 are needed, got {layout}")
         self._grow(layout.trainers, layout.num_workers)
         model_dir = model_config_dir(layout.model)
-        tkey = (layout.trainers, layout.dtype, model_dir, layout.seed, layout.fsdp)
+        trainer_dir = model_config_dir(layout.trainer_model or layout.model)
+        tkey = (layout.trainers, layout.dtype, trainer_dir, layout.seed, layout.fsdp)
         rkey = (layout.tp, layout.replicas, layout.dtype, model_dir, layout.backend, layout.device)
         old = self._keys
         self._keys, self.layout = None, None
@@ -91,7 +94,7 @@ class LocalCluster:
         if fresh or old is None or old[0] != tkey:
             futs += [a.submit(_T + "teardown") for a in self.trainers]
             tport = free_port()
-            futs += [a.submit(_T + "setup", model_dir, world=layout.trainers, rank=r, port=tport,
+            futs += [a.submit(_T + "setup", trainer_dir, world=layout.trainers, rank=r, port=tport,
                               dtype=layout.dtype, seed=layout.seed, fsdp=layout.fsdp)
                      for r, a in enumerate(self.trainers[: layout.trainers])]
         if fresh or old is None or old[1] != rkey:

@@ -141,9 +141,12 @@ def params() -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in STATE["model"].named_parameters()}
 
 
-def checksum() -> dict[str, float]:
-    """Per-parameter float64 sums (cheap change detection)."""
-    return {n: float(p.detach().double().sum()) for n, p in STATE["model"].named_parameters()}
+def checksum() -> dict[str, str]:
+    """Per-parameter sha256 of the raw bytes (exact, NaN-safe change detection)."""
+    import hashlib
+
+    return {n: hashlib.sha256(p.detach().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+            for n, p in STATE["model"].named_parameters()}
 
 
 def destinations(metas: list[tuple[str, str, list[int]]]) -> Any:

@@ -223,6 +223,24 @@ class M2NTrainerEngine(TrainerEngine):
         self.comm = None
 
 
+@torch.no_grad()
+def _zero_uncovered(model: torch.nn.Module, pieces: Any) -> None:
+    """Zero what no piece ever writes in a directly-written parameter (vocab padding rows), as
+    vLLM's own loader does, so the live parameters equal what ``load_weights`` would give."""
+    params = dict(model.named_parameters())
+    covered: dict[str, int] = {}
+    for p in pieces:
+        covered[p.param] = covered.get(p.param, 0) + p.region.numel
+    for name, n in covered.items():
+        param = params[name]
+        if n < param.numel():
+            mask = torch.ones(param.shape, dtype=torch.bool, device=param.device)
+            for p in pieces:
+                if p.param == name:
+                    mask[tuple(slice(o, o + s) for o, s in zip(p.param_offsets, p.region.sizes))] = False
+            param.data.masked_fill_(mask, 0)
+
+
 class M2NWorkerEngine(WorkerEngine):
     """M2N worker engine: receives its pieces into live parameters (fallbacks via ``load_weights``)."""
 
@@ -257,6 +275,8 @@ class M2NWorkerEngine(WorkerEngine):
         self.plan = _Plan(self.comm, sources, init_info.num_trainer_ranks, replicas * tp, init_info.staging_bytes,
                           rank=w, sender=False)
         self.fallbacks = self.plan.gathered.fallbacks[w]
+        _zero_uncovered(self.model, dests.pieces)
+
 
     def start_weight_update(self) -> None:
         self._check_not_poisoned()
