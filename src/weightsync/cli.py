@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="weightsync")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="FSDP2 trainer ranks -> vLLM TP ranks on CPU, verified, with throughput")
-    demo.add_argument("--transport", default="all", help="nccl, or all (default)")
+    demo.add_argument("--transport", default="all", help="nccl, ipc, nccl_m2n, or all (default)")
     demo.add_argument("--trainers", type=int, default=2, help="FSDP2 trainer ranks (default 2)")
     demo.add_argument("--tp", type=int, default=2, help="vLLM tensor-parallel size (default 2)")
     demo.add_argument("--replicas", type=int, default=1, help="vLLM replicas (default 1)")

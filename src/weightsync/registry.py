@@ -17,6 +17,7 @@ __all__ = ["WeightTransferTrainerFactory", "WorkerEngineFactory", "BACKENDS"]
 BACKENDS: dict[str, tuple[str, str, str]] = {
     # name: (module, trainer engine class, worker engine class)
     "weightsync_nccl": ("weightsync.transport.nccl", "NCCLTrainerEngine", "NCCLWorkerEngine"),
+    "weightsync_m2n": ("weightsync.transport.m2n", "M2NTrainerEngine", "M2NWorkerEngine"),
     "weightsync_ipc": ("weightsync.transport.ipc", "IPCTrainerEngine", "IPCWorkerEngine"),
 }
 

@@ -14,8 +14,12 @@ from .cluster import Layout, LocalCluster, free_port
 
 __all__ = ["TRANSPORTS", "run_demo", "format_table"]
 
-TRANSPORTS = ("nccl", "ipc")
+TRANSPORTS = ("nccl", "ipc", "nccl_m2n")
 """Transports the demo runs (``all`` = every one of them)."""
+BACKENDS = {"nccl": "weightsync_nccl", "ipc": "weightsync_ipc", "nccl_m2n": "weightsync_m2n"}
+"""Demo transport name -> the backend name registered in vLLM."""
+SOURCES = {"nccl_m2n": "dtensor"}
+"""Transports that read local FSDP2 shards (``DTensorModuleSource``) rather than full tensors."""
 
 
 def _init_info(transport: str, layout: Layout, bucket_bytes: int) -> Any:
@@ -30,14 +34,23 @@ def _init_info(transport: str, layout: Layout, bucket_bytes: int) -> Any:
 
         return IPCTrainerInitInfo(num_trainer_ranks=layout.trainers, num_workers=layout.num_workers,
                                   master_port=free_port(), bucket_bytes=bucket_bytes, device="cpu", rank=0)
+    if transport == "nccl_m2n":  # every trainer rank sends its shards' pieces straight into vLLM params
+        from ..transport.m2n import M2NTrainerInitInfo
+
+        return M2NTrainerInitInfo(master_address="127.0.0.1", master_port=free_port(),
+                                  num_trainer_ranks=layout.trainers, world_size=layout.trainers + layout.num_workers,
+                                  dst_mesh_dims=(layout.replicas, layout.tp), staging_bytes=bucket_bytes,
+                                  device="cpu", rank=0)
     raise ValueError(f"unknown transport {transport!r}; choose from {TRANSPORTS} or 'all'")
 
 
 def run_transport(cluster: LocalCluster, transport: str, layout: Layout, bucket_bytes: int) -> dict[str, Any]:
     """One row: setup, two verified syncs (the second after an optimizer step)."""
-    layout = replace(layout, backend=f"weightsync_{transport}")
+    if transport not in BACKENDS:
+        raise ValueError(f"unknown transport {transport!r}; choose from {TRANSPORTS} or 'all'")
+    layout = replace(layout, backend=BACKENDS[transport])
     cluster.setup(layout)
-    cluster.make_engines(_init_info(transport, layout, bucket_bytes))
+    cluster.make_engines(_init_info(transport, layout, bucket_bytes), source=SOURCES.get(transport, "full"))
     rows = []
     for step in range(2):
         if step:
