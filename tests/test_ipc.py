@@ -218,7 +218,8 @@ def _consumer(conn) -> None:
         if baseline is None:
             baseline = torch.cuda.memory_allocated()
         conn.send({"sha": hashlib.sha256(data.numpy().tobytes()).hexdigest(), "imports": importer.imports,
-                   "allocated_growth": torch.cuda.memory_allocated() - baseline})
+                   "allocated_growth": torch.cuda.memory_allocated() - baseline,
+                   "fds": len(os.listdir("/proc/self/fd"))})
 
 
 @pytest.mark.gpu
@@ -233,6 +234,7 @@ def test_cuda_ipc_packed_buffer_is_bit_exact_and_imported_once_over_50_syncs():
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_consumer, args=(child,), daemon=True)
     proc.start()
+    first = None
     try:
         for step in range(50):
             g = torch.Generator(device=device).manual_seed(step)
@@ -244,8 +246,9 @@ def test_cuda_ipc_packed_buffer_is_bit_exact_and_imported_once_over_50_syncs():
             parent.send(json.dumps([buf.export(0), entries]))
             assert parent.poll(60), "consumer did not answer"
             got = parent.recv()
+            first = first or got
             assert got["sha"] == hashlib.sha256(expected).hexdigest(), step
-            assert got["imports"] == 1 and got["allocated_growth"] == 0, (step, got)
+            assert got["imports"] == 1 and got["allocated_growth"] == 0 and got["fds"] == first["fds"], (step, got)
             torch.cuda.ipc_collect()
         parent.send(None)
         assert parent.poll(60) and parent.recv() is None

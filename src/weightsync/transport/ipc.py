@@ -1,18 +1,14 @@
 """``ipc`` transport: colocated trainer ranks hand their vLLM workers a packed buffer on the same device.
 
-Every trainer rank takes part in each bucket's gather (``source.iter_full()``); a rank that serves
-workers packs the bucket into its ONE reusable buffer (``bucket_bytes``, exported once per worker:
-CUDA IPC on GPU, a shared-memory file on CPU, see :mod:`.ipc_handles`). Per chunk, the ranks agree
-through a small rendezvous store (hosted by rank 0): each reports "packed" or its error; rank 0 then
-calls ``client.update_weights`` with a list indexed by global worker rank (each entry: the serving
-rank's handle, the chunk index, the metadata digest), which returns once every worker applied the
-chunk (cloned out of the buffer into layerwise reload) -- the acknowledgement; only then does any
-rank refill its buffer. Worker ``w`` is served by trainer rank ``worker_to_trainer[w]``
-(default ``w % num_trainer_ranks``).
-
-Failure: a rank whose source disagrees with the metadata raises ``ValueError`` naming the parameter;
-every other rank raises too, rank 0 sends the workers an abort update, and they restore the
-parameters they had already updated.
+Every trainer rank takes part in each bucket's gather (``source.iter_full()``); a rank serving workers
+packs the bucket into its ONE reusable buffer (``bucket_bytes``; exported once per worker: CUDA IPC on
+GPU, a shared-memory file on CPU, see :mod:`.ipc_handles`). Per chunk the ranks agree on rank 0's
+store: each reports "packed" or its error; rank 0 calls ``client.update_weights`` with a list indexed by
+global worker rank (handle of the serving rank, chunk index, metadata digest); it returns once every
+worker applied the chunk (cloned out of the buffer): the acknowledgement, after which buffers are
+refilled. Worker ``w`` is served by trainer rank ``worker_to_trainer[w]`` (default ``w % ranks``).
+A source that disagrees with its metadata fails every rank (``ValueError`` naming the parameter), and
+rank 0's abort update makes the workers restore the parameters they had already updated.
 """
 
 from __future__ import annotations
@@ -88,11 +84,7 @@ class IPCTrainerInitInfo(TrainerInitInfo):
             raise ValueError(f"master_port is required when num_trainer_ranks={self.num_trainer_ranks} > 1")
         if not isinstance(self.bucket_bytes, int) or self.bucket_bytes < ALIGN or self.bucket_bytes % ALIGN:
             raise ValueError(f"bucket_bytes must be a positive multiple of {ALIGN}, got {self.bucket_bytes!r}")
-        try:
-            kind = torch.device(self.device).type
-        except (RuntimeError, TypeError):
-            kind = None
-        if kind not in ("cuda", "cpu"):
+        if not isinstance(self.device, str) or self.device.partition(":")[0] not in ("cuda", "cpu"):
             raise ValueError(f"device must be 'cuda' or 'cpu', got {self.device!r}")
 
 
@@ -202,8 +194,8 @@ class IPCTrainerEngine(TrainerEngine):
         except Exception as e:  # noqa: BLE001 - becomes every rank's verdict
             verdict = f"{type(e).__name__}: {e}"
         if self.store is not None:
-            self.store.set(self._key(sid, step, "verdict"), json.dumps(verdict))
             self._old_keys.append(self._key(sid, step, "verdict"))
+            self.store.set(self._old_keys[-1], json.dumps(verdict))
         return verdict
 
     # --- one sync ----------------------------------------------------------------------------
@@ -231,7 +223,7 @@ class IPCTrainerEngine(TrainerEngine):
                 with stats.timed("transfer"):
                     self._chunks(metas, buckets, digest, stats)
             with stats.timed("finish"):
-                verdict = self._agree("done", {}, lambda _: self._finish(weight_version))
+                verdict = self._agree("done", {}, lambda _: self.client.finish_weight_update(weight_version) or _OK)
             if verdict != _OK:
                 raise RuntimeError(f"weight sync {self.sync_id} failed to finish: {verdict}")
         except BaseException as e:
@@ -243,8 +235,7 @@ class IPCTrainerEngine(TrainerEngine):
                 torch.cuda.ipc_collect()
         self._sent_digest = digest
         if self.is_sender:
-            per_worker = sum(b.nbytes for b in buckets)
-            stats.bytes_received_per_worker = {w: per_worker for w in range(info.num_workers)}
+            stats.bytes_received_per_worker = dict.fromkeys(range(info.num_workers), sum(b.nbytes for b in buckets))
         return stats
 
     def _start(self, statuses: list[dict[str, Any]], stale: list[str]) -> str:
@@ -256,10 +247,6 @@ class IPCTrainerEngine(TrainerEngine):
                         f"worker_to_trainer]: {s['plan']} vs {statuses[0]['plan']}")
         self._client_started = True
         self.client.start_weight_update()
-        return _OK
-
-    def _finish(self, weight_version: str | None) -> str:
-        self.client.finish_weight_update(weight_version)
         return _OK
 
     def _chunks(self, metas: list[ParamMeta], buckets: list[Bucket], digest: str, stats: SyncStats) -> None:
@@ -321,16 +308,15 @@ class IPCTrainerEngine(TrainerEngine):
 
     def _abort_workers(self, reason: str) -> None:
         """Rank 0: every worker restores its parameters (a worker that already did refuses: fine)."""
-        abort = asdict(IPCUpdateInfo(sync_id=self.sync_id, chunk=0, num_chunks=0, digest="", trainer_rank=0,
-                                     abort=reason))
+        abort = IPCUpdateInfo(sync_id=self.sync_id, chunk=0, num_chunks=0, digest="", trainer_rank=0, abort=reason)
         try:
-            self.client.update_weights([abort] * self.init_info.num_workers)
+            self.client.update_weights([asdict(abort)] * self.init_info.num_workers)
         except Exception:  # noqa: BLE001 - the abort itself answers with an error by design
             pass
 
     def shutdown(self) -> None:
         if self._buffer is not None:
-            self._buffer.close()
+            self._buffer.close()  # a CPU file is already gone; CUDA memory goes once the workers let go
         self._buffer, self.store = None, None
 
 
@@ -344,11 +330,10 @@ class IPCWorkerEngine(WorkerEngine):
         super().__init__(*args, **kwargs)
         self.info: IPCWorkerInitInfo | None = None
         self.importer: BufferImporter | None = None
-        self._plans: dict[str, tuple[list[ParamMeta], list[Bucket]]] = {}
+        self._plans: dict[str, list[Bucket]] = {}  # metadata digest -> chunks
         self._applier: LayerwiseApplier | None = None
         self._sync: int | None = None
-        self._next_chunk = 0
-        self._num_chunks = 0
+        self._next_chunk = self._num_chunks = 0
 
     def init_transfer_engine(self, init_info: IPCWorkerInitInfo) -> None:
         self.shutdown()
@@ -378,7 +363,6 @@ class IPCWorkerEngine(WorkerEngine):
             raise
 
     def _receive(self, u: IPCUpdateInfo) -> None:
-        assert self.info is not None and self.importer is not None and self._applier is not None
         expected = self.info.worker_to_trainer[self.worker_rank]
         if u.trainer_rank != expected:
             raise ValueError(f"update_info.trainer_rank is {u.trainer_rank}, but worker {self.worker_rank} is "
@@ -388,19 +372,18 @@ class IPCWorkerEngine(WorkerEngine):
                              f"{self._sync}, chunk {self._next_chunk}")
         if u.names:
             metas = [ParamMeta(n, dtype_from_name(d), tuple(s)) for n, d, s in zip(u.names, u.dtype_names, u.shapes)]
-            self._plans = {metadata_digest(m.wire() for m in metas): (metas, plan_buckets(metas, self.info.bucket_bytes))}
+            self._plans = {metadata_digest(m.wire() for m in metas): plan_buckets(metas, self.info.bucket_bytes)}
         if u.digest not in self._plans:
             raise ValueError(f"update_info.digest {u.digest!r} does not match this worker's metadata "
                              f"digest(s) {sorted(self._plans)}")
-        buckets = self._plans[u.digest][1]
+        buckets = self._plans[u.digest]
         if u.num_chunks != len(buckets):
             raise ValueError(f"update_info.num_chunks is {u.num_chunks}, the metadata makes {len(buckets)} chunks")
         buf = self.importer.get(u.handle)
         bucket = buckets[u.chunk]
         if buf.numel() < bucket.nbytes:
             raise ValueError(f"the shared buffer has {buf.numel()} bytes, chunk {u.chunk} needs {bucket.nbytes}")
-        # Clone: the trainer refills the buffer once we return; layerwise reload may keep tensors until a
-        # layer is complete.
+        # Clone: the trainer refills the buffer once we return; layerwise reload may keep tensors a while.
         self._applier.load([(n, t.clone()) for n, t in unpack(buf, bucket)])
         self._sync, self._next_chunk, self._num_chunks = u.sync_id, u.chunk + 1, u.num_chunks
 
@@ -421,4 +404,4 @@ class IPCWorkerEngine(WorkerEngine):
         self._applier = None
         if self.importer is not None:
             self.importer.close()
-        self.importer = None
+        self.importer, self.info = None, None
