@@ -10,10 +10,24 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["WeightSyncClient", "RemoteCallError", "HTTPVLLMWeightSyncClient", "RayVLLMWeightSyncClient"]
+__all__ = ["WeightSyncClient", "RemoteCallError", "HTTPVLLMWeightSyncClient", "RayVLLMWeightSyncClient", "paused",
+           "PAUSE_MODES"]
+
+PAUSE_MODES = ("abort", "wait", "keep")
+"""How vLLM treats in-flight requests while paused for a sync:
+``abort`` drops them now (fastest; the caller re-submits); ``wait`` lets them finish first (no lost
+work, the sync waits for the longest request); ``keep`` freezes them in the queue and resumes them
+afterwards (their KV caches were computed with the old weights)."""
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in PAUSE_MODES:
+        raise ValueError(f"mode must be one of {PAUSE_MODES}, got {mode!r}")
 
 UpdatePayload = dict[str, Any] | list[dict[str, Any]]
 
@@ -84,6 +98,15 @@ class HTTPVLLMWeightSyncClient:
     def shutdown_weight_transfer_engine(self) -> None:
         self._post("shutdown_weight_transfer_engine")
 
+    def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        """POST /pause: stop serving before a sync (see ``PAUSE_MODES``); ``clear_cache`` drops
+        KV/prefix caches computed with the old weights (ignored by vLLM for ``keep``)."""
+        _check_mode(mode)
+        self._post(f"pause?mode={mode}&clear_cache={str(bool(clear_cache)).lower()}")
+
+    def resume_generation(self) -> None:
+        self._post("resume")
+
 
 class RayVLLMWeightSyncClient:
     """Talks to one or more vLLM ``LLM`` Ray actors (one per replica); Ray is imported on use."""
@@ -121,3 +144,31 @@ class RayVLLMWeightSyncClient:
 
     def shutdown_weight_transfer_engine(self) -> None:
         self._call("shutdown_weight_transfer_engine")
+
+    def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        """``AsyncLLM.pause_generation`` on every actor (see ``PAUSE_MODES``)."""
+        _check_mode(mode)
+        import ray
+
+        refs = [h.pause_generation.remote(mode=mode, clear_cache=clear_cache) for h in self.handles]
+        try:
+            ray.get(refs, timeout=self.timeout_s)
+        except ray.exceptions.RayError as e:
+            raise RemoteCallError(f"pause_generation failed on an inference actor: {e}") from None
+
+    def resume_generation(self) -> None:
+        self._call("resume_generation")
+
+
+@contextmanager
+def paused(client: Any, mode: str = "abort", clear_cache: bool = True) -> Iterator[None]:
+    """Pause generation for the body (a sync), resume afterwards even if the sync failed::
+
+        with paused(client, mode="wait"):
+            engine.send_weights(weight_version=f"step{step}")
+    """
+    client.pause_generation(mode=mode, clear_cache=clear_cache)
+    try:
+        yield
+    finally:
+        client.resume_generation()
