@@ -53,54 +53,95 @@ def stops_early(model):
 
 
 def engine_classes() -> dict:
-    """Inside a receiver: what vLLM's factories hold for ``weightsync_nccl`` after plugin loading."""
+    """Inside a receiver: what vLLM's factories build for every weightsync backend name."""
+    import torch
+    from vllm.config import WeightTransferConfig
     from vllm.distributed.weight_transfer import (TrainerWeightTransferEngine, WeightTransferEngine,
-                                                  WeightTransferTrainerFactory)
+                                                  WeightTransferEngineFactory, WeightTransferTrainerFactory)
+
+    from weightsync.local.actors import STATE
+    from weightsync.registry import BACKENDS
+
+    out = {}
+    for name in BACKENDS:
+        engine = WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend=name), STATE["vllm_config"],
+                                                           torch.device("cpu"), STATE["model"])
+        trainer = WeightTransferTrainerFactory._registry[name]()
+        out[name] = {"worker": type(engine).__name__, "worker_is_vllm": isinstance(engine, WeightTransferEngine),
+                     "trainer": trainer.__name__, "trainer_is_vllm": issubclass(trainer, TrainerWeightTransferEngine)}
+    return out
+
+
+class _Forbidden(RuntimeError):
+    pass
+
+
+def send_weights_without_gathers(weight_version: str) -> dict:
+    """Inside a trainer: ``send_weights`` with every gathering path made to raise."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as fc
+    from torch.distributed.tensor import DTensor
 
     from weightsync.local.actors import STATE
 
-    mro = [c.__name__ for c in type(STATE["engine"]).__mro__
-           if c.__name__ in ("NCCLWorkerEngine", "WorkerEngine") or c is WeightTransferEngine]
-    trainer = WeightTransferTrainerFactory._registry["weightsync_nccl"]()
-    return {"worker": mro, "trainer_registered": trainer.__name__,
-            "trainer_is_vllm_trainer": issubclass(trainer, TrainerWeightTransferEngine)}
+    def forbid(what):
+        def boom(*a, **k):
+            raise _Forbidden(f"{what} called during send_weights")
+        return boom
+
+    targets = [(DTensor, "full_tensor"), (DTensor, "redistribute"), (dist, "all_gather"),
+               (dist, "all_gather_into_tensor"), (dist, "all_gather_object"), (fc, "all_gather_tensor")]
+    saved = [(obj, name, getattr(obj, name)) for obj, name in targets]
+    for obj, name, _ in saved:
+        setattr(obj, name, forbid(f"{getattr(obj, '__name__', obj)}.{name}"))
+    try:
+        stats = STATE["engine"].send_weights(weight_version=weight_version)
+    finally:
+        for obj, name, fn in saved:
+            setattr(obj, name, fn)
+    return {"received": stats.bytes_received_per_worker, "lower_bound": stats.lower_bound_per_worker}
 
 
-def process_resources(collect: bool = False) -> dict:
-    """Inside any local process: open fds, RSS, shared-memory files mapped or open, and the
-    weightsync ipc buffers this process created that are still in /dev/shm (for leak checks).
-    ``collect`` runs the garbage collector first (slow in a vLLM process)."""
-    import gc
-    import os
+class JsonRoundTripClient:
+    """Wraps a weight-sync client; every payload must survive ``json.dumps``/``loads`` (as over HTTP)."""
 
-    from weightsync.transport.ipc_handles import SHM_DIR, SHM_PREFIX
+    def __init__(self, inner) -> None:
+        self.inner = inner
 
-    if collect:
-        gc.collect()
-    fds = os.listdir("/proc/self/fd")
-    shm = set()
-    for fd in fds:
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:  # the fd listing itself, closed meanwhile
-            continue
-        if target.startswith(SHM_DIR + "/"):
-            shm.add(target.removesuffix(" (deleted)"))
-    with open("/proc/self/maps") as f:
-        for line in f:
-            parts = line.split(maxsplit=5)
-            if len(parts) == 6 and parts[5].startswith(SHM_DIR + "/"):
-                shm.add(parts[5].strip().removesuffix(" (deleted)"))
-    with open("/proc/self/statm") as f:
-        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    own = [n for n in os.listdir(SHM_DIR) if n.startswith(f"{SHM_PREFIX}{os.getpid()}-")]
-    return {"pid": os.getpid(), "fds": len(fds), "rss": rss, "shm": len(shm), "own_buffers": len(own)}
+    @staticmethod
+    def _json(payload):
+        import json
+
+        return json.loads(json.dumps(payload, allow_nan=False))
+
+    def init_weight_transfer_engine(self, init_info) -> None:
+        self.inner.init_weight_transfer_engine(self._json(init_info))
+
+    def start_weight_update(self) -> None:
+        self.inner.start_weight_update()
+
+    def update_weights(self, update_info) -> None:
+        self.inner.update_weights(self._json(update_info))
+
+    def finish_weight_update(self, weight_version=None) -> None:
+        self.inner.finish_weight_update(weight_version)
 
 
-def ipc_imports() -> int | None:
-    """Inside a receiver: how many buffers its ipc worker engine imported so far."""
-    from weightsync.local.actors import STATE
+class CorruptingClient(JsonRoundTripClient):
+    """Sets ``update_info[worker][field] = value`` in the ``chunk``-th ``update_weights`` call of each sync."""
 
-    importer = getattr(STATE.get("engine"), "importer", None)
-    return None if importer is None else importer.imports
+    def __init__(self, inner, *, chunk: int, worker: int, field: str, value) -> None:
+        super().__init__(inner)
+        self.chunk, self.worker, self.field, self.value = chunk, worker, field, value
+        self._calls = 0
 
+    def start_weight_update(self) -> None:
+        self._calls = 0
+        super().start_weight_update()
+
+    def update_weights(self, update_info) -> None:
+        update_info = self._json(update_info)
+        if self._calls == self.chunk:
+            update_info[self.worker][self.field] = self.value
+        self._calls += 1
+        self.inner.update_weights(update_info)

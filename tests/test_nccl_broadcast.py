@@ -69,10 +69,3 @@ def test_source_disagreeing_with_metadata_fails_every_rank_and_leaves_workers_un
             f.result()
     assert cluster.on_receivers("checksum") == before
     assert cluster.client().weight_versions() == ["good"] * layout.num_workers
-
-
-def test_vllm_factories_hold_our_engines(cluster):
-    cluster.setup(Layout(trainers=1, tp=1))
-    names = cluster.receivers[0].call("helpers:engine_classes")
-    assert names == {"worker": ["NCCLWorkerEngine", "NCCLWorkerEngine", "WorkerEngine", "WeightTransferEngine"],
-                     "trainer_registered": "NCCLTrainerEngine", "trainer_is_vllm_trainer": True}

@@ -130,8 +130,9 @@ class LocalCluster:
         return gather([a.submit(_R + fn, *args, **kwargs) for a in self.active_receivers])
 
     def make_engines(self, init_info: Any, *, source: str = "full", bucket_bytes: int | None = None,
-                     client: Any = None) -> None:
-        self.on_trainers("make_engine", init_info, client or self.client(), source=source, bucket_bytes=bucket_bytes)
+                     client: Any = None, factory: str = "weightsync") -> None:
+        self.on_trainers("make_engine", init_info, client or self.client(), source=source, bucket_bytes=bucket_bytes,
+                         factory=factory)
 
     def sync(self, weight_version: str | None = None) -> dict[str, Any]:
         """``send_weights`` on every trainer rank; returns rank 0's stats."""

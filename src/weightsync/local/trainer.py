@@ -77,10 +77,20 @@ def local_shards() -> tuple[list[Any], dict[str, torch.Tensor]]:
     return tensor_sources(src.metadata), {n: t.clone() for n, t in src.iter_local()}
 
 
-def make_engine(init_info: Any, client: Any, *, source: str = "full", bucket_bytes: int | None = None) -> None:
-    """Build the source and ``trainer_init`` the engine (every rank, collective)."""
+def make_engine(init_info: Any, client: Any, *, source: str = "full", bucket_bytes: int | None = None,
+                factory: str = "weightsync") -> None:
+    """Build the source and ``trainer_init`` the engine (every rank, collective). ``factory="vllm"``
+    dispatches through vLLM's own ``WeightTransferTrainerFactory`` (after loading vLLM's plugins)."""
     from .. import DTensorModuleSource, FullTensorSource, WeightTransferTrainerFactory
 
+    if factory == "vllm":
+        from .receiver import VLLM_CPU_ENV
+
+        os.environ.update({k: v for k, v in VLLM_CPU_ENV.items() if k not in os.environ})
+        from vllm.distributed.weight_transfer import WeightTransferTrainerFactory  # noqa: F811
+        from vllm.plugins import load_general_plugins
+
+        load_general_plugins()
     shutdown_engine()
     model = STATE["model"]
     if source == "full":
