@@ -145,3 +145,42 @@ class CorruptingClient(JsonRoundTripClient):
             update_info[self.worker][self.field] = self.value
         self._calls += 1
         self.inner.update_weights(update_info)
+
+
+def process_resources(collect: bool = False) -> dict:
+    """Inside any local process: open fds, RSS, shared-memory files mapped or open, and the
+    weightsync ipc buffers this process created that are still in /dev/shm (for leak checks).
+    ``collect`` runs the garbage collector first (slow in a vLLM process)."""
+    import gc
+    import os
+
+    from weightsync.transport.ipc_handles import SHM_DIR, SHM_PREFIX
+
+    if collect:
+        gc.collect()
+    fds = os.listdir("/proc/self/fd")
+    shm = set()
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # the fd listing itself, closed meanwhile
+            continue
+        if target.startswith(SHM_DIR + "/"):
+            shm.add(target.removesuffix(" (deleted)"))
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6 and parts[5].startswith(SHM_DIR + "/"):
+                shm.add(parts[5].strip().removesuffix(" (deleted)"))
+    with open("/proc/self/statm") as f:
+        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    own = [n for n in os.listdir(SHM_DIR) if n.startswith(f"{SHM_PREFIX}{os.getpid()}-")]
+    return {"pid": os.getpid(), "fds": len(fds), "rss": rss, "shm": len(shm), "own_buffers": len(own)}
+
+
+def ipc_imports() -> int | None:
+    """Inside a receiver: how many buffers its ipc worker engine imported so far."""
+    from weightsync.local.actors import STATE
+
+    importer = getattr(STATE.get("engine"), "importer", None)
+    return None if importer is None else importer.imports

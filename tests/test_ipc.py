@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from weightsync.buckets import pack, plan_buckets
+from helpers import CorruptingClient, JsonRoundTripClient
 from weightsync.local.actors import RemoteError, gather
 from weightsync.local.cluster import Layout, free_port
 from weightsync.protocol import ParamMeta, parse_info
@@ -131,7 +132,7 @@ def test_memory_saver_tracking_is_paused_only_when_active(monkeypatch):
 def test_colocated_sync_is_bit_exact_against_vllm_load_weights(cluster, dtype):
     layout = Layout(trainers=2, tp=2, dtype=dtype, backend="weightsync_ipc")
     cluster.setup(layout)
-    cluster.make_engines(ipc_info(layout))
+    cluster.make_engines(ipc_info(layout), client=JsonRoundTripClient(cluster.client()))  # JSON-safe, as over HTTP
     stats = cluster.sync(weight_version="v1")
     assert stats["num_chunks"] >= 3, "the bucket is smaller than the model"
     assert mismatches(cluster) == {}
@@ -170,6 +171,24 @@ def test_source_disagreeing_with_metadata_fails_every_rank_and_workers_roll_back
     cluster.make_engines(ipc_info(COLOCATED))  # the workers take the next sync
     cluster.sync(weight_version="after")
     assert mismatches(cluster) == {}
+
+
+@pytest.mark.vllm
+def test_a_worker_rejecting_a_chunk_fails_every_rank_and_all_workers_roll_back(cluster):
+    cluster.setup(COLOCATED)
+    cluster.make_engines(ipc_info(COLOCATED))
+    cluster.sync(weight_version="good")
+    before = cluster.on_receivers("checksum")
+    cluster.train_step(2)
+
+    bad = CorruptingClient(cluster.client(), chunk=2, worker=1, field="digest", value="f" * 64)
+    cluster.make_engines(ipc_info(COLOCATED), client=bad)  # worker 0 applies chunks 0-2, worker 1 refuses chunk 2
+    futures = [a.submit("weightsync.local.trainer:send_weights", "bad", timeout_s=120) for a in cluster.active_trainers]
+    for f in futures:
+        with pytest.raises(RemoteError, match="update_info.digest 'f{64}' does not match"):
+            f.result()
+    assert cluster.on_receivers("checksum") == before
+    assert cluster.client().weight_versions() == ["good", "good"]
 
 
 @pytest.mark.vllm
