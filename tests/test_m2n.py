@@ -78,8 +78,8 @@ def test_model_mismatch_fails_init_on_every_rank_before_data_moves(cluster):
     futs = [a.submit("weightsync.local.trainer:make_engine", info, cluster.client(), source="dtensor")
             for a in cluster.active_trainers]
     for f in futs:
-        with pytest.raises(RemoteError, match=r"ValueError: worker 1 could not resolve destinations: ValueError: "
-                                              r"parameter 'model.layers.0.self_attn.k_proj.weight': the trainer's "
-                                              r"shape \(16, 64\) does not match"):
+        with pytest.raises(RemoteError, match=r"ValueError: parameter 'model.layers.0.self_attn.k_proj.weight': "
+                                              r"the trainer's shape \(16, 64\) does not match vLLM's "
+                                              r"model.layers.0.self_attn.qkv_proj.weight"):
             f.result()
     assert cluster.on_receivers("checksum") == before

@@ -144,6 +144,9 @@ class M2NTrainerEngine(TrainerEngine):
                               rank=i.rank, sender=True)
             if fut is not None:
                 fut.result(timeout=i.timeout_s)
+        except BaseException as e:
+            _report(self.comm, i.master_address, i.master_port, e)
+            raise
         finally:
             pool.shutdown(wait=False)
         self._names = [s.name for s in sources]
@@ -207,6 +210,7 @@ class M2NTrainerEngine(TrainerEngine):
         except BaseException as e:
             if self.is_sender:
                 comm.publish(f"{key}/done", f"{type(e).__name__}: {e}")
+            _report(comm, "", 0, e)
             raise
         finally:
             pool.shutdown(wait=False)
@@ -221,6 +225,19 @@ class M2NTrainerEngine(TrainerEngine):
         if self.comm is not None:
             self.comm.shutdown()
         self.comm = None
+
+
+def _report(comm: Communicator | None, host: str, port: int, error: BaseException) -> None:
+    """Wake every peer with this rank's failure (a failure that came from a peer cascades the
+    connection close, so ranks blocked on this one wake too; the first report wins)."""
+    message = f"{type(error).__name__}: {error}"
+    try:
+        if comm is not None and comm.store is not None:
+            comm.fail(message)
+        elif host:
+            Communicator.report(host, port, message, timeout_s=10)
+    except Exception:  # noqa: BLE001 - the store may be gone with its host; the timeout still applies
+        pass
 
 
 @torch.no_grad()
@@ -254,14 +271,23 @@ class M2NWorkerEngine(WorkerEngine):
         self._applier: LayerwiseApplier | None = None
 
     def init_transfer_engine(self, init_info: M2NWorkerInitInfo) -> None:
-        from ..destinations import resolve_destinations
 
         self.shutdown()
         self.info, self.poisoned = init_info, None
+        try:
+            self._init(init_info)
+        except BaseException as e:
+            _report(self.comm, init_info.master_address, init_info.master_port, e)
+            raise
+
+    def _init(self, init_info: M2NWorkerInitInfo) -> None:
+        from ..destinations import resolve_destinations
+
         replicas, tp = init_info.dst_mesh_dims
         w = self.worker_rank
         if w >= replicas * tp:
-            raise ValueError(f"worker rank {w} is outside dst_mesh_dims={init_info.dst_mesh_dims}")
+            raise ValueError(f"worker rank {w} is outside dst_mesh_dims={tuple(init_info.dst_mesh_dims)} "
+                             f"(replicas x tp = {replicas * tp} workers)")
         self.comm = Communicator.from_tcp_store(init_info.master_address, init_info.master_port,
                                                 init_info.num_trainer_ranks + w, init_info.world_size,
                                                 device=self.device, timeout_s=init_info.timeout_s)
@@ -276,7 +302,6 @@ class M2NWorkerEngine(WorkerEngine):
                           rank=w, sender=False)
         self.fallbacks = self.plan.gathered.fallbacks[w]
         _zero_uncovered(self.model, dests.pieces)
-
 
     def start_weight_update(self) -> None:
         self._check_not_poisoned()
@@ -307,6 +332,7 @@ class M2NWorkerEngine(WorkerEngine):
                 self._applier.load([(n, params.pop(FALLBACK + n)) for n, _ in self.fallbacks])
         except BaseException as e:
             self.poisoned = f"{type(e).__name__}: {e}"
+            _report(self.comm, "", 0, e)
             self._applier.abort()
             self._applier = None
             raise

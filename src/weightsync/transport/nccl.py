@@ -11,14 +11,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from datetime import timedelta
 from typing import Any, ClassVar
 
 import torch
-import torch.distributed as dist
 
 from ..buckets import ALIGN, Bucket, metadata_digest, pack, plan_buckets, unpack
-from ..comm import Communicator, DataPlaneError
+from ..comm import Communicator, DataPlaneError, SyncAborted
 from ..protocol import (ParamMeta, SyncStats, TrainerEngine, TrainerInitInfo, WeightSource,
                         WorkerInitInfo, WorkerUpdateInfo, dtype_from_name)
 from ..worker import LayerwiseApplier, WorkerEngine
@@ -131,7 +129,6 @@ class NCCLTrainerEngine(TrainerEngine):
         self = cls(init_info, client=client, source=source)
         self.sync_id = 0
         self.comm: Communicator | None = None
-        self.store: Any = None
         self._sent_digest: str | None = None
         i = init_info
         if self.is_sender:
@@ -143,17 +140,12 @@ class NCCLTrainerEngine(TrainerEngine):
                 self.comm = Communicator.from_tcp_store(i.master_address, i.master_port, 0, i.world_size,
                                                         device=i.device, timeout_s=i.timeout_s)
                 fut.result(timeout=i.timeout_s)
-            self.store = self.comm.store
             dev = torch.device(i.device)
             self._buffers = [torch.empty(i.bucket_bytes + ALIGN + 8, dtype=torch.uint8, device=dev)
                              for _ in range(i.num_buffers)]
         else:
-            self.store = dist.TCPStore(i.master_address, i.master_port, is_master=False,
-                                       timeout=timedelta(seconds=i.timeout_s))
+            self.comm = Communicator.control_only(i.master_address, i.master_port, i.rank, timeout_s=i.timeout_s)
         return self
-
-    def _publish(self, key: str, value: str) -> None:
-        self.store.set(f"ws/{key}", value)
 
     def send_weights(self, *, weight_version: str | None = None) -> SyncStats:
         """Collective on every trainer rank; returns after every worker applied the weights."""
@@ -171,8 +163,12 @@ class NCCLTrainerEngine(TrainerEngine):
                     pass
             except Exception as e:  # still wait for the sender's verdict below
                 error = e
-            self.store.wait([f"ws/done/{self.sync_id}"], timedelta(seconds=info.timeout_s))
-            verdict = self.store.get(f"ws/done/{self.sync_id}").decode()
+            try:
+                verdict = self.comm.read(f"ws/done/{self.sync_id}")
+            except DataPlaneError:
+                if error is not None:
+                    raise error from None
+                raise
             if error is not None:
                 raise error
             if verdict != "ok":
@@ -181,9 +177,11 @@ class NCCLTrainerEngine(TrainerEngine):
         try:
             self._send(metas, buckets, stats, weight_version)
         except BaseException as e:
-            self._publish(f"done/{self.sync_id}", f"{type(e).__name__}: {e}")
+            self.comm.publish(f"ws/done/{self.sync_id}", f"{type(e).__name__}: {e}")
+            if not isinstance(e, ValueError):  # a source error was signalled in-band; the group is intact
+                self.comm.fail(f"{type(e).__name__}: {e}")
             raise
-        self._publish(f"done/{self.sync_id}", "ok")
+        self.comm.publish(f"ws/done/{self.sync_id}", "ok")
         return stats
 
     def _send(self, metas: list[ParamMeta], buckets: list[Bucket], stats: SyncStats, version: str | None) -> None:
@@ -229,7 +227,7 @@ class NCCLTrainerEngine(TrainerEngine):
                         next(it, None)  # lets `checked` report a source that yields too much
                 except BaseException as e:
                     error = e
-                    self._publish(f"abort/{self.sync_id}", f"{type(e).__name__}: {e}")
+                    self.comm.publish(f"ws/abort/{self.sync_id}", f"{type(e).__name__}: {e}")
             _status(buf, buf.numel()).fill_(_OK if error is None else _ABORT)
             if buf.device.type == "cuda":
                 torch.cuda.current_stream().synchronize()
@@ -248,7 +246,7 @@ class NCCLTrainerEngine(TrainerEngine):
     def shutdown(self) -> None:
         if self.comm is not None:
             self.comm.shutdown()
-        self.comm, self.store, self._buffers = None, None, []
+        self.comm, self._buffers = None, []
 
 
 class NCCLWorkerEngine(WorkerEngine):
@@ -295,6 +293,8 @@ class NCCLWorkerEngine(WorkerEngine):
             self._receive(plan_buckets(self._metas, self.info.bucket_bytes), update_info.sync_id)
         except BaseException as e:
             self.poisoned = f"{type(e).__name__}: {e}"
+            if not isinstance(e, SyncAborted):  # an in-band abort leaves the group intact
+                self.comm.fail(self.poisoned)
             self._applier.abort()
             self._applier = None
             raise
@@ -316,14 +316,11 @@ class NCCLWorkerEngine(WorkerEngine):
             if int(_status(buf, buf.numel()).item()) != _OK:
                 if inflight is not None:  # an aborting sender still sends the next message
                     comm.wait(inflight[1], f"bucket {b + 1} broadcast")
-                raise DataPlaneError(f"trainer aborted weight sync {sync_id}: {self._abort_reason(sync_id)}")
+                raise SyncAborted(f"trainer aborted weight sync {sync_id}: {self._abort_reason(sync_id)}")
             self._applier.load(unpack(buf, bucket))
 
     def _abort_reason(self, sync_id: int) -> str:
-        try:
-            return self.comm.store.get(f"ws/abort/{sync_id}").decode()
-        except Exception:  # noqa: BLE001 - the sender may have died before publishing
-            return "no reason published"
+        return self.comm.peek(f"ws/abort/{sync_id}") or "no reason published"
 
     def finish_weight_update(self) -> None:
         self._check_not_poisoned()
