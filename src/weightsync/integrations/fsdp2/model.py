@@ -1,0 +1,114 @@
+"""Build a Hugging Face causal LM under FSDP2: one disk read on rank 0, a broadcast to the others.
+
+Order (every rank, collectively)::
+
+    model, hf_config = build_model(cfg, device=..., mesh=...)   # empty shards on every rank
+    load_checkpoint_weights(model, cfg.path, mesh)              # rank 0 reads, every rank receives
+
+Rank 0 reads with ``from_pretrained`` on the host (so Hugging Face's own name handling applies and
+non-persistent buffers such as rotary frequencies are computed); every rank builds the module on
+the meta device, shards each decoder layer and then the root with ``fully_shard``, and allocates
+its shards. The full state dict then goes out from rank 0 with torch DCP's
+``set_model_state_dict(..., broadcast_from_rank0=True)``, the buffers with ``broadcast``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .config import ModelConfig
+
+__all__ = ["build_model", "load_checkpoint_weights", "decoder_layers", "full_state_dict"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The decoder blocks of a Hugging Face causal LM (``model.model.layers``)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList) or len(layers) == 0:
+        raise ValueError(f"{type(model).__name__} has no decoder layers at model.model.layers; the FSDP2 "
+                         f"trainer supports decoder-only causal LMs such as Qwen3 and Llama")
+    return layers
+
+
+def _check_hf_config(hf_config: Any, path: str) -> None:
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    if not archs or not all(a.endswith("ForCausalLM") for a in archs):
+        raise ValueError(f"model {path!r}: architectures={archs} is not a causal LM (*ForCausalLM)")
+    for name in ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        p = getattr(hf_config, name, 0.0) or 0.0
+        if p > 0:
+            raise ValueError(f"model {path!r}: config.{name}={p}; RL log-probs must be deterministic, set it to 0")
+
+
+def build_model(cfg: ModelConfig, *, device: torch.device, mesh: Any) -> tuple[torch.nn.Module, Any]:
+    """The FSDP2-sharded model with *uninitialized* shards on ``device``, and its Hugging Face config.
+    Collective-free; call ``load_checkpoint_weights`` next on every rank."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_config = AutoConfig.from_pretrained(cfg.path)
+    _check_hf_config(hf_config, cfg.path)
+    kwargs = {"attn_implementation": cfg.attn_implementation} if cfg.attn_implementation else {}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, **kwargs)
+    if cfg.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    fsdp: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": cfg.reshard_after_forward}
+    if cfg.param_dtype is not None:
+        fsdp["mp_policy"] = MixedPrecisionPolicy(param_dtype=_DTYPES[cfg.param_dtype],
+                                                 reduce_dtype=_DTYPES[cfg.reduce_dtype])
+    for layer in decoder_layers(model):
+        fully_shard(layer, **fsdp)
+    fully_shard(model, **fsdp)
+    model.to_empty(device=device)
+    return model, hf_config
+
+
+def load_checkpoint_weights(model: torch.nn.Module, path: str) -> None:
+    """Fill ``model``'s shards and buffers from the checkpoint at ``path``: rank 0 reads it from disk
+    (the only read), every rank receives its shards. Collective on every rank of the default group."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    rank = dist.get_rank()
+    state: dict[str, torch.Tensor] = {}
+    buffers: dict[str, torch.Tensor] = {}
+    error = None
+    if rank == 0:
+        try:
+            from transformers import AutoModelForCausalLM
+
+            host = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            state = host.state_dict()
+            buffers = {n: b.detach() for n, b in host.named_buffers()}
+            expected = set(model.state_dict())
+            if set(state) != expected:
+                error = (f"checkpoint {path!r} does not match the model: missing {sorted(expected - set(state))[:5]}, "
+                         f"unexpected {sorted(set(state) - expected)[:5]}")
+        except Exception as e:  # noqa: BLE001 - every rank must learn of it, not only rank 0
+            error = f"rank 0 could not read checkpoint {path!r}: {type(e).__name__}: {e}"
+    verdict = [error]
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise ValueError(verdict[0])
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if rank == 0:
+                buf.copy_(buffers[name])
+            dist.broadcast(buf, src=0)
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """Every parameter gathered under its Hugging Face name, on the host, returned on rank 0 only
+    (``None`` elsewhere). Collective on every rank; for checks and small models."""
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.detach()
+        t = t.full_tensor() if hasattr(t, "full_tensor") else t
+        out[name] = t.to("cpu", copy=True)
+    return out if dist.get_rank() == 0 else None
