@@ -254,3 +254,22 @@ def shutdown_engine() -> None:
     engine = STATE.pop("engine", None)
     if engine is not None:
         engine.shutdown()
+
+
+def build_counting_checkpoint_reads(config: Any) -> int:
+    """Build the trainer and return how many times this rank read weights with ``from_pretrained``."""
+    from transformers import AutoModelForCausalLM
+
+    original = AutoModelForCausalLM.from_pretrained.__func__
+    reads = []
+
+    def counting(cls, *args, **kwargs):
+        reads.append(args[0] if args else kwargs.get("pretrained_model_name_or_path"))
+        return original(cls, *args, **kwargs)
+
+    AutoModelForCausalLM.from_pretrained = classmethod(counting)
+    try:
+        build(config)
+    finally:
+        AutoModelForCausalLM.from_pretrained = classmethod(original)
+    return len(reads)

@@ -13,8 +13,9 @@ import os
 import pytest
 import torch
 
-from fsdp2_procs import checkpoints, make_samples, ranks
+from fsdp2_procs import checkpoints, make_samples, ranks, write_checkpoint
 from weightsync.integrations.fsdp2 import LossConfig, ModelConfig, OptimConfig, TrainerConfig, dp_schedule
+from weightsync.local.actors import RemoteError
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -75,6 +76,30 @@ def plain_grads(ckpts, samples, *, ref: str | None, kl_coef=0.0, kl_type="k1", e
         total = total + term.sum() / n_tokens
     total.backward()
     return {n: p.grad for n, p in actor.named_parameters()}
+
+
+def test_rank0_alone_reads_the_checkpoint_and_every_rank_gets_its_weights(procs, ckpts):
+    procs.init(2)
+    assert procs.run("build_counting_checkpoint_reads", config(ckpts)) == [1, 0]
+    assert procs.run("build_counting_checkpoint_reads", config(ckpts, ref="other", kl_coef=0.1)) == [2, 0]
+    weights = procs.run("call", "full_state_dict")[0]
+    expected = load_plain(ckpts["actor"]).state_dict()
+    assert weights.keys() == {n for n, _ in load_plain(ckpts["actor"]).named_parameters()}
+    assert all(torch.equal(t, expected[n]) for n, t in weights.items())
+
+
+def test_a_bad_reference_checkpoint_fails_on_every_rank(procs, ckpts, tmp_path):
+    procs.init(2)
+    kv1 = write_checkpoint(str(tmp_path / "kv1"), seed=0, config="tiny_qwen3_kv1")
+    for path, match in [(kv1, r"tensor 'model.layers.0.self_attn.k_proj.weight' has shape \(16, 64\), the model "
+                              r"expects \(32, 64\)"),
+                        (str(tmp_path / "missing"), r"rank 0 could not read checkpoint .*missing")]:
+        cfg = TrainerConfig(model=ModelConfig(path=ckpts["actor"], reference_path=path), device="cpu",
+                            loss=LossConfig(kl_coef=0.1))
+        futures = [a.submit("fsdp2_procs:build", cfg) for a in procs.actors[:2]]
+        for f in futures:
+            with pytest.raises(RemoteError, match=match):
+                f.result()
 
 
 def test_packed_log_probs_equal_unpacked_unsharded(procs, ckpts):

@@ -146,3 +146,20 @@ def test_lr_schedule_counts_samples():
     lin = LRSchedule(lr=1.0, warmup_samples=0, decay_samples=100, decay_style="linear")
     assert lin(25) == pytest.approx(0.75)
     assert LRSchedule.from_config(OptimConfig(lr=3e-6))(12345) == 3e-6
+
+
+def test_adamw_groups_leave_biases_and_norms_undecayed():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from weightsync.integrations.fsdp2.optim import build_optimizer
+    from weightsync.local.cluster import model_config_dir
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_config_dir("tiny_qwen2")))
+    opt = build_optimizer(model, OptimConfig(weight_decay=0.1))
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed = {names[id(p)] for g in opt.param_groups if g["weight_decay"] == 0.1 for p in g["params"]}
+    undecayed = {names[id(p)] for g in opt.param_groups if g["weight_decay"] == 0.0 for p in g["params"]}
+    assert decayed | undecayed == set(names.values()) and not decayed & undecayed
+    assert "model.layers.0.self_attn.q_proj.bias" in undecayed  # Qwen2 has qkv biases
+    assert "model.layers.0.input_layernorm.weight" in undecayed and "model.norm.weight" in undecayed
+    assert "model.layers.0.mlp.down_proj.weight" in decayed and "model.embed_tokens.weight" in decayed

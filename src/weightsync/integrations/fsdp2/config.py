@@ -199,8 +199,9 @@ class TrainerConfig:
                 raise ValueError(f"TrainerConfig.{name}={got!r} is not supported by the FSDP2 reference trainer "
                                  f"(pure data parallel, actor and reference only); it must be {want!r}")
         for name, cls in (("model", ModelConfig), ("optim", OptimConfig), ("loss", LossConfig)):
-            if not isinstance(getattr(self, name), cls):
-                raise TypeError(f"TrainerConfig.{name} must be a {cls.__name__}, got {type(getattr(self, name)).__name__}")
+            value = getattr(self, name)
+            if not isinstance(value, cls):
+                raise TypeError(f"TrainerConfig.{name} must be a {cls.__name__}, got {type(value).__name__}")
         _check_number("TrainerConfig", "max_tokens_per_micro_batch", self.max_tokens_per_micro_batch, low=1,
                       integer=True)
         if self.device is not None:

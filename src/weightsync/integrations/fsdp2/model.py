@@ -85,10 +85,16 @@ def load_checkpoint_weights(model: torch.nn.Module, path: str) -> None:
             host = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
             state = host.state_dict()
             buffers = {n: b.detach() for n, b in host.named_buffers()}
-            expected = set(model.state_dict())
-            if set(state) != expected:
-                error = (f"checkpoint {path!r} does not match the model: missing {sorted(expected - set(state))[:5]}, "
-                         f"unexpected {sorted(set(state) - expected)[:5]}")
+            expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}  # global shapes
+            if set(state) != set(expected):
+                missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+                error = (f"checkpoint {path!r} does not match the model: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+            else:
+                bad = [k for k in expected if tuple(state[k].shape) != expected[k]]
+                if bad:
+                    error = (f"checkpoint {path!r}: tensor {bad[0]!r} has shape {tuple(state[bad[0]].shape)}, "
+                             f"the model expects {expected[bad[0]]}")
         except Exception as e:  # noqa: BLE001 - every rank must learn of it, not only rank 0
             error = f"rank 0 could not read checkpoint {path!r}: {type(e).__name__}: {e}"
     verdict = [error]

@@ -87,12 +87,16 @@ class FSDP2Trainer:
 
     def _validate(self, samples: Sequence[Sample]) -> list[Sample]:
         samples = list(samples)
-        if not samples or not all(isinstance(s, Sample) for s in samples):
-            raise ValueError(f"samples must be a non-empty list of Sample, got {type(samples[0]).__name__ if samples else 'an empty list'}")
+        if not samples:
+            raise ValueError("samples is empty: a step needs at least one Sample")
+        bad = [type(s).__name__ for s in samples if not isinstance(s, Sample)]
+        if bad:
+            raise ValueError(f"samples must be Sample objects, got {bad[0]}")
         if self.config.loss.old_log_probs == "rollout":
             missing = [i for i, s in enumerate(samples) if s.rollout_log_probs is None]
             if missing:
-                raise ValueError(f"LossConfig.old_log_probs='rollout' but samples {missing[:5]} have no rollout_log_probs")
+                raise ValueError(f"LossConfig.old_log_probs='rollout' but samples {missing[:5]} have no "
+                                 f"rollout_log_probs")
         return samples
 
     def schedule(self, samples: Sequence[Sample]) -> list[list[int]]:
@@ -136,6 +140,7 @@ class FSDP2Trainer:
         if self._pending_samples:
             raise RuntimeError("forward_backward was already called for this step; call optimizer_step first")
         samples = self._validate(samples)
+        self.optimizer.zero_grad(set_to_none=True)  # drop what a failed earlier call may have left
         cfg = self.config.loss
         rows = self.schedule(samples)
         adv = grpo_advantages([s.reward for s in samples], [s.group for s in samples],
@@ -224,8 +229,9 @@ class FSDP2Trainer:
         ``client`` initializes the vLLM workers."""
         from ...registry import WeightTransferTrainerFactory
 
-        if getattr(init_info, "rank", None) != self.rank:
-            raise ValueError(f"init_info.rank={getattr(init_info, 'rank', None)!r} but this trainer is rank {self.rank}")
+        rank = getattr(init_info, "rank", None)
+        if rank != self.rank:
+            raise ValueError(f"init_info.rank={rank!r} but this trainer is rank {self.rank}")
         source = self.weight_source(type(init_info).backend, dtype=dtype)
         return WeightTransferTrainerFactory.trainer_init(init_info, client=client, source=source)
 
