@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -117,13 +118,14 @@ def test_packed_log_probs_equal_unpacked_unsharded(procs, ckpts):
         torch.testing.assert_close(a, expected, atol=2e-5, rtol=1e-5)
 
 
-def test_dp1_and_dp2_take_the_same_step(procs, ckpts):
+@pytest.mark.parametrize("aggregation", ["token_mean", "sample_mean"])
+def test_dp1_and_dp2_take_the_same_step(procs, ckpts, aggregation):
     """GRPO with clipped ratios (rollout log-probs), per-token loss, k3 KL to a different reference,
     several micro-batches per rank: params after one step agree (atol 5e-6, observed 1e-6; AdamW's first step
     moves each weight by ~lr = 1e-3, so any lost or double-counted token would show)."""
     samples = make_samples(4, 4, seed=2, with_rollout_log_probs=True)
     cfg = config(ckpts, ref="other", max_tokens=30, kl_coef=0.1, kl_type="k3", entropy_coef=0.01,
-                 old_log_probs="rollout", clip_low=0.2, clip_high=0.28)
+                 old_log_probs="rollout", clip_low=0.2, clip_high=0.28, aggregation=aggregation)
     results = {}
     for world in (1, 2):
         procs.init(world)
@@ -142,6 +144,24 @@ def test_dp1_and_dp2_take_the_same_step(procs, ckpts):
     for name, t in p1.items():
         assert not torch.equal(t, initial[name]), name
         torch.testing.assert_close(p2[name], t, atol=5e-6, rtol=1e-5)
+
+
+def test_bf16_mixed_precision_with_activation_checkpointing_trains(procs, ckpts):
+    """The GPU example's settings on CPU: bf16 compute (fp32 masters), recomputed activations."""
+    samples = make_samples(3, 4, seed=9)
+    procs.init(2)
+    procs.build(config(ckpts))
+    fp32 = procs.run("call", "compute_log_probs", samples)[0]
+    cfg = config(ckpts, kl_coef=0.05, entropy_coef=0.01)
+    procs.build(replace(cfg, model=replace(cfg.model, param_dtype="bfloat16", activation_checkpointing=True)))
+    bf16 = procs.run("call", "compute_log_probs", samples)[0]
+    for a, b in zip(fp32, bf16):
+        torch.testing.assert_close(b, a, atol=0.1, rtol=0.02)  # bf16 logits, fp32 log-softmax
+    assert any(not torch.equal(a, b) for a, b in zip(fp32, bf16))  # it did compute in bf16
+    metrics = procs.run("call", "train_step", samples)[0]
+    assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values()) and metrics["grad_norm"] > 0
+    weights = procs.run("call", "full_state_dict")[0]
+    assert all(t.dtype == torch.float32 for t in weights.values())
 
 
 GRAD_CASES = {

@@ -1,3 +1,3 @@
-"""Integrations with other systems (vLLM's plugin hook; the FSDP2 reference trainer comes later)."""
+"""Integrations with other systems: vLLM's plugin hook (``vllm_plugin``) and the FSDP2 reference trainer (``fsdp2``)."""
 
 __all__: list[str] = []
