@@ -263,6 +263,14 @@ def test_hf_export_reloads_in_transformers_with_equal_tensors(procs, ckpts, tmp_
     assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight  # tied, written once
     for name, t in trained.items():
         assert torch.equal(sd[name], t), name
+    sharded = str(tmp_path / "hf-sharded")  # several files + index; bf16 on request
+    files = procs.run("call", "export_hf", sharded, dtype=torch.bfloat16, max_shard_bytes=60_000)[0]
+    assert len(files) > 2 and os.path.isfile(os.path.join(sharded, "model.safetensors.index.json"))
+    reloaded = AutoModelForCausalLM.from_pretrained(sharded)
+    assert reloaded.dtype == torch.bfloat16
+    sd = reloaded.state_dict()
+    for name, t in trained.items():
+        assert torch.equal(sd[name], t.to(torch.bfloat16)), name
 
 
 def test_sync_weights_pauses_the_memory_saver_only_for_ipc(procs, ckpts):

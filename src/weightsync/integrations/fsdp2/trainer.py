@@ -301,10 +301,13 @@ class FSDP2Trainer:
         self.step, self.consumed_samples = int(state["step"]), int(state["consumed_samples"])
         return self.step
 
-    def export_hf(self, out_dir: str, *, dtype: torch.dtype | None = None) -> list[str] | None:
-        """Write the full model as a Hugging Face checkpoint (safetensors) to ``out_dir``. Collective."""
+    def export_hf(self, out_dir: str, *, dtype: torch.dtype | None = None,
+                  max_shard_bytes: int = 5 << 30) -> list[str] | None:
+        """Write the full model as a Hugging Face checkpoint (safetensors files of at most
+        ``max_shard_bytes``, optionally cast to ``dtype``) to ``out_dir``; returns the file names on
+        rank 0. Collective."""
         self._check_awake("export_hf")
-        return ckpt.export_hf(self.model, self.hf_config, out_dir, dtype=dtype)
+        return ckpt.export_hf(self.model, self.hf_config, out_dir, dtype=dtype, max_shard_bytes=max_shard_bytes)
 
     def local_shards(self) -> dict[str, torch.Tensor]:
         """This rank's shard of every parameter (aliases; for checks). No collectives."""
