@@ -1,0 +1,246 @@
+"""Markdown tables and PNG plots for ``transfer_throughput.py`` (pure: its result dict in, text and files out)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+__all__ = ["TARGETS", "acceptance", "markdown", "plots", "row_line"]
+
+TARGETS = {"wire_over_lower_bound": 1.00, "speedup_over_naive": 2.0, "fraction_of_p2p": 0.80,
+           "trainer_extra_over_staging": 1.0}
+"""Issue 8 / issue 4 targets for nccl_m2n at 2 trainers -> TP 2."""
+
+
+def _layout(r: dict[str, Any]) -> str:
+    return f"{r['trainers']} -> TP{r['tp']}" + (f" x {r['replicas']}" if r["replicas"] > 1 else "")
+
+
+def _f(x: float | None, fmt: str = ".2f") -> str:
+    return "n/a" if x is None else format(x, fmt)
+
+
+def row_line(r: dict[str, Any]) -> str:
+    return (f"{r['transport']:<22} {r['seconds']:.3f} s/sync  {r['gbps_per_receiver']:.3f} GB/s/receiver  "
+            f"wire/lower {_f(r['wire_over_lower_bound'])}  trainer +{max(r['trainer_extra_mib']):.0f} MiB  "
+            f"worker +{max(r['worker_extra_mib']):.0f} MiB  verified {r['verified']}")
+
+
+def _p2p(result: dict[str, Any], r: dict[str, Any]) -> dict[str, Any] | None:
+    return result["p2p"].get(f"{r['trainers']}x{r['tp']}x{r['replicas']}@{r['staging_mib']}")
+
+
+def acceptance(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per model size at 2 trainers -> TP 2: the four numbers the issues ask for, against the targets."""
+    out = []
+    rows = [r for r in result["rows"] if r["sweep"] == "size" and (r["trainers"], r["tp"], r["replicas"]) == (2, 2, 1)]
+    for m2n in (r for r in rows if r["transport"] == "nccl_m2n"):
+        naive = next((r for r in rows if r["transport"] == "naive" and r["size"] == m2n["size"]), None)
+        p2p = _p2p(result, m2n)
+        out.append({
+            "size": m2n["size"], "model_mb": m2n["model_mb"], "seconds": m2n["seconds"],
+            "wire_over_lower_bound": m2n["wire_over_lower_bound"],
+            "naive_seconds": naive and naive["seconds"],
+            "speedup_over_naive": naive and naive["seconds"] / m2n["seconds"],
+            "gbps_per_receiver": m2n["gbps_per_receiver"],
+            "p2p_pair_best_gbps": p2p and p2p["pair_best_gbps"],
+            "p2p_round_gbps": p2p and p2p["round_gbps_per_receiver"],
+            "fraction_of_p2p": p2p and m2n["gbps_per_receiver"] / p2p["pair_best_gbps"],
+            "fraction_of_p2p_round": p2p and m2n["gbps_per_receiver"] / p2p["round_gbps_per_receiver"],
+            "transfer_phase_gbps": max(m2n["received_per_worker"].values()) / m2n["phases"]["transfer"] / 1e9,
+            "trainer_extra_mib": max(m2n["trainer_extra_mib"]), "staging_mib": m2n["bucket_mib"],
+        })
+    return out
+
+
+def _verdict(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("**met**" if ok else "**missed**")
+
+
+def _cpu(r: dict[str, Any]) -> str:
+    ph = r["phases"]
+    if "cpu_trainers" not in ph:
+        return "n/a"
+    return f"{ph['cpu_trainers'] + ph['cpu_workers']:.2f} ({ph['cpu_trainers']:.2f} + {ph['cpu_workers']:.2f})"
+
+
+def _main_table(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [("| transport | layout | model MB | bucket MiB | s/sync (median) | GB/s per receiver | MB per worker "
+             "| wire / lower bound | CPU s per sync (trainers + workers) | trainer extra peak MiB | worker extra peak MiB "
+             "| verified |"),
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        v = {True: "yes", False: "**MISMATCH**", None: "-"}[r["verified"]]
+        lines.append(f"| {r['transport']} | {_layout(r)} | {r['model_mb']:.0f} | {r['bucket_mib']:.0f} | "
+                     f"{r['seconds']:.3f} | {r['gbps_per_receiver']:.3f} | {r['mb_per_worker']:.1f} | "
+                     f"{_f(r['wire_over_lower_bound'])} | {_cpu(r)} | {max(r['trainer_extra_mib']):.0f} | "
+                     f"{max(r['worker_extra_mib']):.0f} | {v} |")
+    return lines
+
+
+_PHASES = [("init_s", "init (handshake + plan, once)"), ("preflight", "preflight"), ("start", "start"),
+           ("pack", "pack (+gather)"), ("trainer_wire", "trainer wire wait"), ("finish", "finish"),
+           ("worker_start", "worker start (snapshot)"), ("worker_wire", "worker wire wait"),
+           ("worker_apply", "worker apply"), ("worker_finish", "worker finish"),
+           ("send_other", "rest of send_weights"), ("driver_rpc", "driver call overhead")]
+
+
+def _phase_table(rows: list[dict[str, Any]]) -> list[str]:
+    lines = ["| transport | layout | model MB | " + " | ".join(h for _, h in _PHASES) + " |",
+             "|---|---|---:|" + "---:|" * len(_PHASES)]
+    for r in rows:
+        if r["transport"] == "naive":
+            continue
+        vals = [r["init_s"] if k == "init_s" else r["phases"].get(k) for k, _ in _PHASES]
+        lines.append(f"| {r['transport']} | {_layout(r)} | {r['model_mb']:.0f} | "
+                     + " | ".join(_f(v, ".3f") for v in vals) + " |")
+    return lines
+
+
+def markdown(result: dict[str, Any]) -> str:
+    m = result["machine"]
+    rows = result["rows"]
+    out = ["# Transfer throughput (weightsync, CPU)", "",
+           (f"Machine: {m['cpu']}, {m['cores']} cores, {m['mem_gib']} GiB; {m['backend']}; torch {m['torch']}, "
+           f"vLLM {m['vllm']}, Python {m['python']}. Load average at start {_f(m['loadavg_start'][0])}, "
+           f"at end {_f(m.get('loadavg_end', [None])[0])} (the machine is shared). "
+           f"Run {time.strftime('%Y-%m-%d %H:%M')}, {result.get('seconds_total', 0) / 60:.1f} min."), ""]
+    acc = acceptance(result)
+    if acc:
+        out += ["## Targets: nccl_m2n, 2 trainers -> TP 2", "",
+                ("| model MB | wire / lower bound (target 1.00) | speedup over naive (target >= 2x) "
+                "| GB/s per receiver | raw p2p pair, best GB/s | fraction of raw p2p (target >= 80 %) "
+                "| raw M2N-shaped round GB/s | fraction of that round | GB/s in the transfer phase alone "
+                "| trainer extra peak MiB vs staging (target <= 1 bucket) |"),
+                "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for a in acc:
+            out.append(
+                f"| {a['model_mb']:.0f} | {_f(a['wire_over_lower_bound'])} "
+                f"{_verdict(a['wire_over_lower_bound'] is not None and abs(a['wire_over_lower_bound'] - 1) < 5e-3)} | "
+                f"{_f(a['speedup_over_naive'])}x {_verdict(a['speedup_over_naive'] and a['speedup_over_naive'] >= 2)} | "
+                f"{a['gbps_per_receiver']:.3f} | {_f(a['p2p_pair_best_gbps'], '.3f')} | "
+                f"{_f(a['fraction_of_p2p'] and 100 * a['fraction_of_p2p'], '.0f')} % "
+                f"{_verdict(a['fraction_of_p2p'] and a['fraction_of_p2p'] >= 0.8)} | "
+                f"{_f(a['p2p_round_gbps'], '.3f')} | {_f(a['fraction_of_p2p_round'] and 100 * a['fraction_of_p2p_round'], '.0f')} % | "
+                f"{a['transfer_phase_gbps']:.3f} | {a['trainer_extra_mib']:.0f} vs {a['staging_mib']:.0f} "
+                f"{_verdict(a['trainer_extra_mib'] <= a['staging_mib'])} |")
+        out.append("")
+    for sweep, title in (("size", "Model-size sweep"), ("layout", "Rank-layout sweep"), ("staging", "Staging sweep")):
+        sel = [r for r in rows if r["sweep"] == sweep]
+        if sweep == "layout" and sel:  # the size sweep's 2 -> TP 2 rows at the same size belong here too
+            sel = [r for r in rows if r["sweep"] == "size" and r["size"] == sel[0]["size"]
+                   and r["transport"] in {x["transport"] for x in sel}] + sel
+        if sweep == "staging":  # the size sweep's nccl_m2n row at the same size belongs here too
+            sizes = {r["size"] for r in sel}
+            sel = sorted(sel + [r for r in rows if r["sweep"] == "size" and r["transport"] == "nccl_m2n"
+                                and r["size"] in sizes and (r["trainers"], r["tp"]) == (2, 2)],
+                         key=lambda r: r["bucket_mib"])
+        if sel:
+            out += [f"## {title}", ""] + _main_table(sel) + [""]
+    timed = [r for r in rows if r["sweep"] != "staging"]
+    if timed:
+        out += ["## Time per phase (seconds, median; trainer rank 0 and slowest worker)", ""] + _phase_table(timed) + [""]
+    if result["p2p"]:
+        out += ["## Same-run baselines", "", ("| layout @ M2N staging | raw gloo p2p, one pair (GB/s by message MiB) "
+                "| best | M2N-shaped round: message MiB, GB/s per receiver |"), "|---|---|---:|---|"]
+        for k, p in result["p2p"].items():
+            pairs = ", ".join(f"{mib} MiB: {g:.2f}" for mib, g in p["pair_gbps"].items())
+            out.append(f"| {k} MiB | {pairs} | {p['pair_best_gbps']:.2f} | {p['round_msg_mib']:.0f} MiB: "
+                       f"{p['round_gbps_per_receiver']:.2f} |")
+        if result.get("memcpy"):
+            mc = result["memcpy"]
+            out += ["", (f"memcpy (64 MiB, one thread, in a trainer process): into an existing buffer "
+                        f"{mc['existing_gbps']:.2f} GB/s, into a fresh allocation {mc['fresh_gbps']:.2f} GB/s.")]
+        out.append("")
+    for key, title in (("plan_coverage", "plan_coverage.py"), ("plan_scale", "plan_scale.py")):
+        if result.get(key):
+            out += [f"## {title}", "", result[key].strip(), ""]
+    return "\n".join(out)
+
+
+def plots(result: dict[str, Any], out_dir: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, paths = result["rows"], []
+    transports = list(dict.fromkeys(r["transport"] for r in rows if r["sweep"] != "staging"))
+    size_rows = [r for r in rows if r["sweep"] == "size"]
+    p2p_best = [p["pair_best_gbps"] for p in result["p2p"].values()]
+    if size_rows:
+        fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+        for t in transports:
+            sel = sorted((r for r in size_rows if r["transport"] == t), key=lambda r: r["model_mb"])
+            if sel:
+                a.plot([r["model_mb"] for r in sel], [r["seconds"] for r in sel], "o-", label=t)
+                b.plot([r["model_mb"] for r in sel], [r["gbps_per_receiver"] for r in sel], "o-", label=t)
+        if p2p_best:
+            b.axhline(max(p2p_best), ls="--", c="gray", label="raw gloo p2p, one pair (best)")
+        for ax, y in ((a, "seconds per sync (median)"), (b, "GB/s per receiver (bytes it received / s)")):
+            ax.set_xscale("log")
+            ax.set_xlabel("model size (MB, all parameters)")
+            ax.set_ylabel(y)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        a.set_yscale("log")
+        fig.suptitle("2 FSDP2 trainer ranks -> vLLM TP 2 (CPU, gloo, 2 cores)")
+        fig.tight_layout()
+        paths.append(os.path.join(out_dir, "transfer_size.png"))
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    lay = [r for r in rows if r["sweep"] == "layout"]
+    if lay:
+        lay = [r for r in size_rows if r["size"] == lay[0]["size"] and r["transport"] in {x["transport"] for x in lay}] + lay
+        labels = list(dict.fromkeys(_layout(r) for r in lay))
+        fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.5))
+        for t in transports:
+            by = {_layout(r): r for r in lay if r["transport"] == t}
+            xs = [i for i, lab in enumerate(labels) if lab in by]
+            if xs:
+                a.plot(xs, [by[labels[i]]["seconds"] for i in xs], "o-", label=t)
+                b.plot(xs, [by[labels[i]]["gbps_per_receiver"] for i in xs], "o-", label=t)
+        for ax, y in ((a, "seconds per sync (median)"), (b, "GB/s per receiver")):
+            ax.set_xticks(range(len(labels)), labels, rotation=30, fontsize=8)
+            ax.set_xlabel("trainer ranks -> vLLM TP x replicas")
+            ax.set_ylabel(y)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.suptitle(f"Rank layouts at {lay[0]['model_mb']:.0f} MB (CPU, gloo, 2 cores)")
+        fig.tight_layout()
+        paths.append(os.path.join(out_dir, "transfer_layouts.png"))
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    stag = [r for r in rows if r["transport"] == "nccl_m2n" and r["sweep"] in ("staging", "size")
+            and (r["trainers"], r["tp"], r["replicas"]) == (2, 2, 1)]
+    if size_rows:
+        fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+        for t in transports:
+            sel = sorted((r for r in size_rows if r["transport"] == t), key=lambda r: r["model_mb"])
+            if sel:
+                a.plot([r["model_mb"] for r in sel], [max(r["trainer_extra_mib"]) for r in sel], "o-", label=t)
+        a.axhline(size_rows[0]["staging_mib"], ls="--", c="gray", label=f"staging bucket ({size_rows[0]['staging_mib']} MiB)")
+        a.set_xscale("log")
+        a.set_xlabel("model size (MB)")
+        a.set_ylabel("trainer extra peak RSS (MiB, max over ranks)")
+        a.set_title("trainer memory during a sync, 2 -> TP 2")
+        size = max((r["size"] for r in stag if r["sweep"] == "staging"), default=None)
+        sel = sorted((r for r in stag if r["size"] == size), key=lambda r: r["bucket_mib"])
+        if sel:
+            xs = [r["bucket_mib"] for r in sel]
+            b.plot(xs, [max(r["trainer_extra_mib"]) for r in sel], "o-", label="nccl_m2n trainer")
+            b.plot(xs, [max(r["worker_extra_mib"]) for r in sel], "s-", label="nccl_m2n worker (incl. rollback copy)")
+            b.plot(xs, xs, ls="--", c="gray", label="one staging bucket")
+            b.set_xscale("log", base=2)
+            b.set_title(f"nccl_m2n staging sweep at {sel[0]['model_mb']:.0f} MB")
+        b.set_xlabel("staging bucket (MiB)")
+        b.set_ylabel("extra peak RSS (MiB, max over ranks)")
+        for ax in (a, b):
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        paths.append(os.path.join(out_dir, "transfer_memory.png"))
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths

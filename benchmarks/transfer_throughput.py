@@ -1,0 +1,368 @@
+"""Transfer throughput per transport, model size and rank layout, beside same-run baselines.
+
+Launch (CPU, gloo; no GPU needed; vLLM installed)::
+
+    .venv/bin/python benchmarks/transfer_throughput.py --quick   # 2 trainers -> TP 2, two sizes: < 10 min on 2 cores
+    .venv/bin/python benchmarks/transfer_throughput.py           # size, layout and staging sweeps (~1 h on 2 cores)
+
+Trainers are real FSDP2 ranks (``weightsync.local``) holding a synthetic Qwen3-shaped model (fp32 by
+default; head_dim 64/128, GQA 2:1, intermediate 3x hidden, a 8-16k vocabulary so layers dominate);
+receivers are vLLM's own ``Qwen3ForCausalLM`` with TP over gloo. For every transport (``nccl_m2n``,
+``nccl``, ``ipc``) and the naive baseline (``full_tensor()`` per parameter, trainer rank 0 broadcasts
+it to every worker over gloo, each worker ``load_weights``), after one warm-up sync: seconds per sync
+(median), GB/s per receiver, bytes received per worker / the least it needs, extra peak RSS on
+trainers and workers (over the RSS before the engine existed), and time per phase. Raw gloo
+point-to-point bandwidth (one pair, and one M2N-shaped round) and memcpy are measured in the same run;
+``plan_coverage.py`` and ``plan_scale.py`` run afterwards and their tables join the report.
+
+Prints markdown tables; writes ``benchmarks/results/transfer_throughput.{json,md}`` and PNG plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import _report
+import torch
+
+from weightsync.local.actors import Actor, gather
+from weightsync.local.cluster import Layout, LocalCluster, free_port
+from weightsync.local.demo import BACKENDS, SOURCES, _init_info
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MiB = 1 << 20
+
+SIZES = {  # label -> (hidden, layers, vocab, tied); Qwen3-shaped, fp32 bytes in the label
+    "16MB": (256, 2, 8192, True),
+    "64MB": (512, 4, 8192, True),
+    "256MB": (1024, 4, 16384, True),
+    "1GB": (2048, 4, 16384, False),
+    "2GB": (2048, 9, 16384, False),
+}
+LAYOUTS = ("1:1:1", "1:2:1", "2:1:1", "1:4:1", "2:4:1", "4:2:1", "4:4:1", "2:2:2", "4:2:2")
+"""trainers:TP:replicas of the layout sweep (2:2:1 comes from the size sweep)."""
+TRANSPORTS = ("nccl_m2n", "nccl_m2n/no-rollback", "nccl", "ipc", "naive")
+"""``nccl_m2n`` runs first: its plan gives every worker's lower bound for the other rows."""
+
+
+def qwen3_config(hidden: int, layers: int, vocab: int, tied: bool) -> dict[str, Any]:
+    head_dim = 64 if hidden < 1024 else 128
+    heads = hidden // head_dim
+    return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": hidden,
+            "intermediate_size": 3 * hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": max(heads // 2, 1), "head_dim": head_dim, "vocab_size": vocab,
+            "tie_word_embeddings": tied, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+            "rope_theta": 1e6, "hidden_act": "silu", "torch_dtype": "float32", "bos_token_id": 0,
+            "eos_token_id": 1, "attention_bias": False}
+
+
+def largest_tensor_bytes(cfg: dict[str, Any], itemsize: int) -> int:
+    h = cfg["hidden_size"]
+    return max(cfg["vocab_size"] * h, cfg["intermediate_size"] * h, h * h) * itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    sweep: str  # "size", "layout" or "staging": which table and plot it belongs to
+    trainers: int
+    tp: int
+    replicas: int
+    size: str  # key of SIZES
+    transports: tuple[str, ...]
+    staging_mib: int  # M2N staging = broadcast/IPC bucket (raised to the largest tensor where needed)
+
+
+def scenarios(args: argparse.Namespace) -> list[Scenario]:
+    tr, b = tuple(args.transports), args.bucket_mib
+    if args.quick:
+        out = [Scenario("size", 2, 2, 1, s, tr, b) for s in args.sizes or ("64MB", "256MB")]
+        big = out[-1].size
+        return out + [Scenario("staging", 2, 2, 1, big, ("nccl_m2n",), s) for s in (16, 256) if s != b]
+    out = [Scenario("size", 2, 2, 1, s, tr, b) for s in args.sizes or SIZES]
+    no_var = tuple(t for t in tr if "/" not in t)
+    for lay in args.layouts:
+        t, p, r = (int(x) for x in lay.split(":"))
+        out.append(Scenario("layout", t, p, r, args.layout_size, no_var, b))
+    if "nccl_m2n" in tr:
+        out += [Scenario("staging", 2, 2, 1, args.layout_size, ("nccl_m2n",), s) for s in args.staging_sweep if s != b]
+    return out
+
+
+# --- running ------------------------------------------------------------------------------
+def on(actors: list[Actor], fn: str, *args: Any, **kwargs: Any) -> list[Any]:
+    return gather([a.submit("_probes:" + fn, *args, **kwargs) for a in actors])
+
+
+def median_dicts(ds: list[dict[str, float]]) -> dict[str, float]:
+    keys = sorted({k for d in ds for k in d})
+    return {k: statistics.median(d.get(k, 0.0) for d in ds) for k in keys}
+
+
+def measure_p2p(cluster: LocalCluster, sc: Scenario, sizes_mib: list[int]) -> dict[str, Any]:
+    """Raw gloo bandwidth between the same processes: trainer 0 -> worker 0 alone at several message
+    sizes, and one M2N-shaped round (every trainer -> every worker at once, M2N's message size)."""
+    ts, rs = cluster.active_trainers, cluster.active_receivers
+    actors, T, W = ts + rs, len(ts), len(rs)
+    port = free_port()
+    gather([a.submit("_probes:p2p_setup", "127.0.0.1", port, i, T + W) for i, a in enumerate(actors)])
+    out: dict[str, Any] = {"pair_gbps": {}}
+    try:
+        for mib in sizes_mib:
+            n = mib * MiB
+            iters = max(3, min(32, (256 * MiB) // n))
+            res = gather([actors[0].submit("_probes:p2p_run", [T], [], n, iters),
+                          actors[T].submit("_probes:p2p_run", [], [0], n, iters)])
+            out["pair_gbps"][mib] = res[1]["recv_bytes"] / res[1]["seconds"] / 1e9
+        cap = sc.staging_mib * MiB // max(T, W) // 64 * 64
+        iters = max(3, min(16, (256 * MiB) // (cap * T)))
+        res = gather([a.submit("_probes:p2p_run", list(range(T, T + W)), [], cap, iters) for a in ts]
+                     + [a.submit("_probes:p2p_run", [], list(range(T)), cap, iters) for a in rs])
+        out["round_msg_mib"] = cap / MiB
+        out["round_gbps_per_receiver"] = min(r["recv_bytes"] / r["seconds"] for r in res[T:]) / 1e9
+    finally:
+        on(actors, "p2p_teardown")
+    out["pair_best_gbps"] = max(out["pair_gbps"].values())
+    return out
+
+
+def merge_p2p(a: dict[str, Any] | None, b: dict[str, Any]) -> dict[str, Any]:
+    """Keep the best of two raw p2p measurements (the machine is shared; the ceiling is what counts)."""
+    if a is None:
+        return b
+    pair = {k: max(a["pair_gbps"].get(k, 0.0), v) for k, v in b["pair_gbps"].items()}
+    return {"pair_gbps": pair, "pair_best_gbps": max(pair.values()), "round_msg_mib": b["round_msg_mib"],
+            "round_gbps_per_receiver": max(a["round_gbps_per_receiver"], b["round_gbps_per_receiver"]),
+            "samples": a.get("samples", 1) + 1}
+
+
+def run_engine(cluster: LocalCluster, sc: Scenario, transport: str, model_dir: str, itemsize: int,
+               warmup: int, repeats: int, verify: bool, profile: bool = False) -> dict[str, Any]:
+    """One transport on one layout: init, warm-up, timed syncs, peaks, optional verification, and
+    with ``profile`` one more sync under cProfile in trainer rank 0 and worker 0 (not timed)."""
+    name, _, variant = transport.partition("/")
+    layout = Layout(trainers=sc.trainers, tp=sc.tp, replicas=sc.replicas, model=model_dir,
+                    dtype="float32" if itemsize == 4 else "bfloat16", backend=BACKENDS[name])
+    cluster.setup(layout)
+    ts, rs = cluster.active_trainers, cluster.active_receivers
+    cluster.on_trainers("shutdown_engine")
+    cluster.on_receivers("shutdown_weight_transfer_engine")  # its staging would count in the baseline
+    on(rs, "touch_params")
+    with open(os.path.join(model_dir, "config.json")) as f:
+        largest = largest_tensor_bytes(json.load(f), itemsize)
+    bucket = sc.staging_mib * MiB if name == "nccl_m2n" else max(sc.staging_mib * MiB, -(-largest // MiB) * MiB)
+    info = _init_info(name, layout, bucket)
+    if variant == "no-rollback":
+        info = dataclasses.replace(info, rollback=False)
+    rss_t, rss_r = on(ts, "mem_reset"), on(rs, "mem_reset")
+    t0 = time.perf_counter()
+    cluster.make_engines(info, source=SOURCES.get(name, "full"), bucket_bytes=bucket)
+    init_s = time.perf_counter() - t0
+    on(ts + rs, "instrument")
+    walls, stats, phases = [], [], []
+    for i in range(warmup + repeats):
+        on(ts + rs, "timers")
+        t0 = time.perf_counter()
+        st = cluster.sync(weight_version=f"v{i}")
+        wall = time.perf_counter() - t0
+        tts, rt = on(ts, "timers"), on(rs, "timers")
+        tt = tts[0]
+        if i >= warmup:
+            walls.append(wall)
+            stats.append(st)
+            ph = {k: v for k, v in st["phases"].items()}
+            ph["trainer_wire"] = tt.get("wire", 0.0)
+            ph["send_other"] = tt.get("send", 0.0) - sum(st["phases"].values())
+            ph["driver_rpc"] = wall - tt.get("send", 0.0)
+            ph["pack"] = ph.get("transfer", 0.0) - ph["trainer_wire"]
+            for k in ("start", "receive", "wire", "finish"):
+                ph["worker_" + k] = max(r.get(k, 0.0) for r in rt)
+            ph["worker_apply"] = max(r.get("receive", 0.0) - r.get("wire", 0.0) for r in rt)
+            ph["cpu_trainers"], ph["cpu_workers"] = sum(t["cpu"] for t in tts), sum(r["cpu"] for r in rt)
+            phases.append(ph)
+    peaks_t, peaks_r = on(ts, "mem_peak"), on(rs, "mem_peak")
+    profiles = None
+    if profile:
+        on([ts[0], rs[0]], "profile_start")
+        cluster.sync(weight_version="profiled")
+        profiles = dict(zip(("trainer0", "worker0"), on([ts[0], rs[0]], "profile_stop")))
+    bad = cluster.verify() if verify else None
+    cluster.on_trainers("shutdown_engine")
+    last = stats[-1]
+    received = {int(k): v for k, v in last["bytes_received_per_worker"].items()}
+    return {
+        "transport": transport, "bucket_mib": bucket / MiB, "init_s": init_s, "walls": walls,
+        "seconds": statistics.median(walls), "phases": median_dicts(phases),
+        "received_per_worker": received,
+        "lower_bound_per_worker": {int(k): v for k, v in last["lower_bound_per_worker"].items()},
+        "trainer_extra_mib": [(p["hwm"] - r) / MiB for p, r in zip(peaks_t, rss_t)],
+        "worker_extra_mib": [(p["hwm"] - r) / MiB for p, r in zip(peaks_r, rss_r)],
+        "verified": None if bad is None else not any(bad.values()), "profiles": profiles,
+    }
+
+
+def run_naive(cluster: LocalCluster, warmup: int, repeats: int, verify: bool) -> dict[str, Any]:
+    """The baseline on the current layout (any receiver backend): no weightsync engine involved."""
+    ts, rs = cluster.active_trainers, cluster.active_receivers
+    cluster.on_trainers("shutdown_engine")
+    cluster.on_receivers("shutdown_weight_transfer_engine")
+    on(rs, "touch_params")
+    rss_t, rss_r = on(ts, "mem_reset"), on(rs, "mem_reset")
+    port, world = free_port(), 1 + len(rs)
+    gather([a.submit("_probes:naive_setup", "127.0.0.1", port, world) for a in ts]
+           + [a.submit("_probes:naive_setup", "127.0.0.1", port, world, rank=1 + w) for w, a in enumerate(rs)])
+    walls, phases = [], []
+    try:
+        for i in range(warmup + repeats):
+            on(ts + rs, "timers")
+            t0 = time.perf_counter()
+            gather([a.submit("_probes:naive_send") for a in ts] + [a.submit("_probes:naive_recv") for a in rs])
+            wall = time.perf_counter() - t0
+            tts, rt = on(ts, "timers"), on(rs, "timers")
+            if i >= warmup:
+                walls.append(wall)
+                phases.append({"cpu_trainers": sum(t["cpu"] for t in tts), "cpu_workers": sum(r["cpu"] for r in rt)})
+    finally:
+        on(ts + rs, "naive_teardown")
+    peaks_t, peaks_r = on(ts, "mem_peak"), on(rs, "mem_peak")
+    bad = cluster.verify() if verify else None
+    full = on(ts[:1], "model_bytes")[0]
+    return {
+        "transport": "naive", "bucket_mib": 0.0, "init_s": 0.0, "walls": walls, "seconds": statistics.median(walls),
+        "phases": median_dicts(phases), "received_per_worker": dict.fromkeys(range(len(rs)), full), "lower_bound_per_worker": {},
+        "trainer_extra_mib": [(p["hwm"] - r) / MiB for p, r in zip(peaks_t, rss_t)],
+        "worker_extra_mib": [(p["hwm"] - r) / MiB for p, r in zip(peaks_r, rss_r)],
+        "verified": None if bad is None else not any(bad.values()),
+    }
+
+
+def finish_row(row: dict[str, Any], sc: Scenario, model_mb: float, lower: dict[int, int] | None) -> dict[str, Any]:
+    per_worker = max(row["received_per_worker"].values())
+    lower = row["lower_bound_per_worker"] or lower or {}
+    ratio = max((v / lower[w] for w, v in row["received_per_worker"].items() if lower.get(w)), default=None)
+    row.update(sweep=sc.sweep, trainers=sc.trainers, tp=sc.tp, replicas=sc.replicas, size=sc.size,
+               staging_mib=sc.staging_mib, model_mb=model_mb, mb_per_worker=per_worker / 1e6,
+               gbps_per_receiver=per_worker / row["seconds"] / 1e9, wire_over_lower_bound=ratio,
+               lower_bound_per_worker=lower)
+    return row
+
+
+def run_subprocess(cmd: list[str], timeout_s: int) -> str:
+    env = {**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(HERE), "src")}
+    try:
+        p = subprocess.run(cmd, cwd=os.path.dirname(HERE), env=env, capture_output=True, text=True, timeout=timeout_s,
+                           check=False)
+    except subprocess.TimeoutExpired:
+        return f"(timed out after {timeout_s} s: {' '.join(cmd)})"
+    return p.stdout if p.returncode == 0 else f"(failed, exit {p.returncode}: {' '.join(cmd)})\n{p.stderr[-2000:]}"
+
+
+def machine() -> dict[str, Any]:
+    import vllm
+
+    with open("/proc/cpuinfo") as f:
+        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
+    with open("/proc/meminfo") as f:
+        mem = next(int(line.split()[1]) for line in f if line.startswith("MemTotal"))
+    return {"cpu": cpu, "cores": os.cpu_count(), "mem_gib": round(mem / 2**20, 1), "python": platform.python_version(),
+            "torch": torch.__version__, "vllm": vllm.__version__, "backend": "gloo (CPU, loopback)",
+            "loadavg_start": os.getloadavg()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="2 trainers -> TP 2 at 64 MB and 256 MB only")
+    ap.add_argument("--transports", nargs="+", default=list(TRANSPORTS), choices=list(TRANSPORTS))
+    ap.add_argument("--sizes", nargs="+", choices=list(SIZES), help="model sizes of the size sweep")
+    ap.add_argument("--layouts", nargs="*", default=list(LAYOUTS), help="trainers:TP:replicas of the layout sweep")
+    ap.add_argument("--layout-size", choices=list(SIZES), default="256MB", help="model of the layout and staging sweeps")
+    ap.add_argument("--staging-sweep", type=int, nargs="*", default=[4, 16, 64, 256], help="MiB")
+    ap.add_argument("--bucket-mib", type=int, default=64, help="M2N staging and broadcast/IPC bucket")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--repeats", type=int, default=None, help="timed syncs per row (default 3 quick, 5 full)")
+    ap.add_argument("--profile", action="store_true",
+                    help="one more nccl_m2n sync at the largest 2 -> TP 2 size under cProfile (written to --out)")
+    ap.add_argument("--no-extras", action="store_true", help="skip plan_coverage.py and plan_scale.py")
+    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    args = ap.parse_args()
+    repeats = args.repeats or (3 if args.quick else 5)
+    itemsize = 4 if args.dtype == "float32" else 2
+    os.makedirs(args.out, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix="weightsync-bench-")
+    dirs = {}
+    for label, spec in SIZES.items():
+        dirs[label] = os.path.join(tmp, label)
+        os.makedirs(dirs[label])
+        with open(os.path.join(dirs[label], "config.json"), "w") as f:
+            json.dump(qwen3_config(*spec), f)
+    started = time.perf_counter()
+    result: dict[str, Any] = {"machine": machine(), "args": vars(args), "rows": [], "p2p": {}, "memcpy": None}
+    cluster = LocalCluster()
+    verified_layouts: set[tuple[int, int, int]] = set()
+    plan = scenarios(args)
+    biggest = max((sc for sc in plan if sc.sweep == "size"), key=lambda sc: SIZES[sc.size][:2], default=None)
+    try:
+        for sc in plan:
+            key = (sc.trainers, sc.tp, sc.replicas)
+            verify = sc.sweep != "staging" and key not in verified_layouts
+            verified_layouts.add(key)
+            lower, model_mb = None, None
+            print(f"--- {sc.sweep}: {sc.trainers} trainers -> TP {sc.tp} x {sc.replicas}, {sc.size}, "
+                  f"staging {sc.staging_mib} MiB ({time.perf_counter() - started:.0f} s)", flush=True)
+            for transport in sc.transports:
+                if transport == "naive":
+                    row = run_naive(cluster, 1, repeats, verify)
+                else:
+                    prof = args.profile and sc is biggest and transport == "nccl_m2n"
+                    row = run_engine(cluster, sc, transport, dirs[sc.size], itemsize, 1, repeats, verify, prof)
+                    for who, text in (row.pop("profiles") or {}).items():
+                        with open(os.path.join(args.out, f"profile_{transport}_{sc.size}_{who}.txt"), "w") as f:
+                            f.write(text)
+                if model_mb is None:
+                    model_mb = on(cluster.active_trainers[:1], "model_bytes")[0] / 1e6
+                row = finish_row(row, sc, model_mb, lower)
+                if transport == "nccl_m2n":
+                    lower = row["lower_bound_per_worker"]
+                result["rows"].append(row)
+                print(f"    {_report.row_line(row)}", flush=True)
+                # raw p2p after the first and after the last transport: the better of the two counts
+                if sc.sweep != "staging" and transport in (sc.transports[0], sc.transports[-1]):
+                    pkey = f"{sc.trainers}x{sc.tp}x{sc.replicas}@{sc.staging_mib}"
+                    p2p = measure_p2p(cluster, sc, [1, 8, 64] if not args.quick else [8, 64])
+                    result["p2p"][pkey] = merge_p2p(result["p2p"].get(pkey), p2p)
+                    print(f"    raw p2p: one pair {p2p['pair_gbps']} GB/s, M2N-shaped round "
+                          f"{p2p['round_gbps_per_receiver']:.3f} GB/s per receiver", flush=True)
+            if result["memcpy"] is None:
+                result["memcpy"] = on(cluster.active_trainers[:1], "memcpy", 64 * MiB, 8)[0]
+    finally:
+        cluster.close()
+    result["seconds_sweeps"] = time.perf_counter() - started
+    if not args.no_extras:
+        py = sys.executable
+        cov = ["--tp", "2", "--models", "qwen3_0_6b"] if args.quick else []
+        result["plan_coverage"] = run_subprocess([py, "benchmarks/plan_coverage.py", *cov], 900)
+        result["plan_scale"] = run_subprocess([py, "benchmarks/plan_scale.py", *(["--layers", "8"] if args.quick else [])],
+                                              600)
+    result["machine"]["loadavg_end"] = os.getloadavg()
+    result["seconds_total"] = time.perf_counter() - started
+    text = _report.markdown(result)
+    print("\n" + text)
+    with open(os.path.join(args.out, "transfer_throughput.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(args.out, "transfer_throughput.json"), "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    for path in _report.plots(result, args.out):
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
