@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from weightsync.integrations.fsdp2 import LossConfig, ModelConfig, OptimConfig, TrainerConfig
 from weightsync.local.actors import STATE, Actor, gather
 from weightsync.local.cluster import free_port
 
@@ -82,6 +83,14 @@ def checkpoints() -> dict[str, str]:
         _CKPTS.update(actor=write_checkpoint(os.path.join(root, "actor"), seed=0),
                       other=write_checkpoint(os.path.join(root, "other"), seed=1))
     return dict(_CKPTS)
+
+
+def config(ckpts: dict[str, str], *, ref: str | None = None, max_tokens: int = 40, optim: OptimConfig | None = None,
+           **loss) -> TrainerConfig:
+    """A CPU trainer config on ``ckpts['actor']`` (reference ``ckpts[ref]``), lr 1e-3."""
+    return TrainerConfig(model=ModelConfig(path=ckpts["actor"], reference_path=ckpts[ref] if ref else None),
+                         loss=LossConfig(**loss), optim=optim or OptimConfig(lr=1e-3), device="cpu",
+                         max_tokens_per_micro_batch=max_tokens)
 
 
 def make_samples(n_groups: int, group_size: int, *, seed: int, vocab: int = 151, zero_rewards: bool = False,

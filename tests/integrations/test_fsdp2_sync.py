@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from fsdp2_procs import checkpoints, make_samples, ranks
-from test_fsdp2_trainer import config
+from fsdp2_procs import checkpoints, config, make_samples, ranks
 from weightsync.local.cluster import Layout, free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]

@@ -2,8 +2,7 @@
 
 Two rank processes are started once (``fsdp2_procs.ranks()``) and reused; each test re-forms the
 process group and builds the trainers it needs. Checkpoints are seeded random models written with
-``save_pretrained`` (``actor``: seed 0, ``other``: seed 1). ``config`` and ``load_plain`` are shared
-with the other trainer test modules."""
+``save_pretrained`` (``actor``: seed 0, ``other``: seed 1)."""
 
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from fsdp2_procs import checkpoints, make_samples, ranks, write_checkpoint
+from fsdp2_procs import checkpoints, config, make_samples, ranks, write_checkpoint
 from weightsync.integrations.fsdp2 import LossConfig, ModelConfig, OptimConfig, TrainerConfig, dp_schedule
 from weightsync.local.actors import RemoteError
 
@@ -29,13 +28,6 @@ def ckpts():
 @pytest.fixture(scope="module")
 def procs():
     return ranks()
-
-
-def config(ckpts, *, ref: str | None = None, max_tokens: int = 40, optim: OptimConfig | None = None,
-           **loss) -> TrainerConfig:
-    return TrainerConfig(model=ModelConfig(path=ckpts["actor"], reference_path=ckpts[ref] if ref else None),
-                         loss=LossConfig(**loss), optim=optim or OptimConfig(lr=1e-3), device="cpu",
-                         max_tokens_per_micro_batch=max_tokens)
 
 
 def load_plain(path: str) -> torch.nn.Module:
