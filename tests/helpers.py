@@ -184,3 +184,84 @@ def ipc_imports() -> int | None:
 
     importer = getattr(STATE.get("engine"), "importer", None)
     return None if importer is None else importer.imports
+
+
+def slow_data_plane(seconds: float) -> None:
+    """Inside a process: every data-plane round/broadcast first sleeps ``seconds`` (0 restores)."""
+    import time
+
+    from weightsync.comm import Communicator
+
+    originals = STATE_ORIGINALS.setdefault("comm", (Communicator.exchange, Communicator.broadcast))
+    if not seconds:
+        Communicator.exchange, Communicator.broadcast = originals
+        return
+
+    def slow(fn):
+        def wrapper(*a, **k):
+            time.sleep(seconds)
+            return fn(*a, **k)
+        return wrapper
+
+    Communicator.exchange, Communicator.broadcast = slow(originals[0]), slow(originals[1])
+
+
+STATE_ORIGINALS: dict = {}
+
+
+def thread_count() -> int:
+    import threading
+
+    return threading.active_count()
+
+
+class _FaultyLocal(WeightSource):
+    """A DTensorModuleSource whose metadata or local shards are wrong in one way (M2N bad inputs)."""
+
+    def __init__(self, model, how: str) -> None:
+        import torch.distributed as dist
+
+        from weightsync import DTensorModuleSource
+
+        self.inner, self.how, self.rank = DTensorModuleSource(model, dist.get_world_size()), how, dist.get_rank()
+
+    @cached_property
+    def metadata(self) -> list[ParamMeta]:
+        import dataclasses
+
+        metas = list(self.inner.metadata)
+        if self.how == "duplicate":
+            metas.append(metas[0])
+        elif self.how == "rank1_differs" and self.rank == 1:
+            metas = [m for m in metas if m.name != BAD_NAME]
+        elif self.how == "complex":
+            metas = [dataclasses.replace(m, dtype=torch.complex64) if m.name == BAD_NAME else m for m in metas]
+        return metas
+
+    def iter_local(self):
+        for name, t in self.inner.iter_local():
+            if name == BAD_NAME and self.how == "local_shape":
+                t = t[:-1]
+            if name == BAD_NAME and self.how == "local_missing":
+                continue
+            yield name, t
+
+
+def local_shape(model):
+    return _FaultyLocal(model, "local_shape")
+
+
+def local_missing(model):
+    return _FaultyLocal(model, "local_missing")
+
+
+def duplicate(model):
+    return _FaultyLocal(model, "duplicate")
+
+
+def rank1_differs(model):
+    return _FaultyLocal(model, "rank1_differs")
+
+
+def complex_dtype(model):
+    return _FaultyLocal(model, "complex")

@@ -47,14 +47,15 @@ def test_dtype_names_roundtrip_and_reject_unknown():
         assert dtype_from_name(dtype_name(dt)) is dt
     with pytest.raises(ValueError, match="unknown dtype name 'float128'"):
         dtype_from_name("float128")
-    with pytest.raises(ValueError, match="dtype torch.complex64 is not supported"):
+    with pytest.raises(ValueError, match="parameter 'x': dtype torch.complex64 is not supported"):
         ParamMeta("x", torch.complex64, (1,))
 
 
 def test_registries_are_lazy_and_list_names():
     assert "weightsync_nccl" in WorkerEngineFactory.available()
     assert WorkerEngineFactory.engine_class("nccl").__name__ == "NCCLWorkerEngine"  # short alias
-    with pytest.raises(ValueError, match=r"unknown weight-transfer backend 'gloo'; available: \['weightsync_nccl'"):
+    with pytest.raises(ValueError, match=r"unknown weight-transfer backend 'gloo'; available: "
+                                         r"\['weightsync_ipc', 'weightsync_m2n', 'weightsync_nccl'\]"):
         WeightTransferTrainerFactory.engine_class("gloo")
     with pytest.raises(TypeError, match="init_info must be a TrainerInitInfo, got dict"):
         WeightTransferTrainerFactory.trainer_init({}, client=None)

@@ -16,7 +16,7 @@ import torch
 
 from .protocol import ParamMeta, dtype_from_name, dtype_name
 
-__all__ = ["ALIGN", "BucketEntry", "Bucket", "plan_buckets", "metadata_digest", "pack", "unpack"]
+__all__ = ["ALIGN", "BucketEntry", "Bucket", "plan_buckets", "metadata_digest", "pack", "unpack", "fold_checksum"]
 
 ALIGN = 256
 """Byte alignment of every tensor inside a bucket."""
@@ -89,3 +89,14 @@ def unpack(buffer: torch.Tensor, bucket: Bucket) -> list[tuple[str, torch.Tensor
         raw = buffer[e.offset : e.offset + e.nbytes]
         out.append((e.name, raw.view(dtype_from_name(e.dtype)).view(e.shape)))
     return out
+
+
+_MOD = (1 << 61) - 1
+
+
+def fold_checksum(acc: int, t: torch.Tensor) -> int:
+    """Fold ``t``'s bytes into the running checksum ``acc`` (order- and position-sensitive; computed
+    on ``t``'s device). Both ends of a transfer fold the same tensors in the same order."""
+    b = t.contiguous().view(-1).view(torch.uint8).to(torch.int64)
+    weights = torch.arange(1, b.numel() + 1, device=b.device, dtype=torch.int64) % 65521 + 1
+    return (acc * 1_000_003 + int((b * weights).sum()) + b.numel()) % _MOD

@@ -36,6 +36,7 @@ __all__ = [
     "SyncStats",
     "TrainerEngine",
     "parse_info",
+    "check_metadata",
     "dtype_name",
     "dtype_from_name",
 ]
@@ -92,7 +93,10 @@ class ParamMeta:
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
         if any(s < 0 for s in self.shape):
             raise ValueError(f"parameter {self.name!r}: negative size in shape {self.shape}")
-        dtype_name(self.dtype)  # raises for unsupported dtypes
+        try:
+            dtype_name(self.dtype)
+        except ValueError as e:
+            raise ValueError(f"parameter {self.name!r}: {e}") from None
         if (self.mesh_shape is None) != (self.placements is None):
             raise ValueError(f"parameter {self.name!r}: mesh_shape and placements go together")
 
@@ -138,6 +142,16 @@ class WeightSource(ABC):
     def iter_local(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(hf_name, this rank's shard)`` in metadata order; never gathers."""
         raise NotImplementedError(f"{type(self).__name__} does not implement iter_local")
+
+
+def check_metadata(metas: list[ParamMeta]) -> None:
+    """Preflight on every trainer rank: names are unique (a duplicate would be sent twice or
+    overwrite another tensor)."""
+    seen: set[str] = set()
+    for m in metas:
+        if m.name in seen:
+            raise ValueError(f"parameter {m.name!r} appears twice in the source's metadata")
+        seen.add(m.name)
 
 
 def parse_info(cls: type[T], data: Mapping[str, Any] | T, what: str = "info") -> T:
@@ -197,6 +211,8 @@ class SyncStats:
     phases: dict[str, float] = field(default_factory=dict)
     """Seconds per phase: ``preflight``, ``start``, ``transfer``, ``finish``, ..."""
     weight_version: str | None = None
+    verified: bool | None = None
+    """True when the sync ran with ``verify=True`` and every worker's checksums matched."""
 
     @property
     def seconds(self) -> float:

@@ -17,7 +17,7 @@ import torch
 
 from .layout.plan import TensorSource
 from .layout.regions import Replicate, Shard, placements_from_torch, source_regions
-from .protocol import ParamMeta, WeightSource, dtype_name
+from .protocol import ParamMeta, WeightSource, check_metadata, dtype_name
 
 __all__ = ["FullTensorSource", "DTensorModuleSource", "tensor_sources"]
 
@@ -135,6 +135,7 @@ class DTensorModuleSource(WeightSource):
 
 def tensor_sources(metas: list[ParamMeta]) -> list[TensorSource]:
     """The planner's view of sharded metadata: every trainer rank's region of every tensor."""
+    check_metadata(metas)
     out = []
     for m in metas:
         if m.mesh_shape is None or m.rank_coordinates is None:

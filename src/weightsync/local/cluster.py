@@ -78,6 +78,21 @@ class LocalCluster:
         for a in self.trainers + self.receivers:
             _ = a.address  # all processes start in parallel; wait for each once
 
+    def replace_dead(self) -> list[str]:
+        """Start a new process in the slot of every actor that died (a killed or crashed peer);
+        returns their names. Call ``setup(..., fresh=True)`` afterwards."""
+        dead = []
+        for group, env in ((self.trainers, {"OMP_NUM_THREADS": "1"}), (self.receivers, VLLM_CPU_ENV)):
+            for i, a in enumerate(group):
+                if not a.alive():
+                    a.close()
+                    group[i] = Actor(a.name, env)
+                    dead.append(a.name)
+        for a in self.trainers + self.receivers:
+            _ = a.address
+        self._keys = None
+        return dead
+
     def setup(self, layout: Layout, *, fresh: bool = False) -> None:
         """Build ``layout`` on the processes. A side (trainers or receivers) whose part of the layout
         is unchanged is kept as it is (trained weights and all) unless ``fresh``."""
@@ -124,19 +139,23 @@ class LocalCluster:
         return LocalWeightSyncClient([addrs[i : i + tp] for i in range(0, len(addrs), tp)], timeout_s=timeout_s)
 
     def on_trainers(self, fn: str, *args: Any, **kwargs: Any) -> list[Any]:
-        return gather([a.submit(_T + fn, *args, **kwargs) for a in self.active_trainers])
+        """``fn`` (a ``weightsync.local.trainer`` function, or any ``"module:function"``) on every trainer."""
+        fn = fn if ":" in fn else _T + fn
+        return gather([a.submit(fn, *args, **kwargs) for a in self.active_trainers])
 
     def on_receivers(self, fn: str, *args: Any, **kwargs: Any) -> list[Any]:
-        return gather([a.submit(_R + fn, *args, **kwargs) for a in self.active_receivers])
+        """``fn`` (a ``weightsync.local.receiver`` function, or any ``"module:function"``) on every receiver."""
+        fn = fn if ":" in fn else _R + fn
+        return gather([a.submit(fn, *args, **kwargs) for a in self.active_receivers])
 
     def make_engines(self, init_info: Any, *, source: str = "full", bucket_bytes: int | None = None,
                      client: Any = None, factory: str = "weightsync") -> None:
         self.on_trainers("make_engine", init_info, client or self.client(), source=source, bucket_bytes=bucket_bytes,
                          factory=factory)
 
-    def sync(self, weight_version: str | None = None) -> dict[str, Any]:
+    def sync(self, weight_version: str | None = None, *, verify: bool = False) -> dict[str, Any]:
         """``send_weights`` on every trainer rank; returns rank 0's stats."""
-        return self.on_trainers("send_weights", weight_version)[0]
+        return self.on_trainers("send_weights", weight_version, verify=verify)[0]
 
     def train_step(self, seed: int) -> float:
         return self.on_trainers("train_step", seed)[0]

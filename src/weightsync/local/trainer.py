@@ -111,8 +111,9 @@ def source_factory(path: str) -> Any:
     return getattr(importlib.import_module(module), attr)
 
 
-def send_weights(weight_version: str | None = None) -> dict[str, Any]:
-    stats = STATE["engine"].send_weights(weight_version=weight_version)
+def send_weights(weight_version: str | None = None, verify: bool = False) -> dict[str, Any]:
+    kwargs = {"verify": True} if verify else {}
+    stats = STATE["engine"].send_weights(weight_version=weight_version, **kwargs)
     d = dataclasses.asdict(stats)
     d["seconds"], d["gbps"] = stats.seconds, stats.gbps
     return d

@@ -92,6 +92,9 @@ class M2NWorkerInitInfo(WorkerInitInfo):
 class M2NUpdateInfo(WorkerUpdateInfo):
     sync_id: int
     digest: str
+    verify: bool = False
+    """Workers check what they applied against the trainers' checksums of what they sent, and fail
+    (rolling back) on any difference, before the sync can be finished."""
 
 
 class _Plan:
@@ -172,8 +175,10 @@ class M2NTrainerEngine(TrainerEngine):
             raise ValueError(f"parameter {missing[0]!r}: the source yielded no local shard for it")
         return shards
 
-    def send_weights(self, *, weight_version: str | None = None) -> SyncStats:
-        """Collective on every trainer rank; returns after every worker applied the weights."""
+    def send_weights(self, *, weight_version: str | None = None, verify: bool = False) -> SyncStats:
+        """Collective on every trainer rank; returns after every worker applied the weights. With
+        ``verify``, every worker compares checksums of what it applied with what each trainer rank
+        sent before the sync is finished (the weight version only advances when all match)."""
         comm = self.comm
         stats = SyncStats(backend="weightsync_m2n", rank=self.rank, weight_version=weight_version)
         self.sync_id += 1
@@ -192,13 +197,16 @@ class M2NTrainerEngine(TrainerEngine):
             if self.is_sender:
                 with stats.timed("start"):
                     self.client.start_weight_update()
-                fut = pool.submit(self.client.update_weights,
-                                  asdict(M2NUpdateInfo(sync_id=self.sync_id, digest=self.plan.digest)))
+                fut = pool.submit(self.client.update_weights, asdict(
+                    M2NUpdateInfo(sync_id=self.sync_id, digest=self.plan.digest, verify=verify)))
             with stats.timed("transfer"):
+                sums: dict[int, int] | None = {} if verify else None
                 stats.bytes_sent = run_rounds(comm, self.plan.rounds, self.plan.staging, sender=True,
                                               peer_rank=lambda w: self.init_info.num_trainer_ranks + w,
                                               dtypes=self.plan.dtypes,
-                                              tensor_of=lambda m, i: shards[m.items[i].name])
+                                              tensor_of=lambda m, i: shards[m.items[i].name], sums=sums)
+                if sums is not None:
+                    comm.publish(f"{key}/sums/{self.rank}", {str(w): v for w, v in sums.items()})
                 if fut is not None:
                     fut.result(timeout=self.init_info.timeout_s)
             if self.is_sender:
@@ -216,6 +224,7 @@ class M2NTrainerEngine(TrainerEngine):
             pool.shutdown(wait=False)
         if not self.is_sender and (verdict := comm.read(f"{key}/done")) != "ok":
             raise RuntimeError(f"weight sync {self.sync_id} failed on trainer rank 0: {verdict}")
+        stats.verified = True if verify else None
         stats.num_tensors = len(self._names)
         stats.num_chunks = len(self.plan.rounds)
         stats.lower_bound_per_worker = dict(enumerate(self.plan.gathered.plan.coverage().lower_bound))
@@ -301,7 +310,7 @@ class M2NWorkerEngine(WorkerEngine):
         self.plan = _Plan(self.comm, sources, init_info.num_trainer_ranks, replicas * tp, init_info.staging_bytes,
                           rank=w, sender=False)
         self.fallbacks = self.plan.gathered.fallbacks[w]
-        _zero_uncovered(self.model, dests.pieces)
+        self._pieces, self._zeroed = dests.pieces, False
 
     def start_weight_update(self) -> None:
         self._check_not_poisoned()
@@ -323,9 +332,15 @@ class M2NWorkerEngine(WorkerEngine):
             for name, _ in self.fallbacks:
                 s = by_name[name]
                 params[FALLBACK + name] = torch.empty(s.shape, dtype=getattr(torch, s.dtype), device=self.device)
+            sums: dict[int, int] | None = {} if update_info.verify else None
             moved = run_rounds(self.comm, self.plan.rounds, self.plan.staging, sender=False,
                                peer_rank=lambda r: r, dtypes=self.plan.dtypes,
-                               tensor_of=lambda m, i: params[m.items[i].param])
+                               tensor_of=lambda m, i: params[m.items[i].param], sums=sums)
+            if sums is not None:
+                self._verify(update_info.sync_id, sums)
+            if not self._zeroed:  # first sync since init: padding as load_weights leaves it
+                _zero_uncovered(self.model, self._pieces)
+                self._zeroed = True
             self.comm.publish(f"{_P}/sync{update_info.sync_id}/recv/{self.worker_rank}", moved)
             if self.fallbacks:
                 self._applier.begin_layerwise()
@@ -336,6 +351,15 @@ class M2NWorkerEngine(WorkerEngine):
             self._applier.abort()
             self._applier = None
             raise
+
+    def _verify(self, sync_id: int, applied: dict[int, int]) -> None:
+        """Compare what this worker applied from each trainer rank with what that rank sent."""
+        w = str(self.worker_rank)
+        for src in range(self.info.num_trainer_ranks):
+            sent = self.comm.read(f"{_P}/sync{sync_id}/sums/{src}").get(w)
+            if sent != applied.get(src):
+                raise ValueError(f"verify: worker {w} applied data from trainer rank {src} with checksum "
+                                 f"{applied.get(src)}, the trainer sent {sent}")
 
     def finish_weight_update(self) -> None:
         self._check_not_poisoned()

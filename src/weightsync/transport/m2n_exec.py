@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ..buckets import fold_checksum
 from ..comm import Communicator
 from ..layout.plan import DestPiece, TensorSource, TransferPlan, build_plan, dtype_itemsize
 from ..layout.regions import Region
@@ -100,10 +101,11 @@ def my_messages(plan: TransferPlan, sources: list[TensorSource], *, rank: int, s
 
 def run_rounds(comm: Communicator, plan_rounds: list[list[Message]], staging: torch.Tensor, *, sender: bool,
                peer_rank: Callable[[int], int], dtypes: Mapping[str, str],
-               tensor_of: Callable[[Message, int], torch.Tensor]) -> int:
+               tensor_of: Callable[[Message, int], torch.Tensor], sums: dict[int, int] | None = None) -> int:
     """Execute rounds; returns payload bytes moved. Sender: copy each item's region of its local shard
     (``tensor_of`` gives the shard) into staging, send. Receiver: receive into staging, copy each item
-    into its target region (``tensor_of`` gives the parameter or fallback buffer; dtype cast if needed)."""
+    into its target region (``tensor_of`` gives the parameter or fallback buffer; dtype cast if needed).
+    With ``sums``, fold every item per peer: the sender what it sent, the receiver what it applied."""
     moved = 0
     for msgs in plan_rounds:
         bufs, base = [], 0
@@ -115,14 +117,20 @@ def run_rounds(comm: Communicator, plan_rounds: list[list[Message]], staging: to
                 for i, (item, off) in enumerate(zip(m.items, m.offsets)):
                     view = _view(buf, off, item, dtypes)
                     view.copy_(tensor_of(m, i)[_slices(item.src_offsets, item.region.sizes)])
+                    if sums is not None:
+                        sums[m.dst] = fold_checksum(sums.get(m.dst, 0), view)
         ops = [(buf, peer_rank(m.dst if sender else m.src), m.index) for m, buf in zip(msgs, bufs)]
         comm.exchange(ops if sender else [], [] if sender else ops, "M2N round")
         for m, buf in zip(msgs, bufs):
             moved += sum(it.region.numel * dtype_itemsize(dtypes[it.name]) for it in m.items)
             if not sender:
                 for i, (item, off) in enumerate(zip(m.items, m.offsets)):
+                    received = _view(buf, off, item, dtypes)
                     target = tensor_of(m, i)[_slices(item.param_offsets, item.region.sizes)]
-                    target.copy_(_view(buf, off, item, dtypes))
+                    target.copy_(received)
+                    if sums is not None:  # what was applied, read back in the wire dtype
+                        applied = target if target.dtype == received.dtype else received
+                        sums[m.src] = fold_checksum(sums.get(m.src, 0), applied)
     return moved
 
 

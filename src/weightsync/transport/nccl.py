@@ -15,9 +15,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..buckets import ALIGN, Bucket, metadata_digest, pack, plan_buckets, unpack
+from ..buckets import ALIGN, Bucket, fold_checksum, metadata_digest, pack, plan_buckets, unpack
 from ..comm import Communicator, DataPlaneError, SyncAborted
-from ..protocol import (ParamMeta, SyncStats, TrainerEngine, TrainerInitInfo, WeightSource,
+from ..protocol import (ParamMeta, check_metadata, SyncStats, TrainerEngine, TrainerInitInfo, WeightSource,
                         WorkerInitInfo, WorkerUpdateInfo, dtype_from_name)
 from ..worker import LayerwiseApplier, WorkerEngine
 
@@ -82,6 +82,8 @@ class NCCLUpdateInfo(WorkerUpdateInfo):
 
     sync_id: int
     digest: str
+    verify: bool = False
+    """Workers compare a checksum of every bucket they received with the sender's before finishing."""
     names: list[str] = field(default_factory=list)
     dtype_names: list[str] = field(default_factory=list)
     shapes: list[list[int]] = field(default_factory=list)
@@ -147,13 +149,16 @@ class NCCLTrainerEngine(TrainerEngine):
             self.comm = Communicator.control_only(i.master_address, i.master_port, i.rank, timeout_s=i.timeout_s)
         return self
 
-    def send_weights(self, *, weight_version: str | None = None) -> SyncStats:
-        """Collective on every trainer rank; returns after every worker applied the weights."""
+    def send_weights(self, *, weight_version: str | None = None, verify: bool = False) -> SyncStats:
+        """Collective on every trainer rank; returns after every worker applied the weights. With
+        ``verify``, workers check what they received against the sender's checksums before the
+        sync can finish."""
         info: NCCLTrainerInitInfo = self.init_info  # type: ignore[assignment]
         stats = SyncStats(backend="weightsync_nccl", rank=self.rank, weight_version=weight_version)
         self.sync_id += 1
         with stats.timed("preflight"):
             metas = self.source.metadata
+            check_metadata(metas)
             buckets = plan_buckets(metas, info.bucket_bytes)  # raises on every rank alike
         stats.num_tensors, stats.num_chunks = len(metas), len(buckets)
         if not self.is_sender:
@@ -175,7 +180,7 @@ class NCCLTrainerEngine(TrainerEngine):
                 raise RuntimeError(f"weight sync {self.sync_id} failed on trainer rank 0: {verdict}")
             return stats
         try:
-            self._send(metas, buckets, stats, weight_version)
+            self._send(metas, buckets, stats, weight_version, verify)
         except BaseException as e:
             self.comm.publish(f"ws/done/{self.sync_id}", f"{type(e).__name__}: {e}")
             if not isinstance(e, ValueError):  # a source error was signalled in-band; the group is intact
@@ -184,11 +189,12 @@ class NCCLTrainerEngine(TrainerEngine):
         self.comm.publish(f"ws/done/{self.sync_id}", "ok")
         return stats
 
-    def _send(self, metas: list[ParamMeta], buckets: list[Bucket], stats: SyncStats, version: str | None) -> None:
+    def _send(self, metas: list[ParamMeta], buckets: list[Bucket], stats: SyncStats, version: str | None,
+              verify: bool) -> None:
         info: NCCLTrainerInitInfo = self.init_info  # type: ignore[assignment]
         digest = metadata_digest(m.wire() for m in metas)
         wire = [m.wire() for m in metas] if digest != self._sent_digest else []
-        update = NCCLUpdateInfo(sync_id=self.sync_id, digest=digest, names=[w["name"] for w in wire],
+        update = NCCLUpdateInfo(sync_id=self.sync_id, digest=digest, verify=verify, names=[w["name"] for w in wire],
                                 dtype_names=[w["dtype"] for w in wire], shapes=[w["shape"] for w in wire])
         with stats.timed("start"):
             self.client.start_weight_update()
@@ -196,7 +202,7 @@ class NCCLTrainerEngine(TrainerEngine):
         try:
             fut = pool.submit(self.client.update_weights, asdict(update))
             with stats.timed("transfer"):
-                self._broadcast(metas, buckets, stats, fut)
+                self._broadcast(metas, buckets, stats, fut, verify)
                 fut.result(timeout=info.timeout_s)
         finally:
             pool.shutdown(wait=False)  # never join a thread whose peer may be gone
@@ -205,13 +211,16 @@ class NCCLTrainerEngine(TrainerEngine):
             self.client.finish_weight_update(version)
         per_worker = sum(b.nbytes for b in buckets)
         stats.bytes_received_per_worker = {w: per_worker for w in range(info.world_size - 1)}
+        stats.verified = True if verify else None
 
-    def _broadcast(self, metas: list[ParamMeta], buckets: list[Bucket], stats: SyncStats, fut: Any) -> None:
+    def _broadcast(self, metas: list[ParamMeta], buckets: list[Bucket], stats: SyncStats, fut: Any,
+                   verify: bool) -> None:
         comm = self.comm
         assert comm is not None
         works: list[Any] = [None] * len(self._buffers)
         it = checked(self.source.iter_full(), metas)
         error: BaseException | None = None
+        checksum = 0
         for b, bucket in enumerate(buckets):
             slot = b % len(self._buffers)
             if works[slot] is not None:
@@ -234,6 +243,8 @@ class NCCLTrainerEngine(TrainerEngine):
             if fut.done() and fut.exception() is not None:
                 raise fut.exception()  # a worker failed: stop before blocking on it
             works[slot] = comm.broadcast(buf, src=0, async_op=True)
+            if verify and error is None:
+                checksum = fold_checksum(checksum, buf[: bucket.nbytes])
             stats.bytes_sent += bucket.nbytes
             if aborted_before:
                 break  # workers receive one message ahead: the flagged bucket and the next one
@@ -242,6 +253,8 @@ class NCCLTrainerEngine(TrainerEngine):
                 comm.wait(w, "bucket broadcast")
         if error is not None:
             raise error
+        if verify:
+            comm.publish(f"ws/sum/{self.sync_id}", checksum)
 
     def shutdown(self) -> None:
         if self.comm is not None:
@@ -290,7 +303,8 @@ class NCCLWorkerEngine(WorkerEngine):
             if update_info.digest != self._digest:
                 raise ValueError(f"update_info.digest {update_info.digest!r} does not match this worker's "
                                  f"metadata digest {self._digest!r}")
-            self._receive(plan_buckets(self._metas, self.info.bucket_bytes), update_info.sync_id)
+            self._receive(plan_buckets(self._metas, self.info.bucket_bytes), update_info.sync_id,
+                          update_info.verify)
         except BaseException as e:
             self.poisoned = f"{type(e).__name__}: {e}"
             if not isinstance(e, SyncAborted):  # an in-band abort leaves the group intact
@@ -299,7 +313,7 @@ class NCCLWorkerEngine(WorkerEngine):
             self._applier = None
             raise
 
-    def _receive(self, buckets: list[Bucket], sync_id: int) -> None:
+    def _receive(self, buckets: list[Bucket], sync_id: int, verify: bool) -> None:
         comm = self.comm
         assert comm is not None and self._applier is not None
 
@@ -309,6 +323,7 @@ class NCCLWorkerEngine(WorkerEngine):
             return buf, comm.broadcast(buf, src=0, async_op=True)
 
         inflight = post(0) if buckets else None
+        checksum = 0
         for b, bucket in enumerate(buckets):
             buf, work = inflight
             inflight = post(b + 1) if b + 1 < len(buckets) else None  # receive b+1 while applying b
@@ -317,7 +332,12 @@ class NCCLWorkerEngine(WorkerEngine):
                 if inflight is not None:  # an aborting sender still sends the next message
                     comm.wait(inflight[1], f"bucket {b + 1} broadcast")
                 raise SyncAborted(f"trainer aborted weight sync {sync_id}: {self._abort_reason(sync_id)}")
+            if verify:
+                checksum = fold_checksum(checksum, buf[: bucket.nbytes])
             self._applier.load(unpack(buf, bucket))
+        if verify and (sent := self.comm.read(f"ws/sum/{sync_id}")) != checksum:
+            raise ValueError(f"verify: worker {self.worker_rank} received buckets with checksum {checksum}, "
+                             f"the sender sent {sent}")
 
     def _abort_reason(self, sync_id: int) -> str:
         return self.comm.peek(f"ws/abort/{sync_id}") or "no reason published"
