@@ -41,7 +41,7 @@ def test_demo_without_flags_runs_every_transport_verified_under_5_minutes():
         assert len(verified_rows(stdout, transport)) == 1, stdout
 
 
-@pytest.mark.parametrize("example", ["rlhf_nccl_m2n.py", "rlhf_nccl_broadcast.py"])
+@pytest.mark.parametrize("example", ["rlhf_nccl_m2n.py", "rlhf_nccl_broadcast.py", "rlhf_ipc_colocate.py"])
 def test_example_cpu_mode_verifies(example):
     stdout = run(sys.executable, os.path.join("examples", example), "--cpu")
     steps = [line for line in stdout.splitlines() if line.startswith("step ")]

@@ -1,6 +1,5 @@
 import subprocess
 import sys
-from dataclasses import dataclass
 
 import pytest
 import torch

@@ -18,7 +18,8 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "NCCLTrainerInitInfo": "weightsync.transport.nccl",
-    "NCCLWorkerInitInfo": "weightsync.transport.nccl",
+    "M2NTrainerInitInfo": "weightsync.transport.m2n",
+    "IPCTrainerInitInfo": "weightsync.transport.ipc",
     "LocalWeightSyncClient": "weightsync.local.client",
 }
 

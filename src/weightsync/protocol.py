@@ -37,6 +37,7 @@ __all__ = [
     "TrainerEngine",
     "parse_info",
     "check_metadata",
+    "checked",
     "dtype_name",
     "dtype_from_name",
 ]
@@ -152,6 +153,22 @@ def check_metadata(metas: list[ParamMeta]) -> None:
         if m.name in seen:
             raise ValueError(f"parameter {m.name!r} appears twice in the source's metadata")
         seen.add(m.name)
+
+
+def checked(source_iter: Iterator[tuple[str, torch.Tensor]], metas: list[ParamMeta]) -> Iterator[tuple[ParamMeta, torch.Tensor]]:
+    """Yield ``(meta, tensor)``; ``ValueError`` naming the parameter when iteration and metadata differ."""
+    i = 0
+    for name, t in source_iter:
+        if i >= len(metas):
+            raise ValueError(f"source yielded {name!r} beyond the {len(metas)} parameters in its metadata")
+        m = metas[i]
+        if name != m.name or t.dtype != m.dtype or tuple(t.shape) != m.shape:
+            raise ValueError(f"parameter {m.name!r}: metadata says {m.name!r} {m.dtype} {m.shape}, "
+                             f"source yielded {name!r} {t.dtype} {tuple(t.shape)}")
+        i += 1
+        yield m, t
+    if i != len(metas):
+        raise ValueError(f"parameter {metas[i].name!r}: source stopped after {i} of {len(metas)} parameters")
 
 
 def parse_info(cls: type[T], data: Mapping[str, Any] | T, what: str = "info") -> T:

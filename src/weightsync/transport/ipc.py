@@ -22,11 +22,19 @@ import torch
 import torch.distributed as dist
 
 from ..buckets import ALIGN, Bucket, metadata_digest, pack, plan_buckets, unpack
-from ..protocol import (ParamMeta, SyncStats, TrainerEngine, TrainerInitInfo, WeightSource, WorkerInitInfo,
-                        WorkerUpdateInfo, dtype_from_name)
+from ..protocol import (
+    ParamMeta,
+    SyncStats,
+    TrainerEngine,
+    TrainerInitInfo,
+    WeightSource,
+    WorkerInitInfo,
+    WorkerUpdateInfo,
+    checked,
+    dtype_from_name,
+)
 from ..worker import LayerwiseApplier, WorkerEngine
 from .ipc_handles import BufferImporter, ExportedBuffer, memory_saver_paused
-from .nccl import checked
 
 __all__ = ["IPCTrainerInitInfo", "IPCWorkerInitInfo", "IPCUpdateInfo", "IPCTrainerEngine", "IPCWorkerEngine"]
 

@@ -21,10 +21,26 @@ import torch
 
 from ..comm import Communicator
 from ..layout.schedule import message_cap
-from ..protocol import SyncStats, TrainerEngine, TrainerInitInfo, WeightSource, WorkerInitInfo, WorkerUpdateInfo
+from ..protocol import (
+    SyncStats,
+    TrainerEngine,
+    TrainerInitInfo,
+    WeightSource,
+    WorkerInitInfo,
+    WorkerUpdateInfo,
+)
 from ..sources import tensor_sources
 from ..worker import LayerwiseApplier, WorkerEngine
-from .m2n_exec import FALLBACK, agree, dests_to_wire, gather_plan, my_messages, run_rounds, sources_from_wire, sources_to_wire
+from .m2n_exec import (
+    FALLBACK,
+    agree,
+    dests_to_wire,
+    gather_plan,
+    my_messages,
+    run_rounds,
+    sources_from_wire,
+    sources_to_wire,
+)
 
 __all__ = ["M2NTrainerInitInfo", "M2NWorkerInitInfo", "M2NUpdateInfo", "M2NTrainerEngine", "M2NWorkerEngine"]
 

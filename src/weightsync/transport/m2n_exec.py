@@ -13,7 +13,13 @@ import torch
 
 from ..buckets import fold_checksum
 from ..comm import Communicator
-from ..layout.plan import DestPiece, TensorSource, TransferPlan, build_plan, dtype_itemsize
+from ..layout.plan import (
+    DestPiece,
+    TensorSource,
+    TransferPlan,
+    build_plan,
+    dtype_itemsize,
+)
 from ..layout.regions import Region
 from ..layout.schedule import Message, pair_messages, rounds
 from ..protocol import dtype_from_name

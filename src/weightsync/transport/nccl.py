@@ -8,17 +8,34 @@ workers expect, flagged, so no peer is left waiting and the workers roll back wh
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
 import torch
 
-from ..buckets import ALIGN, Bucket, fold_checksum, metadata_digest, pack, plan_buckets, unpack
+from ..buckets import (
+    ALIGN,
+    Bucket,
+    fold_checksum,
+    metadata_digest,
+    pack,
+    plan_buckets,
+    unpack,
+)
 from ..comm import Communicator, DataPlaneError, SyncAborted
-from ..protocol import (ParamMeta, check_metadata, SyncStats, TrainerEngine, TrainerInitInfo, WeightSource,
-                        WorkerInitInfo, WorkerUpdateInfo, dtype_from_name)
+from ..protocol import (
+    ParamMeta,
+    SyncStats,
+    TrainerEngine,
+    TrainerInitInfo,
+    WeightSource,
+    WorkerInitInfo,
+    WorkerUpdateInfo,
+    check_metadata,
+    checked,
+    dtype_from_name,
+)
 from ..worker import LayerwiseApplier, WorkerEngine
 
 __all__ = ["NCCLTrainerInitInfo", "NCCLWorkerInitInfo", "NCCLUpdateInfo", "NCCLTrainerEngine", "NCCLWorkerEngine"]
@@ -101,22 +118,6 @@ def _message(bucket: Bucket) -> int:
 
 def _status(buf: torch.Tensor, nbytes: int) -> torch.Tensor:
     return buf[nbytes - 8 : nbytes].view(torch.int64)
-
-
-def checked(source_iter: Iterator[tuple[str, torch.Tensor]], metas: list[ParamMeta]) -> Iterator[tuple[ParamMeta, torch.Tensor]]:
-    """Yield ``(meta, tensor)``; ``ValueError`` naming the parameter when iteration and metadata differ."""
-    i = 0
-    for name, t in source_iter:
-        if i >= len(metas):
-            raise ValueError(f"source yielded {name!r} beyond the {len(metas)} parameters in its metadata")
-        m = metas[i]
-        if name != m.name or t.dtype != m.dtype or tuple(t.shape) != m.shape:
-            raise ValueError(f"parameter {m.name!r}: metadata says {m.name!r} {m.dtype} {m.shape}, "
-                             f"source yielded {name!r} {t.dtype} {tuple(t.shape)}")
-        i += 1
-        yield m, t
-    if i != len(metas):
-        raise ValueError(f"parameter {metas[i].name!r}: source stopped after {i} of {len(metas)} parameters")
 
 
 class NCCLTrainerEngine(TrainerEngine):
