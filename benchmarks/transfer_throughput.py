@@ -108,21 +108,30 @@ def median_dicts(ds: list[dict[str, float]]) -> dict[str, float]:
     return {k: statistics.median(d.get(k, 0.0) for d in ds) for k in keys}
 
 
+def p2p_group(actors: list[Actor]) -> None:
+    """A gloo group over ``actors`` (trainers first, then workers: the M2N data-group order)."""
+    port = free_port()
+    gather([a.submit("_probes:p2p_setup", "127.0.0.1", port, i, len(actors)) for i, a in enumerate(actors)])
+
+
+def p2p_pair(actors: list[Actor], T: int, nbytes: int) -> float:
+    """GB/s from trainer 0 to worker 0 (data rank ``T``) alone, ~256 MiB in ``nbytes`` messages."""
+    iters = max(3, min(32, (256 * MiB) // nbytes))
+    res = gather([actors[0].submit("_probes:p2p_run", [T], [], nbytes, iters),
+                  actors[T].submit("_probes:p2p_run", [], [0], nbytes, iters)])
+    return res[1]["recv_bytes"] / res[1]["seconds"] / 1e9
+
+
 def measure_p2p(cluster: LocalCluster, sc: Scenario, sizes_mib: list[int]) -> dict[str, Any]:
     """Raw gloo bandwidth between the same processes: trainer 0 -> worker 0 alone at several message
     sizes, and one M2N-shaped round (every trainer -> every worker at once, M2N's message size)."""
     ts, rs = cluster.active_trainers, cluster.active_receivers
     actors, T, W = ts + rs, len(ts), len(rs)
-    port = free_port()
-    gather([a.submit("_probes:p2p_setup", "127.0.0.1", port, i, T + W) for i, a in enumerate(actors)])
+    p2p_group(actors)
     out: dict[str, Any] = {"pair_gbps": {}}
     try:
         for mib in sizes_mib:
-            n = mib * MiB
-            iters = max(3, min(32, (256 * MiB) // n))
-            res = gather([actors[0].submit("_probes:p2p_run", [T], [], n, iters),
-                          actors[T].submit("_probes:p2p_run", [], [0], n, iters)])
-            out["pair_gbps"][mib] = res[1]["recv_bytes"] / res[1]["seconds"] / 1e9
+            out["pair_gbps"][mib] = p2p_pair(actors, T, mib * MiB)
         cap = sc.staging_mib * MiB // max(T, W) // 64 * 64
         iters = max(3, min(16, (256 * MiB) // (cap * T)))
         res = gather([a.submit("_probes:p2p_run", list(range(T, T + W)), [], cap, iters) for a in ts]
@@ -210,6 +219,19 @@ def run_engine(cluster: LocalCluster, sc: Scenario, transport: str, model_dir: s
     }
 
 
+def naive_group(ts: list[Actor], rs: list[Actor]) -> None:
+    port, world = free_port(), 1 + len(rs)
+    gather([a.submit("_probes:naive_setup", "127.0.0.1", port, world) for a in ts]
+           + [a.submit("_probes:naive_setup", "127.0.0.1", port, world, rank=1 + w) for w, a in enumerate(rs)])
+
+
+def naive_sync(ts: list[Actor], rs: list[Actor]) -> float:
+    """Seconds of one naive sync, as the driver sees it."""
+    t0 = time.perf_counter()
+    gather([a.submit("_probes:naive_send") for a in ts] + [a.submit("_probes:naive_recv") for a in rs])
+    return time.perf_counter() - t0
+
+
 def run_naive(cluster: LocalCluster, warmup: int, repeats: int, verify: bool) -> dict[str, Any]:
     """The baseline on the current layout (any receiver backend): no weightsync engine involved."""
     ts, rs = cluster.active_trainers, cluster.active_receivers
@@ -217,16 +239,12 @@ def run_naive(cluster: LocalCluster, warmup: int, repeats: int, verify: bool) ->
     cluster.on_receivers("shutdown_weight_transfer_engine")
     on(rs, "touch_params")
     rss_t, rss_r = on(ts, "mem_reset"), on(rs, "mem_reset")
-    port, world = free_port(), 1 + len(rs)
-    gather([a.submit("_probes:naive_setup", "127.0.0.1", port, world) for a in ts]
-           + [a.submit("_probes:naive_setup", "127.0.0.1", port, world, rank=1 + w) for w, a in enumerate(rs)])
+    naive_group(ts, rs)
     walls, phases = [], []
     try:
         for i in range(warmup + repeats):
             on(ts + rs, "timers")
-            t0 = time.perf_counter()
-            gather([a.submit("_probes:naive_send") for a in ts] + [a.submit("_probes:naive_recv") for a in rs])
-            wall = time.perf_counter() - t0
+            wall = naive_sync(ts, rs)
             tts, rt = on(ts, "timers"), on(rs, "timers")
             if i >= warmup:
                 walls.append(wall)
@@ -238,11 +256,46 @@ def run_naive(cluster: LocalCluster, warmup: int, repeats: int, verify: bool) ->
     full = on(ts[:1], "model_bytes")[0]
     return {
         "transport": "naive", "bucket_mib": 0.0, "init_s": 0.0, "walls": walls, "seconds": statistics.median(walls),
-        "phases": median_dicts(phases), "received_per_worker": dict.fromkeys(range(len(rs)), full), "lower_bound_per_worker": {},
+        "phases": median_dicts(phases), "received_per_worker": dict.fromkeys(range(len(rs)), full),
+        "lower_bound_per_worker": {},
         "trainer_extra_mib": [(p["hwm"] - r) / MiB for p, r in zip(peaks_t, rss_t)],
         "worker_extra_mib": [(p["hwm"] - r) / MiB for p, r in zip(peaks_r, rss_r)],
         "verified": None if bad is None else not any(bad.values()),
     }
+
+
+def run_paired(cluster: LocalCluster, sc: Scenario, model_dir: str, itemsize: int, repeats: int,
+               p2p_mib: int) -> dict[str, Any]:
+    """nccl_m2n, the naive sync (before or after it, alternately) and raw p2p (one pair, ``p2p_mib``
+    messages) back to back, ``repeats`` times after a warm-up, on the same processes: on a shared machine each ratio is taken between
+    measurements made moments apart, and the medians of the ratios are reported."""
+    layout = Layout(trainers=sc.trainers, tp=sc.tp, replicas=sc.replicas, model=model_dir,
+                    dtype="float32" if itemsize == 4 else "bfloat16", backend=BACKENDS["nccl_m2n"])
+    cluster.setup(layout)
+    ts, rs = cluster.active_trainers, cluster.active_receivers
+    cluster.make_engines(_init_info("nccl_m2n", layout, sc.staging_mib * MiB), source="dtensor")
+    naive_group(ts, rs)
+    p2p_group(ts + rs)
+    samples = []
+    try:
+        for i in range(1 + repeats):
+            naive = naive_sync(ts, rs) if i % 2 else 0.0  # alternate the order: no side always goes first
+            t0 = time.perf_counter()
+            st = cluster.sync(weight_version=f"p{i}")
+            m2n = time.perf_counter() - t0
+            naive = naive or naive_sync(ts, rs)
+            pair = p2p_pair(ts + rs, len(ts), p2p_mib * MiB)
+            if i:
+                gbps = max(st["bytes_received_per_worker"].values()) / m2n / 1e9
+                samples.append({"m2n_s": m2n, "naive_s": naive, "p2p_gbps": pair, "m2n_gbps": gbps,
+                                "speedup": naive / m2n, "fraction_of_p2p": gbps / pair})
+    finally:
+        on(ts + rs, "naive_teardown")
+        on(ts + rs, "p2p_teardown")
+        cluster.on_trainers("shutdown_engine")
+    out = median_dicts(samples)
+    out.update(samples=samples, p2p_mib=p2p_mib)
+    return out
 
 
 def finish_row(row: dict[str, Any], sc: Scenario, model_mb: float, lower: dict[int, int] | None) -> dict[str, Any]:
@@ -257,7 +310,7 @@ def finish_row(row: dict[str, Any], sc: Scenario, model_mb: float, lower: dict[i
 
 
 def run_subprocess(cmd: list[str], timeout_s: int) -> str:
-    env = {**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(HERE), "src")}
+    env = {**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH") or os.path.join(os.path.dirname(HERE), "src")}
     try:
         p = subprocess.run(cmd, cwd=os.path.dirname(HERE), env=env, capture_output=True, text=True, timeout=timeout_s,
                            check=False)
@@ -273,7 +326,12 @@ def machine() -> dict[str, Any]:
         cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
     with open("/proc/meminfo") as f:
         mem = next(int(line.split()[1]) for line in f if line.startswith("MemTotal"))
-    return {"cpu": cpu, "cores": os.cpu_count(), "mem_gib": round(mem / 2**20, 1), "python": platform.python_version(),
+    import weightsync
+
+    repo = os.path.dirname(HERE)
+    commit = subprocess.run(["git", "-C", repo, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            check=False).stdout.strip()
+    return {"commit": commit, "weightsync": os.path.dirname(weightsync.__file__), "cpu": cpu, "cores": os.cpu_count(), "mem_gib": round(mem / 2**20, 1), "python": platform.python_version(),
             "torch": torch.__version__, "vllm": vllm.__version__, "backend": "gloo (CPU, loopback)",
             "loadavg_start": os.getloadavg()}
 
@@ -305,7 +363,8 @@ def main() -> None:
         with open(os.path.join(dirs[label], "config.json"), "w") as f:
             json.dump(qwen3_config(*spec), f)
     started = time.perf_counter()
-    result: dict[str, Any] = {"machine": machine(), "args": vars(args), "rows": [], "p2p": {}, "memcpy": None}
+    result: dict[str, Any] = {"machine": machine(), "args": vars(args), "rows": [], "p2p": {}, "paired": {},
+                              "memcpy": None}
     cluster = LocalCluster()
     verified_layouts: set[tuple[int, int, int]] = set()
     plan = scenarios(args)
@@ -341,6 +400,15 @@ def main() -> None:
                     result["p2p"][pkey] = merge_p2p(result["p2p"].get(pkey), p2p)
                     print(f"    raw p2p: one pair {p2p['pair_gbps']} GB/s, M2N-shaped round "
                           f"{p2p['round_gbps_per_receiver']:.3f} GB/s per receiver", flush=True)
+            paired = {"nccl_m2n", "naive"} <= set(sc.transports) and (sc.trainers, sc.tp, sc.replicas) == (2, 2, 1)
+            if sc.sweep == "size" and paired:
+                p = result["p2p"][f"2x2x1@{sc.staging_mib}"]
+                best = max(p["pair_gbps"], key=p["pair_gbps"].get)
+                result["paired"][sc.size] = run_paired(cluster, sc, dirs[sc.size], itemsize, max(5, repeats), best)
+                pr = result["paired"][sc.size]
+                print(f"    paired: nccl_m2n {pr['m2n_s']:.3f} s, naive {pr['naive_s']:.3f} s, speedup "
+                      f"{pr['speedup']:.2f}x; {100 * pr['fraction_of_p2p']:.0f} % of raw p2p {pr['p2p_gbps']:.2f} GB/s",
+                      flush=True)
             if result["memcpy"] is None:
                 result["memcpy"] = on(cluster.active_trainers[:1], "memcpy", 64 * MiB, 8)[0]
     finally:
