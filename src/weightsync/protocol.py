@@ -40,6 +40,7 @@ __all__ = [
     "checked",
     "dtype_name",
     "dtype_from_name",
+    "default_device",
 ]
 
 T = TypeVar("T")
@@ -53,6 +54,11 @@ _DTYPES = {
     )
     if hasattr(torch, name)
 }
+
+
+def default_device() -> str:
+    """``"cuda"`` when a GPU is visible (NCCL data plane), else ``"cpu"`` (gloo)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def dtype_name(dtype: torch.dtype) -> str:

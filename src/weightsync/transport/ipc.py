@@ -30,6 +30,7 @@ from ..protocol import (
     WeightSource,
     WorkerInitInfo,
     WorkerUpdateInfo,
+    default_device,
     checked,
     dtype_from_name,
 )
@@ -40,10 +41,6 @@ __all__ = ["IPCTrainerInitInfo", "IPCWorkerInitInfo", "IPCUpdateInfo", "IPCTrain
 
 DEFAULT_BUCKET_BYTES = 512 << 20
 _OK = "ok"
-
-
-def _default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _check_mapping(mapping: list[int], num_workers: int, num_trainer_ranks: int) -> None:
@@ -74,7 +71,7 @@ class IPCTrainerInitInfo(TrainerInitInfo):
     """Limit for every blocking step."""
     rollback: bool = True
     """Workers keep a host copy of their parameters during a sync and restore it on failure."""
-    device: str = field(default_factory=_default_device)
+    device: str = field(default_factory=default_device)
     """``"cuda"`` (the current CUDA device; CUDA IPC) or ``"cpu"`` (shared memory)."""
 
     def __post_init__(self) -> None:

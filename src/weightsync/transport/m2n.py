@@ -28,6 +28,7 @@ from ..protocol import (
     WeightSource,
     WorkerInitInfo,
     WorkerUpdateInfo,
+    default_device,
 )
 from ..sources import tensor_sources
 from ..worker import LayerwiseApplier, WorkerEngine
@@ -46,10 +47,6 @@ __all__ = ["M2NTrainerInitInfo", "M2NWorkerInitInfo", "M2NUpdateInfo", "M2NTrain
 
 DEFAULT_STAGING_BYTES = 256 << 20
 _P = "m2n"
-
-
-def _default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @dataclass(kw_only=True)
@@ -73,7 +70,7 @@ class M2NTrainerInitInfo(TrainerInitInfo):
     """Limit for every blocking step."""
     rollback: bool = True
     """Workers keep a host copy of their parameters during a sync and restore it on failure."""
-    device: str = field(default_factory=_default_device)
+    device: str = field(default_factory=default_device)
     """``"cuda"`` (NCCL) or ``"cpu"`` (gloo)."""
 
     def __post_init__(self) -> None:

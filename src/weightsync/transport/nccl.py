@@ -32,6 +32,7 @@ from ..protocol import (
     WeightSource,
     WorkerInitInfo,
     WorkerUpdateInfo,
+    default_device,
     check_metadata,
     checked,
     dtype_from_name,
@@ -42,10 +43,6 @@ __all__ = ["NCCLTrainerInitInfo", "NCCLWorkerInitInfo", "NCCLUpdateInfo", "NCCLT
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 _OK, _ABORT = 1, 2
-
-
-def _default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @dataclass(kw_only=True)
@@ -67,7 +64,7 @@ class NCCLTrainerInitInfo(TrainerInitInfo):
     """Limit for every blocking step."""
     rollback: bool = True
     """Workers keep a host copy of their parameters during a sync and restore it on failure."""
-    device: str = field(default_factory=_default_device)
+    device: str = field(default_factory=default_device)
     """``"cuda"`` (NCCL) or ``"cpu"`` (gloo)."""
 
     def __post_init__(self) -> None:
