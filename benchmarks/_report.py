@@ -218,56 +218,73 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def _legend_below(fig: Any, axes: tuple[Any, ...]) -> None:
+    """One legend for the figure, under the plots (keeps the data and reference lines clear)."""
+    entries: dict[str, Any] = {}
+    for ax in axes:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            entries.setdefault(lab, h)
+    fig.legend(list(entries.values()), list(entries), loc="lower center", ncol=4, fontsize=8)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+
+
 def plots(result: dict[str, Any], out_dir: str) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
     rows, paths = result["rows"], []
     transports = list(dict.fromkeys(r["transport"] for r in rows if r["sweep"] != "staging"))
+    colors = {t: f"C{i}" for i, t in enumerate(dict.fromkeys(r["transport"] for r in rows))}
+    plain = FuncFormatter(lambda x, _: f"{x:g}")
     size_rows = [r for r in rows if r["sweep"] == "size"]
-    p2p_best = [p["pair_best_gbps"] for p in result["p2p"].values()]
+    p2p_22 = [p for k, p in result["p2p"].items() if k.startswith("2x2x1@")]  # the size sweep's layout
     if size_rows:
         fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
         for t in transports:
             sel = sorted((r for r in size_rows if r["transport"] == t), key=lambda r: r["model_mb"])
             if sel:
-                a.plot([r["model_mb"] for r in sel], [r["seconds"] for r in sel], "o-", label=t)
-                b.plot([r["model_mb"] for r in sel], [r["gbps_per_receiver"] for r in sel], "o-", label=t)
-        if p2p_best:
-            b.axhline(max(p2p_best), ls="--", c="gray", label="raw gloo p2p, one pair (best)")
+                a.plot([r["model_mb"] for r in sel], [r["seconds"] for r in sel], "o-", c=colors[t], label=t)
+                b.plot([r["model_mb"] for r in sel], [r["gbps_per_receiver"] for r in sel], "o-", c=colors[t], label=t)
+        if p2p_22:
+            b.axhline(max(p["pair_best_gbps"] for p in p2p_22), ls="--", c="gray", label="raw gloo p2p, one pair (best)")
+            b.axhline(max(p["round_gbps_per_receiver"] for p in p2p_22), ls=":", c="gray",
+                      label="raw gloo p2p, M2N-shaped 2 -> 2 round (best)")
         for ax, y in ((a, "seconds per sync (median)"), (b, "GB/s per receiver (bytes it received / s)")):
             ax.set_xscale("log")
+            ax.xaxis.set_major_formatter(plain)
             ax.set_xlabel("model size (MB, all parameters)")
             ax.set_ylabel(y)
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
         a.set_yscale("log")
+        a.yaxis.set_major_formatter(plain)
+        a.yaxis.set_minor_formatter(FuncFormatter(lambda x, _: f"{x:g}" if f"{x:.0e}"[0] in "25" else ""))
         fig.suptitle("2 FSDP2 trainer ranks -> vLLM TP 2 (CPU, gloo, 2 cores)")
-        fig.tight_layout()
+        _legend_below(fig, (a, b))
         paths.append(os.path.join(out_dir, "transfer_size.png"))
         fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
     lay = [r for r in rows if r["sweep"] == "layout"]
     if lay:
         lay = [r for r in size_rows if r["size"] == lay[0]["size"] and r["transport"] in {x["transport"] for x in lay}] + lay
+        lay = sorted(lay, key=lambda r: (r["replicas"], r["trainers"], r["tp"]))
         labels = list(dict.fromkeys(_layout(r) for r in lay))
         fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.5))
         for t in transports:
             by = {_layout(r): r for r in lay if r["transport"] == t}
             xs = [i for i, lab in enumerate(labels) if lab in by]
             if xs:
-                a.plot(xs, [by[labels[i]]["seconds"] for i in xs], "o-", label=t)
-                b.plot(xs, [by[labels[i]]["gbps_per_receiver"] for i in xs], "o-", label=t)
+                a.plot(xs, [by[labels[i]]["seconds"] for i in xs], "o-", c=colors[t], label=t)
+                b.plot(xs, [by[labels[i]]["gbps_per_receiver"] for i in xs], "o-", c=colors[t], label=t)
         for ax, y in ((a, "seconds per sync (median)"), (b, "GB/s per receiver")):
             ax.set_xticks(range(len(labels)), labels, rotation=30, fontsize=8)
             ax.set_xlabel("trainer ranks -> vLLM TP x replicas")
             ax.set_ylabel(y)
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
         fig.suptitle(f"Rank layouts at {lay[0]['model_mb']:.0f} MB (CPU, gloo, 2 cores)")
-        fig.tight_layout()
+        _legend_below(fig, (a, b))
         paths.append(os.path.join(out_dir, "transfer_layouts.png"))
         fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
@@ -278,9 +295,11 @@ def plots(result: dict[str, Any], out_dir: str) -> list[str]:
         for t in transports:
             sel = sorted((r for r in size_rows if r["transport"] == t), key=lambda r: r["model_mb"])
             if sel:
-                a.plot([r["model_mb"] for r in sel], [max(r["trainer_extra_mib"]) for r in sel], "o-", label=t)
+                a.plot([r["model_mb"] for r in sel], [max(r["trainer_extra_mib"]) for r in sel], "o-", c=colors[t],
+                       label=t)
         a.axhline(size_rows[0]["staging_mib"], ls="--", c="gray", label=f"staging bucket ({size_rows[0]['staging_mib']} MiB)")
         a.set_xscale("log")
+        a.xaxis.set_major_formatter(plain)
         a.set_xlabel("model size (MB)")
         a.set_ylabel("trainer extra peak RSS (MiB, max over ranks)")
         a.set_title("trainer memory during a sync, 2 -> TP 2")
@@ -292,6 +311,7 @@ def plots(result: dict[str, Any], out_dir: str) -> list[str]:
             b.plot(xs, [max(r["worker_extra_mib"]) for r in sel], "s-", label="nccl_m2n worker (incl. rollback copy)")
             b.plot(xs, xs, ls="--", c="gray", label="one staging bucket")
             b.set_xscale("log", base=2)
+            b.xaxis.set_major_formatter(plain)
             b.set_title(f"nccl_m2n staging sweep at {sel[0]['model_mb']:.0f} MB")
         b.set_xlabel("staging bucket (MiB)")
         b.set_ylabel("extra peak RSS (MiB, max over ranks)")
