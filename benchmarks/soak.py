@@ -35,7 +35,8 @@ def soak(cluster, transport: str, syncs: int) -> dict:
     cluster.setup(layout)
     cluster.make_engines(_init_info(transport, layout, 1 << 16), source=SOURCES.get(transport, "full"))
     procs = cluster.active_trainers + cluster.active_receivers
-    for i in range(3):  # warm-up: buffers, plan, allocator
+    for i in range(3):  # warm-up: buffers, plan, optimizer state, allocator
+        cluster.train_step(-1 - i)
         cluster.sync(weight_version=f"warm{i}", verify=True)
     before = [a.call("soak:resources") for a in procs]
     t0, verified = time.perf_counter(), 0
