@@ -265,3 +265,10 @@ def rank1_differs(model):
 
 def complex_dtype(model):
     return _FaultyLocal(model, "complex")
+
+
+def engine_poisoned() -> str | None:
+    """Inside a receiver: why its worker engine refuses updates (None when it is healthy)."""
+    from weightsync.local.actors import STATE
+
+    return STATE["engine"].poisoned

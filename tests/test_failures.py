@@ -159,6 +159,7 @@ def test_killing_a_receiver_mid_sync(cluster, layout, make_info, source):
     elapsed = kill_mid_sync(cluster, layout, make_info(), source, pick=lambda c: c.receivers[1])
     assert elapsed < 2 * TIMEOUT
     assert cluster.receivers[0].call("weightsync.local.receiver:weight_version") == "good"
+    assert cluster.receivers[0].call("helpers:engine_poisoned")  # it raised, rolled back, refuses updates
     recover_and_verify(cluster, layout, make_info, source)
 
 
@@ -166,6 +167,7 @@ def test_killing_a_trainer_rank_mid_m2n_sync(cluster):
     elapsed = kill_mid_sync(cluster, M2N, m2n_info(), "dtensor", pick=lambda c: c.trainers[1])
     assert elapsed < 2 * TIMEOUT
     assert [a.call("weightsync.local.receiver:weight_version") for a in cluster.receivers[:2]] == ["good", "good"]
+    assert all(a.call("helpers:engine_poisoned") for a in cluster.receivers[:2])  # both workers raised
     recover_and_verify(cluster, M2N, m2n_info, "dtensor")
 
 

@@ -158,8 +158,11 @@ class M2NTrainerEngine(TrainerEngine):
                 raise ValueError(f"parameter {first!r}: trainer rank {i.rank}'s metadata differs from trainer rank 0's")
             self.plan = _Plan(self.comm, sources, i.num_trainer_ranks, math.prod(i.dst_mesh_dims), i.staging_bytes,
                               rank=i.rank, sender=True)
-            if fut is not None:
+            if fut is not None:  # every worker finished its init: tell the other trainer ranks
                 fut.result(timeout=i.timeout_s)
+                self.comm.publish(f"{_P}/init_done", True)
+            else:
+                self.comm.read(f"{_P}/init_done")  # raises a failure any rank or worker reported
         except BaseException as e:
             _report(self.comm, i.master_address, i.master_port, e)
             raise

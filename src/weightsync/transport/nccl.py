@@ -135,16 +135,25 @@ class NCCLTrainerEngine(TrainerEngine):
             worker_info = NCCLWorkerInitInfo(master_address=i.master_address, master_port=i.master_port,
                                              world_size=i.world_size, bucket_bytes=i.bucket_bytes,
                                              timeout_s=i.timeout_s, rollback=i.rollback)
-            with ThreadPoolExecutor(1) as pool:  # workers block in the rendezvous until we join it
+            pool = ThreadPoolExecutor(1)  # workers block in the rendezvous until we join it
+            try:
                 fut = pool.submit(client.init_weight_transfer_engine, asdict(worker_info))
                 self.comm = Communicator.from_tcp_store(i.master_address, i.master_port, 0, i.world_size,
                                                         device=i.device, timeout_s=i.timeout_s)
                 fut.result(timeout=i.timeout_s)
+            except BaseException as e:
+                if self.comm is not None:
+                    self.comm.fail(f"{type(e).__name__}: {e}")
+                raise
+            finally:
+                pool.shutdown(wait=False)  # never join a thread whose peer may be gone
+            self.comm.publish("ws/init_done", True)  # every worker finished its init
             dev = torch.device(i.device)
             self._buffers = [torch.empty(i.bucket_bytes + ALIGN + 8, dtype=torch.uint8, device=dev)
                              for _ in range(i.num_buffers)]
         else:
             self.comm = Communicator.control_only(i.master_address, i.master_port, i.rank, timeout_s=i.timeout_s)
+            self.comm.read("ws/init_done")  # raises a failure trainer rank 0 or a worker reported
         return self
 
     def send_weights(self, *, weight_version: str | None = None, verify: bool = False) -> SyncStats:
