@@ -45,7 +45,7 @@ __all__ = [
     "touch_params",
 ]
 
-_TIMEOUT = timedelta(seconds=600)
+_TIMEOUT = timedelta(seconds=300)
 
 
 # --- memory -------------------------------------------------------------------------------

@@ -174,7 +174,7 @@ def markdown(result: dict[str, Any]) -> str:
     m = result["machine"]
     rows = result["rows"]
     out = ["# Transfer throughput (weightsync, CPU)", "",
-           (f"weightsync {m.get('commit', '?')} (imported from {m.get('weightsync', '?')}). "
+           (f"Repository HEAD at start {m.get('commit', '?')}; weightsync imported from {m.get('weightsync', '?')}. "
             f"Machine: {m['cpu']}, {m['cores']} cores, {m['mem_gib']} GiB; {m['backend']}; torch {m['torch']}, "
            f"vLLM {m['vllm']}, Python {m['python']}. Load average at start {_f(m['loadavg_start'][0])}, "
            f"at end {_f(m.get('loadavg_end', [None])[0])} (the machine is shared). "
@@ -211,6 +211,11 @@ def markdown(result: dict[str, Any]) -> str:
             mc = result["memcpy"]
             out += ["", (f"memcpy (64 MiB, one thread, in a trainer process): into an existing buffer "
                         f"{mc['existing_gbps']:.2f} GB/s, into a fresh allocation {mc['fresh_gbps']:.2f} GB/s.")]
+        out.append("")
+    if result.get("errors"):
+        out += ["## Scenarios that failed (their processes were restarted)", ""]
+        out += [f"- {e['scenario']['sweep']} {e['scenario']['trainers']} -> TP{e['scenario']['tp']} x "
+                f"{e['scenario']['replicas']}, {e['scenario']['size']}: {e['error'][:300]}" for e in result["errors"]]
         out.append("")
     for key, title in (("plan_coverage", "plan_coverage.py"), ("plan_scale", "plan_scale.py")):
         if result.get(key):

@@ -49,6 +49,8 @@ SIZES = {  # label -> (hidden, layers, vocab, tied); Qwen3-shaped, fp32 bytes in
     "1GB": (2048, 4, 16384, False),
     "2GB": (2048, 9, 16384, False),
 }
+BIG = ("1GB", "2GB")
+"""Sizes after which the processes are restarted."""
 LAYOUTS = ("1:1:1", "1:2:1", "2:1:1", "1:4:1", "2:4:1", "4:2:1", "4:4:1", "2:2:2", "4:2:2")
 """trainers:TP:replicas of the layout sweep (2:2:1 comes from the size sweep)."""
 TRANSPORTS = ("nccl_m2n", "nccl_m2n/no-rollback", "nccl", "ipc", "naive")
@@ -111,7 +113,8 @@ def median_dicts(ds: list[dict[str, float]]) -> dict[str, float]:
 def p2p_group(actors: list[Actor]) -> None:
     """A gloo group over ``actors`` (trainers first, then workers: the M2N data-group order)."""
     port = free_port()
-    gather([a.submit("_probes:p2p_setup", "127.0.0.1", port, i, len(actors)) for i, a in enumerate(actors)])
+    gather([a.submit("_probes:p2p_setup", "127.0.0.1", port, i, len(actors), timeout_s=300)
+            for i, a in enumerate(actors)])
 
 
 def p2p_pair(actors: list[Actor], T: int, nbytes: int) -> float:
@@ -221,8 +224,9 @@ def run_engine(cluster: LocalCluster, sc: Scenario, transport: str, model_dir: s
 
 def naive_group(ts: list[Actor], rs: list[Actor]) -> None:
     port, world = free_port(), 1 + len(rs)
-    gather([a.submit("_probes:naive_setup", "127.0.0.1", port, world) for a in ts]
-           + [a.submit("_probes:naive_setup", "127.0.0.1", port, world, rank=1 + w) for w, a in enumerate(rs)])
+    gather([a.submit("_probes:naive_setup", "127.0.0.1", port, world, timeout_s=300) for a in ts]
+           + [a.submit("_probes:naive_setup", "127.0.0.1", port, world, rank=1 + w, timeout_s=300)
+              for w, a in enumerate(rs)])
 
 
 def naive_sync(ts: list[Actor], rs: list[Actor]) -> float:
@@ -309,6 +313,46 @@ def finish_row(row: dict[str, Any], sc: Scenario, model_mb: float, lower: dict[i
     return row
 
 
+def run_scenario(cluster: LocalCluster, sc: Scenario, args: argparse.Namespace, result: dict[str, Any],
+                 model_dir: str, itemsize: int, repeats: int, verify: bool, profile: bool) -> None:
+    """Every transport of ``sc``, raw p2p after the first and the last one, then (2 -> TP 2 size rows)
+    the paired nccl_m2n / naive / raw p2p runs; rows go into ``result``."""
+    lower, model_mb = None, None
+    for transport in sc.transports:
+        if transport == "naive":
+            row = run_naive(cluster, 1, repeats, verify)
+        else:
+            prof = profile and transport == "nccl_m2n"
+            row = run_engine(cluster, sc, transport, model_dir, itemsize, 1, repeats, verify, prof)
+            for who, text in (row.pop("profiles") or {}).items():
+                with open(os.path.join(args.out, f"profile_{transport}_{sc.size}_{who}.txt"), "w") as f:
+                    f.write(text)
+        if model_mb is None:
+            model_mb = on(cluster.active_trainers[:1], "model_bytes")[0] / 1e6
+        row = finish_row(row, sc, model_mb, lower)
+        if transport == "nccl_m2n":
+            lower = row["lower_bound_per_worker"]
+        result["rows"].append(row)
+        print(f"    {_report.row_line(row)}", flush=True)
+        # raw p2p after the first and after the last transport: the better of the two counts
+        if sc.sweep != "staging" and transport in (sc.transports[0], sc.transports[-1]):
+            pkey = f"{sc.trainers}x{sc.tp}x{sc.replicas}@{sc.staging_mib}"
+            p2p = measure_p2p(cluster, sc, [1, 8, 64] if not args.quick else [8, 64])
+            result["p2p"][pkey] = merge_p2p(result["p2p"].get(pkey), p2p)
+            print(f"    raw p2p: one pair {p2p['pair_gbps']} GB/s, M2N-shaped round "
+                  f"{p2p['round_gbps_per_receiver']:.3f} GB/s per receiver", flush=True)
+    paired = {"nccl_m2n", "naive"} <= set(sc.transports) and (sc.trainers, sc.tp, sc.replicas) == (2, 2, 1)
+    if sc.sweep == "size" and paired:
+        p = result["p2p"][f"2x2x1@{sc.staging_mib}"]
+        best = max(p["pair_gbps"], key=p["pair_gbps"].get)
+        pr = result["paired"][sc.size] = run_paired(cluster, sc, model_dir, itemsize, max(5, repeats), best)
+        print(f"    paired: nccl_m2n {pr['m2n_s']:.3f} s, naive {pr['naive_s']:.3f} s, speedup "
+              f"{pr['speedup']:.2f}x; {100 * pr['fraction_of_p2p']:.0f} % of raw p2p {pr['p2p_gbps']:.2f} GB/s",
+              flush=True)
+    if result["memcpy"] is None:
+        result["memcpy"] = on(cluster.active_trainers[:1], "memcpy", 64 * MiB, 8)[0]
+
+
 def run_subprocess(cmd: list[str], timeout_s: int) -> str:
     env = {**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH") or os.path.join(os.path.dirname(HERE), "src")}
     try:
@@ -364,55 +408,38 @@ def main() -> None:
             json.dump(qwen3_config(*spec), f)
     started = time.perf_counter()
     result: dict[str, Any] = {"machine": machine(), "args": vars(args), "rows": [], "p2p": {}, "paired": {},
-                              "memcpy": None}
-    cluster = LocalCluster()
-    verified_layouts: set[tuple[int, int, int]] = set()
+                              "memcpy": None, "errors": []}
     plan = scenarios(args)
     biggest = max((sc for sc in plan if sc.sweep == "size"), key=lambda sc: SIZES[sc.size][:2], default=None)
+    verified_layouts: set[tuple[int, int, int]] = set()
+    cluster, prev = None, None
     try:
         for sc in plan:
+            # fresh processes for each sweep and after a >= 1 GB model: memory the C allocators kept from
+            # larger models would otherwise pile up (the shared 24 GiB machine OOM-killed a receiver once)
+            if cluster is not None and (prev.sweep != sc.sweep or prev.size in BIG):
+                cluster.close()
+                cluster = None
+            cluster = cluster or LocalCluster()
             key = (sc.trainers, sc.tp, sc.replicas)
             verify = sc.sweep != "staging" and key not in verified_layouts
             verified_layouts.add(key)
-            lower, model_mb = None, None
             print(f"--- {sc.sweep}: {sc.trainers} trainers -> TP {sc.tp} x {sc.replicas}, {sc.size}, "
                   f"staging {sc.staging_mib} MiB ({time.perf_counter() - started:.0f} s)", flush=True)
-            for transport in sc.transports:
-                if transport == "naive":
-                    row = run_naive(cluster, 1, repeats, verify)
-                else:
-                    prof = args.profile and sc is biggest and transport == "nccl_m2n"
-                    row = run_engine(cluster, sc, transport, dirs[sc.size], itemsize, 1, repeats, verify, prof)
-                    for who, text in (row.pop("profiles") or {}).items():
-                        with open(os.path.join(args.out, f"profile_{transport}_{sc.size}_{who}.txt"), "w") as f:
-                            f.write(text)
-                if model_mb is None:
-                    model_mb = on(cluster.active_trainers[:1], "model_bytes")[0] / 1e6
-                row = finish_row(row, sc, model_mb, lower)
-                if transport == "nccl_m2n":
-                    lower = row["lower_bound_per_worker"]
-                result["rows"].append(row)
-                print(f"    {_report.row_line(row)}", flush=True)
-                # raw p2p after the first and after the last transport: the better of the two counts
-                if sc.sweep != "staging" and transport in (sc.transports[0], sc.transports[-1]):
-                    pkey = f"{sc.trainers}x{sc.tp}x{sc.replicas}@{sc.staging_mib}"
-                    p2p = measure_p2p(cluster, sc, [1, 8, 64] if not args.quick else [8, 64])
-                    result["p2p"][pkey] = merge_p2p(result["p2p"].get(pkey), p2p)
-                    print(f"    raw p2p: one pair {p2p['pair_gbps']} GB/s, M2N-shaped round "
-                          f"{p2p['round_gbps_per_receiver']:.3f} GB/s per receiver", flush=True)
-            paired = {"nccl_m2n", "naive"} <= set(sc.transports) and (sc.trainers, sc.tp, sc.replicas) == (2, 2, 1)
-            if sc.sweep == "size" and paired:
-                p = result["p2p"][f"2x2x1@{sc.staging_mib}"]
-                best = max(p["pair_gbps"], key=p["pair_gbps"].get)
-                result["paired"][sc.size] = run_paired(cluster, sc, dirs[sc.size], itemsize, max(5, repeats), best)
-                pr = result["paired"][sc.size]
-                print(f"    paired: nccl_m2n {pr['m2n_s']:.3f} s, naive {pr['naive_s']:.3f} s, speedup "
-                      f"{pr['speedup']:.2f}x; {100 * pr['fraction_of_p2p']:.0f} % of raw p2p {pr['p2p_gbps']:.2f} GB/s",
-                      flush=True)
-            if result["memcpy"] is None:
-                result["memcpy"] = on(cluster.active_trainers[:1], "memcpy", 64 * MiB, 8)[0]
+            try:
+                run_scenario(cluster, sc, args, result, dirs[sc.size], itemsize, repeats, verify,
+                             args.profile and sc is biggest)
+            except Exception as e:  # noqa: BLE001 - record it, restart the processes, go on
+                print(f"    FAILED: {type(e).__name__}: {str(e)[:500]}", flush=True)
+                result["errors"].append({"scenario": dataclasses.asdict(sc), "error": f"{type(e).__name__}: {e}"[:2000]})
+                cluster.close()
+                cluster = None
+            prev = sc
+            with open(os.path.join(args.out, "transfer_throughput.partial.json"), "w") as f:
+                json.dump(result, f, indent=1, default=str)  # a checkpoint: a later crash keeps what was measured
     finally:
-        cluster.close()
+        if cluster is not None:
+            cluster.close()
     result["seconds_sweeps"] = time.perf_counter() - started
     if not args.no_extras:
         py = sys.executable
