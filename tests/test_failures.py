@@ -192,5 +192,5 @@ def test_verified_syncs_do_not_leak(cluster):
     print("RSS growth per process over 20 verified syncs:", [f"{g:+.2%}" for g in growth],
           "fds", [(a["fds"], b["fds"]) for a, b in zip(r0, r1)], "threads", list(zip(t0, t1)))
     assert max(growth) < 0.01
-    assert [a["fds"] for a in r0] == [b["fds"] for b in r1]
-    assert t0 == t1
+    assert all(b["fds"] <= a["fds"] for a, b in zip(r0, r1))  # no growth
+    assert all(b <= a for a, b in zip(t0, t1))

@@ -206,7 +206,8 @@ def test_50_syncs_leak_no_shared_memory_fds_or_rss(cluster):
         cluster.sync(weight_version=f"s{i}")
         now = resources()
         for a, s, n in zip(procs, start, now):
-            assert (n["fds"], n["shm"], n["own_buffers"]) == (s["fds"], s["shm"], s["own_buffers"]), (i, a.name, s, n)
+            # no growth: an fd the process closes meanwhile (an old engine's socket collected) is fine
+            assert n["fds"] <= s["fds"] and (n["shm"], n["own_buffers"]) == (s["shm"], s["own_buffers"]), (i, a.name, s, n)
     end = resources(collect=True)
     assert mismatches(cluster) == {}
     assert imports(cluster) == [1, 1], "one import per export"
