@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 __all__ = ["TARGETS", "acceptance", "markdown", "plots", "row_line"]
@@ -119,7 +118,7 @@ def _where(a: dict[str, Any]) -> str:
         text += (f" CPU time per sync (all processes): {a['cpu_s']:.2f} s vs naive {a['naive_cpu_s']:.2f} s "
                  f"({a['naive_cpu_s'] / a['cpu_s']:.1f}x less).")
     if a.get("no_rollback_seconds"):
-        text += (f" With `rollback=False` (the naive baseline has no rollback either): {a['no_rollback_seconds']:.3f} s"
+        text += (f" With `rollback=False` (separate rows; the naive baseline has no rollback either): {a['no_rollback_seconds']:.3f} s"
                  + (f", {a['naive_seconds'] / a['no_rollback_seconds']:.2f}x naive" if a["naive_seconds"] else "")
                  + (f", {100 * a['no_rollback_gbps'] / a['p2p_pair_best_gbps']:.0f} % of raw p2p"
                     if a["p2p_pair_best_gbps"] else "") + ".")
@@ -178,7 +177,7 @@ def markdown(result: dict[str, Any]) -> str:
             f"Machine: {m['cpu']}, {m['cores']} cores, {m['mem_gib']} GiB; {m['backend']}; torch {m['torch']}, "
            f"vLLM {m['vllm']}, Python {m['python']}. Load average at start {_f(m['loadavg_start'][0])}, "
            f"at end {_f(m.get('loadavg_end', [None])[0])} (the machine is shared). "
-           f"Run {time.strftime('%Y-%m-%d %H:%M')}, {result.get('seconds_total', 0) / 60:.1f} min."), ""]
+           f"Run finished {result.get('finished', '?')}, {result.get('seconds_total', 0) / 60:.1f} min."), ""]
     acc = acceptance(result)
     if acc:
         out += ["## Targets: nccl_m2n, 2 trainers -> TP 2", ""] + _targets_table(acc)
@@ -218,8 +217,11 @@ def markdown(result: dict[str, Any]) -> str:
                 f"{e['scenario']['replicas']}, {e['scenario']['size']}: {e['error'][:300]}" for e in result["errors"]]
         out.append("")
     for key, title in (("plan_coverage", "plan_coverage.py"), ("plan_scale", "plan_scale.py")):
-        if result.get(key):
-            out += [f"## {title}", "", result[key].strip(), ""]
+        text = (result.get(key) or "").strip()
+        if key == "plan_coverage" and "Bytes each worker" in text:  # drop the per-row progress lines
+            text = text[text.index("Bytes each worker"):]
+        if text:
+            out += [f"## {title}", "", text, ""]
     return "\n".join(out)
 
 

@@ -395,7 +395,12 @@ def main() -> None:
                     help="one more nccl_m2n sync at the largest 2 -> TP 2 size under cProfile (written to --out)")
     ap.add_argument("--no-extras", action="store_true", help="skip plan_coverage.py and plan_scale.py")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--from-json", metavar="PATH", help="only re-render the tables and plots of a saved run")
     args = ap.parse_args()
+    if args.from_json:
+        with open(args.from_json) as f:
+            write_report(json.load(f), args.out)
+        return
     repeats = args.repeats or (3 if args.quick else 5)
     itemsize = 4 if args.dtype == "float32" else 2
     os.makedirs(args.out, exist_ok=True)
@@ -449,13 +454,20 @@ def main() -> None:
                                               600)
     result["machine"]["loadavg_end"] = os.getloadavg()
     result["seconds_total"] = time.perf_counter() - started
-    text = _report.markdown(result)
-    print("\n" + text)
-    with open(os.path.join(args.out, "transfer_throughput.md"), "w") as f:
-        f.write(text)
+    result["finished"] = time.strftime("%Y-%m-%d %H:%M")
     with open(os.path.join(args.out, "transfer_throughput.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
-    for path in _report.plots(result, args.out):
+    write_report(result, args.out)
+
+
+def write_report(result: dict[str, Any], out: str) -> None:
+    """Print the markdown report; write it and the plots under ``out``."""
+    os.makedirs(out, exist_ok=True)
+    text = _report.markdown(result)
+    print("\n" + text)
+    with open(os.path.join(out, "transfer_throughput.md"), "w") as f:
+        f.write(text)
+    for path in _report.plots(result, out):
         print(f"wrote {path}")
 
 
