@@ -60,10 +60,10 @@ def engine_classes() -> dict:
                                                   WeightTransferEngineFactory, WeightTransferTrainerFactory)
 
     from weightsync.local.actors import STATE
-    from weightsync.registry import BACKENDS
+    from weightsync.registry import TRANSPORTS
 
     out = {}
-    for name in BACKENDS:
+    for name in TRANSPORTS:
         engine = WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend=name), STATE["vllm_config"],
                                                            torch.device("cpu"), STATE["model"])
         trainer = WeightTransferTrainerFactory._registry[name]()
@@ -128,7 +128,8 @@ class JsonRoundTripClient:
 
 
 class CorruptingClient(JsonRoundTripClient):
-    """Sets ``update_info[worker][field] = value`` in the ``chunk``-th ``update_weights`` call of each sync."""
+    """Sets ``update_info["handles"][worker][field] = value`` (what one worker gets) in the ``chunk``-th
+    ``update_weights`` call of each sync."""
 
     def __init__(self, inner, *, chunk: int, worker: int, field: str, value) -> None:
         super().__init__(inner)
@@ -142,7 +143,7 @@ class CorruptingClient(JsonRoundTripClient):
     def update_weights(self, update_info) -> None:
         update_info = self._json(update_info)
         if self._calls == self.chunk:
-            update_info[self.worker][self.field] = self.value
+            update_info["handles"][str(self.worker)][self.field] = self.value
         self._calls += 1
         self.inner.update_weights(update_info)
 

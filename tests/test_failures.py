@@ -94,7 +94,8 @@ BAD_INPUTS = {
         make(m2n_info, "dtensor"), r"parameter 'model.layers.0.self_attn.k_proj.weight': the trainer's shape"),
     "m2n: dst_mesh_dims smaller than the deployment": (
         M2N, make(lambda: m2n_info(dst_mesh_dims=(1, 1), world_size=3), "dtensor"),
-        r"worker rank 1 is outside dst_mesh_dims=\(1, 1\)"),
+        r"the trainer's dst_mesh_dims=\(1, 1\) describes 1 worker\(s\), but the client drives 1 engine\(s\) of 2 "
+        r"worker\(s\) each"),
     "m2n: staging too small for the peers": (
         M2N, construct(staging_bytes=64), r"staging_bytes=64 is too small for 2 peers"),
     "m2n: world_size inconsistent with the meshes": (

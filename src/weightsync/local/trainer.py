@@ -99,7 +99,7 @@ def make_engine(init_info: Any, client: Any, *, source: str = "full", bucket_byt
         src = DTensorModuleSource(model, STATE["world"])
     else:
         src = source_factory(source)(model)
-    init_info = dataclasses.replace(init_info, rank=STATE["rank"])
+    init_info = dataclasses.replace(init_info, rank=STATE["rank"], num_trainer_ranks=STATE["world"])
     STATE["engine"] = WeightTransferTrainerFactory.trainer_init(init_info, client=client, source=src)
 
 
