@@ -84,3 +84,15 @@ def test_no_module_over_400_lines():
     assert not big, f"modules over {MAX_LINES} lines: {big}"
     stale = {m: sizes.get(m) for m in _KNOWN_OVER if sizes.get(m, 0) <= MAX_LINES}
     assert not stale, f"modules now within {MAX_LINES} lines (or gone): drop them from _KNOWN_OVER: {stale}"
+
+
+def test_layout_is_pure():
+    """layout/ imports neither torch nor collectives, except the single-process reference executor."""
+    for m, f in _modules().items():
+        if not m.startswith("weightsync.layout") or m == "weightsync.layout.reference":
+            continue
+        for n in ast.walk(ast.parse(f.read_text())):
+            names = [a.name for a in n.names] if isinstance(n, ast.Import) else []
+            if isinstance(n, ast.ImportFrom) and not n.level:
+                names = [n.module or ""]
+            assert not any(x == "torch" or x.startswith(("torch.", "vllm")) for x in names), f"{m} imports {names}"
