@@ -128,8 +128,9 @@ class _Classes(NamedTuple):
     entries: list[_Entries]
     # per class: its workers, ascending
     workers: list[list[int]]
-    # the distinct regions and param offsets of all pieces
+    # the distinct regions of all pieces
     regions: _Interner
+    # the distinct param offsets of all pieces
     offsets: _Interner
 
 

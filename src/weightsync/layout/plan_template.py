@@ -44,10 +44,13 @@ class SendProto(NamedTuple):
 
     # worker rank that receives
     dst: int
-    # as in Proto
+    # the overlap, in the coordinates of the global tensor
     region: Region
+    # region.offsets relative to the sender's local shard
     src_offsets: tuple[int, ...]
+    # index of the destination piece in the tensor's piece list (picks the param name)
     piece: int
+    # where region.offsets lands in the param
     param_offsets: tuple[int, ...]
 
 
@@ -56,10 +59,13 @@ class RecvProto(NamedTuple):
 
     # trainer rank that sends
     src: int
-    # as in Proto
+    # the overlap, in the coordinates of the global tensor
     region: Region
+    # region.offsets relative to the sender's local shard
     src_offsets: tuple[int, ...]
+    # index of the destination piece in the tensor's piece list (picks the param name)
     piece: int
+    # where region.offsets lands in the param
     param_offsets: tuple[int, ...]
 
 
