@@ -1,8 +1,15 @@
+import struct
+from collections import namedtuple
+
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
 
-from weightsync.buckets import ALIGN, metadata_digest, pack, plan_buckets, unpack
+from weightsync.layout.buckets import ALIGN, metadata_digest, plan_buckets
 from weightsync.protocol import ParamMeta
+from weightsync.transport.packing import CHUNK_BYTES, ROW_WORDS, fold_checksum, pack, unpack
+
+MiB = 1 << 20
 
 
 def metas(*specs):
@@ -58,3 +65,101 @@ def test_digest_depends_on_order_names_dtypes_shapes():
     assert d != metadata_digest(base[::-1])
     assert d != metadata_digest([base[0], dict(base[1], dtype="float16")])
     assert d != metadata_digest([base[0], dict(base[1], shape=[4, 3])])
+
+
+def test_plan_buckets_takes_plain_records_with_dtype_names():
+    Meta = namedtuple("Meta", "name dtype shape")
+    plain = [Meta("t0", "float32", (10, 10)), Meta("t1", "torch.bfloat16", (3,))]
+    typed = metas((torch.float32, (10, 10)), (torch.bfloat16, (3,)))
+    assert plan_buckets(plain, 1024) == plan_buckets(typed, 1024)
+    with pytest.raises(ValueError, match=r"parameter 'x': dtype 'qint4' has no known itemsize"):
+        plan_buckets([Meta("x", "qint4", (2,))], 1024)
+
+
+# --- fold_checksum -------------------------------------------------------------------------------
+
+
+def _reference_fold(acc: int, data: bytes) -> int:
+    """The definition in weightsync.transport.packing's docstring, in plain Python."""
+    padded = data + bytes(-len(data) % (4 * ROW_WORDS))
+    words = struct.unpack(f"<{len(padded) // 4}i", padded)
+    a = sum(words)
+    r = sum((i // ROW_WORDS + 1) * x for i, x in enumerate(words))
+    c = sum((i % ROW_WORDS + 1) * x for i, x in enumerate(words))
+    for value in (len(data), a, r, c):
+        acc = (acc * 1_000_003 + value) % ((1 << 61) - 1)
+    return acc
+
+
+def _peak_cpu_bytes(fn) -> int:
+    """Peak of the running sum of CPU allocator events while ``fn`` runs (allocations minus frees)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted(
+        (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
+    )
+    running = peak = 0
+    for _, nbytes in events:
+        running += nbytes
+        peak = max(peak, running)
+    return peak
+
+
+def test_peak_measurement_sees_transient_allocations():
+    x = torch.zeros(4 * MiB, dtype=torch.uint8)
+    assert _peak_cpu_bytes(lambda: x.to(torch.int64).sum()) >= 32 * MiB
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_checksum_peak_memory_is_bounded_by_two_chunks(layout):
+    g = torch.Generator().manual_seed(0)
+    t = torch.randint(-(2**31), 2**31 - 1, (4096, 4096), dtype=torch.int32, generator=g)  # 64 MiB
+    if layout == "transposed":
+        t = t.t()
+    peak = _peak_cpu_bytes(lambda: fold_checksum(0, t))
+    assert peak <= 2 * CHUNK_BYTES, f"fold_checksum of {t.nbytes // MiB} MiB peaked at {peak / MiB:.1f} MiB"
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 5, 4 * ROW_WORDS, 4 * ROW_WORDS * 3 + 7])
+def test_checksum_matches_its_definition(nbytes):
+    data = bytes((i * 7 + 3) % 256 for i in range(nbytes))
+    t = torch.frombuffer(bytearray(data), dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+    assert fold_checksum(12345, t) == _reference_fold(12345, data)
+
+
+def test_checksum_depends_on_bytes_not_strides_alignment_or_chunks():
+    g = torch.Generator().manual_seed(1)
+    base = torch.randint(0, 256, (CHUNK_BYTES + 3 * ROW_WORDS + 5,), dtype=torch.uint8, generator=g)
+    want = fold_checksum(7, base)
+    buf = torch.empty(base.numel() + 1, dtype=torch.uint8)
+    buf[1:] = base
+    assert fold_checksum(7, buf[1:]) == want  # misaligned for an int32 view
+    wide = base[: base.numel() // 6 * 6].view(-1, 3)
+    assert fold_checksum(7, wide.t().contiguous().t()) == fold_checksum(7, wide)  # strided, same bytes
+    bf = torch.randn(300, 70, generator=g).to(torch.bfloat16)
+    assert fold_checksum(0, bf[:, 5:9]) == fold_checksum(0, bf[:, 5:9].contiguous())
+
+
+def test_checksum_is_order_and_position_sensitive():
+    g = torch.Generator().manual_seed(2)
+    t = torch.randint(0, 256, (4 * ROW_WORDS * 3 + 11,), dtype=torch.uint8, generator=g)
+    want = fold_checksum(0, t)
+    for i, j in [(0, 1), (0, 4), (4, 8 * ROW_WORDS), (3, t.numel() - 1)]:  # in a word, a row, rows, the tail
+        s = t.clone()
+        s[i], s[j] = t[j], t[i]
+        assert s[i] != s[j] or t[i] == t[j]
+        if t[i] != t[j]:
+            assert fold_checksum(0, s) != want, (i, j)
+    assert fold_checksum(0, torch.cat([t, torch.zeros(1, dtype=torch.uint8)])) != want  # a zero is not padding
+    a, b = t[:100], t[100:]
+    assert fold_checksum(fold_checksum(0, a), b) != fold_checksum(fold_checksum(0, b), a)
+    assert fold_checksum(1, t) != want
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_checksum_is_equal_on_cpu_and_cuda():
+    g = torch.Generator().manual_seed(3)
+    t = torch.randint(0, 256, (CHUNK_BYTES + 12345,), dtype=torch.uint8, generator=g)
+    assert fold_checksum(5, t.cuda()) == fold_checksum(5, t)
+    m = torch.randn(1000, 300, generator=g).to(torch.bfloat16)
+    assert fold_checksum(5, m.cuda()[:, 3:77]) == fold_checksum(5, m[:, 3:77])

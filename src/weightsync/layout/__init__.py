@@ -5,13 +5,13 @@ single-process reference executor) is the only module that imports torch, and it
 imported here.
 """
 
-from weightsync.layout.plan import (
+from weightsync.layout.plan import TransferPlan, build_plan
+from weightsync.layout.records import (
     DestPiece,
     PlanCoverage,
     TensorSource,
     TransferItem,
-    TransferPlan,
-    build_plan,
+    align_up,
     dtype_itemsize,
 )
 from weightsync.layout.regions import (
@@ -35,6 +35,7 @@ __all__ = [
     "TensorSource",
     "TransferItem",
     "TransferPlan",
+    "align_up",
     "build_plan",
     "dtype_itemsize",
     "local_region",

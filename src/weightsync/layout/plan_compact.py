@@ -14,13 +14,14 @@ Pure: no torch import. Not part of the public API.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import chain, repeat
 from operator import attrgetter, le, lt
-from typing import Any
+from typing import Any, NamedTuple
 
 from weightsync.layout.plan_template import SourceLayout, Template, plan_template, source_layout
+from weightsync.layout.records import DestPiece, TensorSource
 from weightsync.layout.regions import Region
 
 __all__ = ["Compact", "compact_plan"]
@@ -28,26 +29,33 @@ __all__ = ["Compact", "compact_plan"]
 _DIGEST_VERSION = "weightsync.layout.plan/1"
 
 
-@dataclass
+@dataclass(frozen=True)
 class Compact:
     """Everything a :class:`TransferPlan` answers from; built by :func:`compact_plan`."""
 
-    # trainer (source) and worker (destination) rank counts
+    # number of trainer (source) ranks
     num_src: int
+    # number of workers (destination ranks)
     num_dst: int
     # worker_class[w]: class of worker w; workers of one class want identical pieces
     worker_class: tuple[int, ...]
-    # per tensor, in sources order: name, dtype, signature index, param name per flat piece
+    # per tensor, in sources order: HF name
     names: tuple[str, ...]
+    # per tensor: dtype name
     dtypes: tuple[str, ...]
+    # per tensor: index of its signature (in templates)
     tensor_sig: tuple[int, ...]
+    # per tensor: the param name of each of its pieces, in flat piece order (see _flatten)
     params: tuple[tuple[str, ...], ...]
-    # per signature: template, tensor count, element count each worker asks for per tensor
+    # per signature: the plan shared by its tensors
     templates: tuple[Template, ...]
+    # per signature: number of tensors that have it
     sig_tensors: tuple[int, ...]
+    # per signature: elements each worker asks for, per tensor
     sig_dst_numel: tuple[tuple[int, ...], ...]
-    # per signature: the dtype, and sha256 hex of the canonical encoding of the whole plan
+    # per signature: dtype name
     sig_dtype: tuple[str, ...]
+    # sha256 hex of the canonical encoding of the whole plan
     digest: str
 
 
@@ -85,79 +93,83 @@ class _Interner:
         return list(map(by_value.__getitem__, objs))
 
 
-_NAME, _REGION, _OFFSETS, _PARAM = (attrgetter(a) for a in ("name", "region", "param_offsets", "param"))
+class _Sources(NamedTuple):
+    """Step 1's result: the validated sources, indexed."""
 
-# One worker's pieces, column-wise and stably ordered by tensor: tensor indices, region ids,
-# param-offsets ids, param names.
-_Entries = tuple[list[int], list[int], list[int], list[str]]
-
-
-def _worker_entries(
-    w: int, pieces: Sequence[Any], name_index: dict[str, int], regions: _Interner, offsets: _Interner
-) -> _Entries:
-    """Compact one worker's destination list (C-level passes: this runs on ~10^6 pieces)."""
-    from weightsync.layout.plan import DestPiece
-
-    pieces = list(pieces)
-    if not set(map(type, pieces)) <= {DestPiece}:
-        bad = next((p for p in pieces if not isinstance(p, DestPiece)), None)
-        if bad is not None:
-            raise TypeError(f"destinations[{w}] must hold DestPiece objects, got {bad!r}")
-    names = list(map(_NAME, pieces))
-    ts: list[Any] = list(map(name_index.get, names))
-    if None in ts:
-        p = pieces[ts.index(None)]
-        raise ValueError(f"destination piece on worker {w} names unknown tensor {p.name!r} (param {p.param!r})")
-    regs = list(map(_REGION, pieces))
-    rids = regions.ids_by_identity(regs)
-    offs = list(map(_OFFSETS, pieces))
-    oids = offsets.ids_by_value(offs)
-    params: list[Any] = list(map(_PARAM, pieces))
-    if not all(map(le, ts, ts[1:])):
-        order = sorted(range(len(ts)), key=ts.__getitem__)
-        ts, rids, oids, params = ([col[j] for j in order] for col in (ts, rids, oids, params))
-    return ts, rids, oids, params
+    # name -> index in sources
+    name_index: dict[str, int]
+    # distinct source layouts (shape and regions), each validated once
+    layouts: list[SourceLayout]
+    # per tensor: index of its layout
+    layout_of: list[int]
+    # number of trainer ranks
+    num_src: int
 
 
-def _flatten(n: int, classes: Sequence[_Entries]) -> tuple[list[tuple[int, ...]], list[tuple[str, ...]]]:
-    """Per tensor: its pieces over all classes as ``(class, region id, offsets id, ...)`` and their params."""
-    ts0 = classes[0][0] if classes else []
-    if all(e[0] == ts0 for e in classes) and all(map(lt, ts0, ts0[1:])):
-        # Common case: every worker takes each tensor at most once, in one order.
-        cols: list[Any] = []
-        for c, e in enumerate(classes):
-            cols += (repeat(c), e[1], e[2])
-        flats: Any = zip(*cols)
-        pns: Any = zip(*(e[3] for e in classes))
-        if ts0 == list(range(n)):
-            return list(flats), list(pns)
-        flat_of: list[tuple[int, ...]] = [()] * n
-        pn_of: list[tuple[str, ...]] = [()] * n
-        for t, fl, pn in zip(ts0, flats, pns):
-            flat_of[t], pn_of[t] = fl, pn
-        return flat_of, pn_of
-    flat: list[list[int]] = [[] for _ in range(n)]
-    pnames: list[list[str]] = [[] for _ in range(n)]
-    for c, (ts, rids, oids, params) in enumerate(classes):
-        for t, rid, oid, param in zip(ts, rids, oids, params):
-            flat[t] += (c, rid, oid)
-            pnames[t].append(param)
-    return list(map(tuple, flat)), list(map(tuple, pnames))
+class _Entries(NamedTuple):
+    """One worker class's pieces, column-wise and stably ordered by tensor index."""
+
+    # per piece: the tensor's index in sources
+    tensors: list[int]
+    # per piece: id of its region (in _Classes.regions)
+    region_ids: list[int]
+    # per piece: id of its param offsets (in _Classes.offsets)
+    offset_ids: list[int]
+    # per piece: the vLLM param name
+    params: list[str]
 
 
-def compact_plan(
-    sources: Sequence[Any], destinations: Sequence[Sequence[Any]], itemsize_of: Callable[[str], int]
-) -> Compact:
-    """Group, validate and plan; see :func:`weightsync.layout.plan.build_plan` for the rules."""
-    from weightsync.layout.plan import TensorSource
+class _Classes(NamedTuple):
+    """Step 2's result: workers grouped into classes of equal destination lists."""
 
-    sources = tuple(sources)  # keep every object alive: identities are memo keys below
-    dests = tuple(destinations)
+    # worker_class[w]: class of worker w
+    worker_class: list[int]
+    # per class: its pieces
+    entries: list[_Entries]
+    # per class: its workers, ascending
+    workers: list[list[int]]
+    # the distinct regions of all pieces
+    regions: _Interner
+    # the distinct param offsets of all pieces
+    offsets: _Interner
+
+
+class _SigKey(NamedTuple):
+    """What makes two tensors plannable as one: their signature."""
+
+    # global shape
+    shape: tuple[int, ...]
+    # dtype name
+    dtype: str
+    # index of the source layout
+    layout: int
+    # the pieces of every class, flat: (class, region id, offsets id) per piece (see _flat_pieces)
+    flat: tuple[int, ...]
+
+
+class _Signatures(NamedTuple):
+    """Step 3's result: tensors grouped by signature, in order of first appearance."""
+
+    # per signature: its key
+    keys: list[_SigKey]
+    # per signature: index of its first tensor (names it in errors)
+    first: list[int]
+    # per signature: number of tensors
+    count: list[int]
+    # per tensor: index of its signature
+    of_tensor: list[int]
+
+
+def _index_sources(sources: Sequence[Any]) -> _Sources:
+    """Step 1: check the sources and validate each distinct (shape, regions) layout once.
+
+    Layouts are recognized by the identity of the ``regions`` tuple first, then by value.
+    """
     name_index: dict[str, int] = {}
     layouts: list[SourceLayout] = []
-    layout_by_id: dict[tuple[int, tuple[int, ...]], int] = {}
-    layout_by_value: dict[tuple[Any, ...], int] = {}
-    src_ids = []
+    by_id: dict[tuple[int, tuple[int, ...]], int] = {}
+    by_value: dict[tuple[Any, ...], int] = {}
+    layout_of = []
     num_src = len(sources[0].regions) if sources else 0
     for i, s in enumerate(sources):
         if not isinstance(s, TensorSource):
@@ -170,121 +182,204 @@ def compact_plan(
                 f"(one per trainer rank, as tensor {sources[0].name!r})"
             )
         key = (id(s.regions), s.shape)
-        lid = layout_by_id.get(key)
+        lid = by_id.get(key)
         if lid is None:
-            vkey = (s.shape, s.regions)
-            lid = layout_by_value.get(vkey)
-            if lid is None:
-                lid = layout_by_value[vkey] = len(layouts)
+            lid = by_value.setdefault((s.shape, s.regions), len(layouts))
+            if lid == len(layouts):
                 layouts.append(source_layout(s.name, s.shape, s.regions))
-            layout_by_id[key] = lid
-        src_ids.append(lid)
+            by_id[key] = lid
+        layout_of.append(lid)
+    return _Sources(name_index, layouts, layout_of, num_src)
 
+
+_NAME, _REGION, _OFFSETS, _PARAM = (attrgetter(a) for a in ("name", "region", "param_offsets", "param"))
+
+
+def _worker_entries(
+    w: int, pieces: Sequence[Any], name_index: dict[str, int], regions: _Interner, offsets: _Interner
+) -> _Entries:
+    """Compact one worker's destination list (C-level passes: this runs on ~10^6 pieces)."""
+    pieces = list(pieces)
+    if not set(map(type, pieces)) <= {DestPiece}:
+        bad = next((p for p in pieces if not isinstance(p, DestPiece)), None)
+        if bad is not None:
+            raise TypeError(f"destinations[{w}] must hold DestPiece objects, got {bad!r}")
+    names = list(map(_NAME, pieces))
+    ts: list[Any] = list(map(name_index.get, names))
+    if None in ts:
+        p = pieces[ts.index(None)]
+        raise ValueError(f"destination piece on worker {w} names unknown tensor {p.name!r} (param {p.param!r})")
+    rids = regions.ids_by_identity(list(map(_REGION, pieces)))
+    oids = offsets.ids_by_value(list(map(_OFFSETS, pieces)))
+    params: list[Any] = list(map(_PARAM, pieces))
+    if not all(map(le, ts, ts[1:])):
+        order = sorted(range(len(ts)), key=ts.__getitem__)
+        ts, rids, oids, params = ([col[j] for j in order] for col in (ts, rids, oids, params))
+    return _Entries(ts, rids, oids, params)
+
+
+def _group_workers(destinations: Sequence[Sequence[Any]], name_index: dict[str, int]) -> _Classes:
+    """Step 2: group workers whose destination lists are equal into classes.
+
+    One list object shared by several workers is compacted once (recognized by identity).
+    """
     regions, offsets = _Interner(), _Interner()
     class_of_list: dict[int, int] = {}
     class_by_key: dict[tuple[Any, ...], int] = {}
-    classes: list[_Entries] = []
+    entries: list[_Entries] = []
     worker_class = []
-    for w, pieces in enumerate(dests):
+    for w, pieces in enumerate(destinations):
         c = class_of_list.get(id(pieces))
         if c is None:
-            entries = _worker_entries(w, pieces, name_index, regions, offsets)
-            c = class_by_key.setdefault(tuple(tuple(col) for col in entries), len(classes))
-            if c == len(classes):
-                classes.append(entries)
+            e = _worker_entries(w, pieces, name_index, regions, offsets)
+            c = class_by_key.setdefault(tuple(tuple(col) for col in e), len(entries))
+            if c == len(entries):
+                entries.append(e)
             class_of_list[id(pieces)] = c
         worker_class.append(c)
-    class_workers: list[list[int]] = [[] for _ in classes]
+    workers: list[list[int]] = [[] for _ in entries]
     for w, c in enumerate(worker_class):
-        class_workers[c].append(w)
-    flat, pnames = _flatten(len(sources), classes)
+        workers[c].append(w)
+    return _Classes(worker_class, entries, workers, regions, offsets)
 
-    sig_index: dict[tuple[Any, ...], int] = {}
-    sig_keys: list[tuple[Any, ...]] = []
-    sig_first: list[int] = []
-    sig_count: list[int] = []
-    tensor_sig = []
-    for t, s in enumerate(sources):
-        sig_key = (s.shape, s.dtype, src_ids[t], flat[t])
-        sig = sig_index.setdefault(sig_key, len(sig_keys))
-        if sig == len(sig_keys):
-            sig_keys.append(sig_key)
-            sig_first.append(t)
-            sig_count.append(0)
-        sig_count[sig] += 1
-        tensor_sig.append(sig)
-    del flat
 
-    itemsizes: dict[str, int] = {}
-    load = [0] * num_src
+def _flatten(n: int, classes: Sequence[_Entries]) -> tuple[list[tuple[int, ...]], list[tuple[str, ...]]]:
+    """Per tensor: its pieces over all classes as one flat tuple ``(class, region id, offsets id) * k``
+    (a hashable part of the signature), and the param name of each of those k pieces."""
+    ts0 = classes[0].tensors if classes else []
+    if all(e.tensors == ts0 for e in classes) and all(map(lt, ts0, ts0[1:])):
+        # Common case: every class takes each tensor at most once, in one order: zip the columns.
+        cols: list[Any] = []
+        for c, e in enumerate(classes):
+            cols += (repeat(c), e.region_ids, e.offset_ids)
+        flats: Any = zip(*cols)
+        pns: Any = zip(*(e.params for e in classes))
+        if ts0 == list(range(n)):
+            return list(flats), list(pns)
+        flat_of: list[tuple[int, ...]] = [()] * n
+        pn_of: list[tuple[str, ...]] = [()] * n
+        for t, fl, pn in zip(ts0, flats, pns):
+            flat_of[t], pn_of[t] = fl, pn
+        return flat_of, pn_of
+    flat: list[list[int]] = [[] for _ in range(n)]
+    pnames: list[list[str]] = [[] for _ in range(n)]
+    for c, e in enumerate(classes):
+        for t, rid, oid, param in zip(*e):
+            flat[t] += (c, rid, oid)
+            pnames[t].append(param)
+    return list(map(tuple, flat)), list(map(tuple, pnames))
+
+
+def _flat_pieces(flat: tuple[int, ...]) -> Iterator[tuple[int, int, int]]:
+    """``(class, region id, offsets id)`` of each piece in a flat tuple from :func:`_flatten`."""
+    return zip(flat[0::3], flat[1::3], flat[2::3])
+
+
+def _group_tensors(sources: Sequence[Any], layout_of: Sequence[int], flat: Sequence[tuple[int, ...]]) -> _Signatures:
+    """Step 3: group tensors with equal signatures (shape, dtype, source layout, flat pieces)."""
+    index: dict[tuple[Any, ...], int] = {}
+    sigs = _Signatures([], [], [], [])
+    for t, (s, lid, fl) in enumerate(zip(sources, layout_of, flat)):
+        key = (s.shape, s.dtype, lid, fl)
+        sig = index.setdefault(key, len(sigs.keys))
+        if sig == len(sigs.keys):
+            sigs.keys.append(_SigKey(*key))
+            sigs.first.append(t)
+            sigs.count.append(0)
+        sigs.count[sig] += 1
+        sigs.of_tensor.append(sig)
+    return sigs
+
+
+def _plan_signatures(
+    sources: Sequence[Any], src: _Sources, classes: _Classes, sigs: _Signatures, itemsizes: dict[str, int]
+) -> tuple[list[Template], list[tuple[int, ...]]]:
+    """Step 4: plan each signature once, in order (sender load accumulates across signatures).
+
+    Returns the templates and, per signature, the elements each worker asks for per tensor.
+    """
+    load = [0] * src.num_src
     overlap_cache: dict[tuple[int, Region], list[tuple[int, Region]]] = {}
-    templates = []
-    dst_numel = []
-    for sig, (shape, dtype, lid, fl) in enumerate(sig_keys):
-        name = sources[sig_first[sig]].name
-        if dtype not in itemsizes:
-            itemsizes[dtype] = itemsize_of(dtype)
-        class_pieces: list[list[tuple[int, Region, tuple[int, ...]]]] = [[] for _ in classes]
-        for f in range(0, len(fl), 3):
-            class_pieces[fl[f]].append((f // 3, regions.values[fl[f + 1]], offsets.values[fl[f + 2]]))
-        tpl = plan_template(
-            name, shape, itemsizes[dtype], layouts[lid], class_pieces, class_workers, worker_class,
-            sig_count[sig], load, overlap_cache,
-        )
-        templates.append(tpl)
-        dst_numel.append(tuple(sum(r.numel for _, r, _ in class_pieces[c]) for c in worker_class))
+    regions, offsets = classes.regions.values, classes.offsets.values
+    templates, dst_numel = [], []
+    for key, first, count in zip(sigs.keys, sigs.first, sigs.count):
+        class_pieces: list[list[tuple[int, Region, tuple[int, ...]]]] = [[] for _ in classes.entries]
+        for piece, (c, rid, oid) in enumerate(_flat_pieces(key.flat)):
+            class_pieces[c].append((piece, regions[rid], offsets[oid]))
+        templates.append(plan_template(
+            sources[first].name, key.shape, itemsizes[key.dtype], src.layouts[key.layout], class_pieces,
+            classes.workers, classes.worker_class, count, load, overlap_cache,
+        ))
+        dst_numel.append(tuple(sum(r.numel for _, r, _ in class_pieces[c]) for c in classes.worker_class))
+    return templates, dst_numel
 
-    digest = _digest(num_src, worker_class, itemsizes, sources, sig_keys, layouts, regions, offsets,
-                     tensor_sig, pnames, sig_first)
+
+def compact_plan(
+    sources: Sequence[Any], destinations: Sequence[Sequence[Any]], itemsize_of: Callable[[str], int]
+) -> Compact:
+    """Validate, group and plan; see :func:`weightsync.layout.plan.build_plan` for the rules.
+
+    Steps: index the sources (1), group workers into classes (2), group tensors into
+    signatures (3), plan each signature once (4), digest everything (5).
+    """
+    sources = tuple(sources)  # keep every object alive: identities are memo keys below
+    dests = tuple(destinations)
+    src = _index_sources(sources)
+    classes = _group_workers(dests, src.name_index)
+    flat, pnames = _flatten(len(sources), classes.entries)
+    sigs = _group_tensors(sources, src.layout_of, flat)
+    del flat
+    itemsizes = {dtype: itemsize_of(dtype) for dtype in dict.fromkeys(k.dtype for k in sigs.keys)}
+    templates, dst_numel = _plan_signatures(sources, src, classes, sigs, itemsizes)
+    digest = _digest(src, classes, itemsizes, sources, sigs, pnames)
     return Compact(
-        num_src=num_src,
+        num_src=src.num_src,
         num_dst=len(dests),
-        worker_class=tuple(worker_class),
+        worker_class=tuple(classes.worker_class),
         names=tuple(s.name for s in sources),
         dtypes=tuple(s.dtype for s in sources),
-        tensor_sig=tuple(tensor_sig),
+        tensor_sig=tuple(sigs.of_tensor),
         params=tuple(pnames),
         templates=tuple(templates),
-        sig_tensors=tuple(sig_count),
+        sig_tensors=tuple(sigs.count),
         sig_dst_numel=tuple(dst_numel),
-        sig_dtype=tuple(k[1] for k in sig_keys),
+        sig_dtype=tuple(k.dtype for k in sigs.keys),
         digest=digest,
     )
 
 
 def _digest(
-    num_src: int,
-    worker_class: Sequence[int],
+    src: _Sources,
+    classes: _Classes,
     itemsizes: dict[str, int],
     sources: Sequence[Any],
-    sig_keys: Sequence[tuple[Any, ...]],
-    layouts: Sequence[SourceLayout],
-    regions: _Interner,
-    offsets: _Interner,
-    tensor_sig: Sequence[int],
+    sigs: _Signatures,
     pnames: Sequence[Sequence[str]],
-    sig_first: Sequence[int],
 ) -> str:
-    """sha256 over a canonical encoding of everything the plan depends on (no ids, no hash())."""
+    """Step 5: sha256 over a canonical encoding of everything the plan depends on (no ids, no hash()).
+
+    Layouts and signatures are written once each, by value; then every tensor's name, signature
+    and param names.
+    """
     h = hashlib.sha256()
-    h.update(repr((_DIGEST_VERSION, num_src, tuple(worker_class), sorted(itemsizes.items()))).encode())
+    h.update(repr((_DIGEST_VERSION, src.num_src, tuple(classes.worker_class), sorted(itemsizes.items()))).encode())
+    regions, offsets = classes.regions.values, classes.offsets.values
     layout_done: set[int] = set()
-    for sig, (shape, dtype, lid, fl) in enumerate(sig_keys):
-        if lid not in layout_done:
-            layout_done.add(lid)
-            regs = sources[sig_first[sig]].regions
-            h.update(repr(("src", lid, shape, tuple((r.offsets, r.sizes) for r in regs))).encode())
+    for sig, (key, first) in enumerate(zip(sigs.keys, sigs.first)):
+        if key.layout not in layout_done:
+            layout_done.add(key.layout)
+            regs = sources[first].regions
+            h.update(repr(("src", key.layout, key.shape, tuple((r.offsets, r.sizes) for r in regs))).encode())
         pieces = tuple(
-            (fl[f], regions.values[fl[f + 1]].offsets, regions.values[fl[f + 1]].sizes, offsets.values[fl[f + 2]])
-            for f in range(0, len(fl), 3)
+            (c, regions[rid].offsets, regions[rid].sizes, offsets[oid]) for c, rid, oid in _flat_pieces(key.flat)
         )
-        h.update(repr(("sig", sig, shape, dtype, lid, pieces)).encode())
+        h.update(repr(("sig", sig, key.shape, key.dtype, key.layout, pieces)).encode())
     # Per tensor: name, signature, param of each piece (the signature fixes how many), NUL-joined;
     # repr instead if some name holds a NUL, so the encoding stays unambiguous.
     # A tensor whose pieces all land in one param name (the usual case) writes that name once.
     records = [
         (s.name, str(sig), "1", p[0]) if p and p.count(p[0]) == len(p) else (s.name, str(sig), "0", *p)
-        for s, sig, p in zip(sources, tensor_sig, pnames)
+        for s, sig, p in zip(sources, sigs.of_tensor, pnames)
     ]
     blob = "\0".join(chain.from_iterable(records))
     if blob.count("\0") != sum(map(len, records)) - 1 and records:

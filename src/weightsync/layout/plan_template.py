@@ -14,16 +14,59 @@ import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
-from typing import Any
+from typing import Any, NamedTuple
 
 from weightsync.layout.regions import Region
 
-__all__ = ["Proto", "SourceLayout", "Template", "plan_template", "source_layout"]
+__all__ = ["Proto", "RecvProto", "SendProto", "SourceLayout", "Template", "plan_template", "source_layout"]
 
-# One planned piece of one destination piece: (region in the global tensor, offsets of the
-# region in the source shard, index of the destination piece in the tensor's flat piece list,
-# offsets of the region in the param, numel, index of the distinct source region it comes from).
-Proto = tuple[Region, tuple[int, ...], int, tuple[int, ...], int, int]
+
+class Proto(NamedTuple):
+    """One planned copy of one tensor for a worker class: a destination piece's overlap with one
+    source region. Names aside it is a TransferItem; the sender is chosen per worker (``Template.choices``)."""
+
+    # the overlap, in the coordinates of the global tensor
+    region: Region
+    # region.offsets relative to the source region (the sender's local shard)
+    src_offsets: tuple[int, ...]
+    # index of the destination piece in the tensor's piece list (picks the param name)
+    piece: int
+    # where region.offsets lands in the param
+    param_offsets: tuple[int, ...]
+    # region.numel
+    numel: int
+    # index of the distinct source region (SourceLayout.regions) it is cut from
+    source: int
+
+
+class SendProto(NamedTuple):
+    """What one trainer rank sends for one tensor: a Proto with its receiving worker."""
+
+    # worker rank that receives
+    dst: int
+    # the overlap, in the coordinates of the global tensor
+    region: Region
+    # region.offsets relative to the sender's local shard
+    src_offsets: tuple[int, ...]
+    # index of the destination piece in the tensor's piece list (picks the param name)
+    piece: int
+    # where region.offsets lands in the param
+    param_offsets: tuple[int, ...]
+
+
+class RecvProto(NamedTuple):
+    """What one worker receives for one tensor: a Proto with its sending trainer rank."""
+
+    # trainer rank that sends
+    src: int
+    # the overlap, in the coordinates of the global tensor
+    region: Region
+    # region.offsets relative to the sender's local shard
+    src_offsets: tuple[int, ...]
+    # index of the destination piece in the tensor's piece list (picks the param name)
+    piece: int
+    # where region.offsets lands in the param
+    param_offsets: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -100,20 +143,21 @@ def source_layout(name: str, shape: tuple[int, ...], regions: Sequence[Any]) -> 
 class Template:
     """The plan of one signature, shared by every tensor that has it."""
 
-    # protos[c]: the planned pieces of one tensor for a worker of class c, in global order
+    # protos[c]: the planned copies of one tensor for a worker of class c, in global order
     protos: tuple[tuple[Proto, ...], ...]
     # choices[w]: the sending trainer rank of every proto of worker w's class
     choices: tuple[tuple[int, ...], ...]
     # number of items per tensor of this signature (all workers)
     count: int
-    # memo: trainer rank -> ((dst, region, src_offsets, flat_index, param_offsets), ...)
-    by_src: dict[int, tuple[tuple[Any, ...], ...]] = field(default_factory=dict)
+    # memo of protos_for_src: trainer rank -> what it sends
+    by_src: dict[int, tuple[SendProto, ...]] = field(default_factory=dict)
 
-    def protos_for_src(self, rank: int, worker_class: Sequence[int]) -> tuple[tuple[Any, ...], ...]:
-        """What trainer ``rank`` sends for one tensor: ``(dst, region, src_offsets, flat, param_offsets)``."""
+    def protos_for_src(self, rank: int, worker_class: Sequence[int]) -> tuple[SendProto, ...]:
+        """What trainer ``rank`` sends for one tensor of this signature, in global order."""
         hit = self.by_src.get(rank)
         if hit is not None:
             return hit
+        # Workers of one class with one choice tuple share the positions this rank sends.
         positions: dict[int, list[int]] = {}
         out = []
         for w, choice in enumerate(self.choices):
@@ -123,14 +167,15 @@ class Template:
             protos = self.protos[worker_class[w]]
             for i in pos:
                 p = protos[i]
-                out.append((w, p[0], p[1], p[2], p[3]))
+                out.append(SendProto(w, p.region, p.src_offsets, p.piece, p.param_offsets))
         result = self.by_src[rank] = tuple(out)
         return result
 
-    def protos_for_dst(self, dst: int, worker_class: Sequence[int]) -> list[tuple[Any, ...]]:
-        """What worker ``dst`` receives for one tensor: ``(src, region, src_offsets, flat, param_offsets)``."""
+    def protos_for_dst(self, dst: int, worker_class: Sequence[int]) -> list[RecvProto]:
+        """What worker ``dst`` receives for one tensor of this signature, in global order."""
         return [
-            (r, p[0], p[1], p[2], p[3]) for r, p in zip(self.choices[dst], self.protos[worker_class[dst]])
+            RecvProto(r, p.region, p.src_offsets, p.piece, p.param_offsets)
+            for r, p in zip(self.choices[dst], self.protos[worker_class[dst]])
         ]
 
 
@@ -167,6 +212,72 @@ def _check_piece(name: str, w: int, shape: tuple[int, ...], region: Region) -> N
         )
 
 
+def _class_protos(
+    name: str,
+    shape: tuple[int, ...],
+    layout: SourceLayout,
+    pieces: Sequence[tuple[int, Region, tuple[int, ...]]],
+    w0: int,
+    overlap_cache: dict[tuple[int, Region], list[tuple[int, Region]]],
+) -> tuple[Proto, ...]:
+    """Cut one worker class's destination pieces ``(piece index, region, param offsets)`` of one
+    tensor into Protos: one per overlap with a source region, in piece order then offset order.
+
+    ``w0`` (the class's first worker) names the worker in errors; overlaps are cached per
+    (source layout, region), as many signatures share both.
+    """
+    out: list[Proto] = []
+    for piece, region, param_offsets in pieces:
+        _check_piece(name, w0, shape, region)
+        if region.is_empty:
+            continue
+        key = (id(layout), region)
+        found = overlap_cache.get(key)
+        if found is None:
+            found = overlap_cache[key] = _overlaps(name, w0, layout, region)
+        for source, inter in found:
+            src_origin = layout.regions[source].offsets
+            src_offsets = tuple(a - b for a, b in zip(inter.offsets, src_origin))
+            to_param = tuple(p + a - b for p, a, b in zip(param_offsets, inter.offsets, region.offsets))
+            out.append(Proto(inter, src_offsets, piece, to_param, inter.numel, source))
+    return tuple(out)
+
+
+def _choose_senders(
+    protos: Sequence[tuple[Proto, ...]],
+    holders: Sequence[tuple[int, ...]],
+    class_workers: Sequence[Sequence[int]],
+    worker_class: Sequence[int],
+    bytes_per_elem: int,
+    load: list[int],
+) -> tuple[tuple[int, ...], ...]:
+    """The sending trainer rank of every proto, per worker, charging ``load`` (bytes per rank).
+
+    ``bytes_per_elem`` is the itemsize times the number of tensors of the signature. A proto
+    with one holder goes to it; a replicated one to the holder with the least load so far,
+    ties to the lowest rank, worker by worker in rank order. Equal choice tuples are shared.
+    """
+    if all(len(h) == 1 for h in holders):  # no replication: one pass per class, not per worker
+        default = [tuple(holders[p.source][0] for p in ps) for ps in protos]
+        for c, ps in enumerate(protos):
+            n = len(class_workers[c]) * bytes_per_elem
+            for p, r in zip(ps, default[c]):
+                load[r] += p.numel * n
+        return tuple(default[c] for c in worker_class)
+    seen: dict[tuple[int, ...], tuple[int, ...]] = {}
+    picked = []
+    for c in worker_class:
+        choice = []
+        for p in protos[c]:
+            hs = holders[p.source]
+            r = hs[0] if len(hs) == 1 else min(hs, key=lambda x: (load[x], x))
+            load[r] += p.numel * bytes_per_elem
+            choice.append(r)
+        t = tuple(choice)
+        picked.append(seen.setdefault(t, t))
+    return tuple(picked)
+
+
 def plan_template(
     name: str,
     shape: tuple[int, ...],
@@ -179,45 +290,12 @@ def plan_template(
     load: list[int],
     overlap_cache: dict[tuple[int, Region], list[tuple[int, Region]]],
 ) -> Template:
-    """Plan one signature; replicated pieces go to the least-loaded holder (ties: lowest rank)."""
-    protos: list[tuple[Proto, ...]] = []
-    for c, pieces in enumerate(class_pieces):
-        w0 = class_workers[c][0] if class_workers[c] else -1
-        out: list[Proto] = []
-        for flat, region, poff in pieces:
-            _check_piece(name, w0, shape, region)
-            if region.is_empty:
-                continue
-            key = (id(layout), region)
-            found = overlap_cache.get(key)
-            if found is None:
-                found = overlap_cache[key] = _overlaps(name, w0, layout, region)
-            for i, inter in found:
-                src = layout.regions[i].offsets
-                so = tuple(a - b for a, b in zip(inter.offsets, src))
-                po = tuple(p + a - b for p, a, b in zip(poff, inter.offsets, region.offsets))
-                out.append((inter, so, flat, po, inter.numel, i))
-        protos.append(tuple(out))
-    holders = layout.holders
-    default = [tuple(holders[p[5]][0] for p in ps) for ps in protos]
-    if all(len(h) == 1 for h in holders):
-        choices = tuple(default[c] for c in worker_class)
-        for c, ps in enumerate(protos):
-            n = len(class_workers[c]) * weight * itemsize
-            for p, r in zip(ps, default[c]):
-                load[r] += p[4] * n
-    else:
-        seen: dict[tuple[int, ...], tuple[int, ...]] = {}
-        picked = []
-        for c in worker_class:
-            choice = []
-            for p in protos[c]:
-                hs = holders[p[5]]
-                r = hs[0] if len(hs) == 1 else min(hs, key=lambda x: (load[x], x))
-                load[r] += p[4] * weight * itemsize
-                choice.append(r)
-            t = tuple(choice)
-            picked.append(seen.setdefault(t, t))
-        choices = tuple(picked)
+    """Plan one signature held by ``weight`` tensors: cut every class's pieces into Protos, then
+    choose each worker's senders (replicated pieces to the least-loaded holder; ties: lowest rank)."""
+    protos = [
+        _class_protos(name, shape, layout, pieces, workers[0] if workers else -1, overlap_cache)
+        for pieces, workers in zip(class_pieces, class_workers)
+    ]
+    choices = _choose_senders(protos, layout.holders, class_workers, worker_class, weight * itemsize, load)
     count = sum(len(protos[c]) for c in worker_class)
     return Template(tuple(protos), choices, count)

@@ -13,7 +13,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from weightsync.layout.plan import DestPiece, TensorSource, TransferPlan
+from weightsync.layout.plan import TransferPlan
+from weightsync.layout.records import DestPiece, TensorSource
 from weightsync.layout.regions import Region
 
 __all__ = ["execute_reference", "make_local_shards", "shard_tensor", "write_destinations"]

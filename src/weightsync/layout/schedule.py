@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
-from weightsync.layout.plan import TransferItem
+from weightsync.layout.records import TransferItem, align_up
 from weightsync.layout.regions import Region
 
 __all__ = ["ALIGN", "Message", "split_item", "pair_messages", "message_cap", "rounds"]
@@ -31,10 +31,6 @@ class Message:
     items: tuple[TransferItem, ...]  # in plan order
     offsets: tuple[int, ...]  # byte offset of each item in the message
     nbytes: int  # message size in bytes
-
-
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 def _shift(item: TransferItem, dim: int, start: int, size: int) -> TransferItem:
@@ -93,7 +89,7 @@ def pair_messages(items: Iterable[TransferItem], *, by: str, cap: int,
 
         for piece, size in pieces:
             nbytes = piece.region.numel * size
-            start = (used + size - 1) // size * size  # element-aligned: viewable in place, no padding within one dtype
+            start = align_up(used, size)  # element-aligned: viewable in place, no padding within one dtype
             if cur and start + nbytes > cap:
                 flush()
                 cur, offs, start = [], [], 0

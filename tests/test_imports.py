@@ -1,0 +1,98 @@
+"""Package structure: no import cycle in src/ (function-level imports count) and no module over 400 lines."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
+MAX_LINES = 400
+# Modules already over MAX_LINES, with their size when this test was written: they may shrink, not grow.
+# Temporary: transport/ipc.py is being rewritten (issue "One transport core"); drop the entry then.
+_KNOWN_OVER = {"weightsync.transport.ipc": 412}
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    return {".".join(f.relative_to(SRC).with_suffix("").parts).removesuffix(".__init__"): f for f in SRC.rglob("*.py")}
+
+
+def _edges(mods: dict[str, pathlib.Path]) -> dict[str, set[str]]:
+    """Module -> modules it imports from, at any depth of the file (lazy imports included).
+
+    As the project's before-stop hook: ``from X import name`` is an edge to ``X.name`` when that is a
+    module, else to ``X``; package ``__init__`` modules are not edge targets (re-exports are not cycles).
+    """
+    edges: dict[str, set[str]] = {m: set() for m in mods}
+    for m, f in mods.items():
+        pkg = m if f.name == "__init__.py" else m.rpartition(".")[0]
+        for n in ast.walk(ast.parse(f.read_text())):
+            if isinstance(n, ast.ImportFrom):
+                parts = pkg.split(".")
+                if n.level:
+                    base = ".".join(parts[: len(parts) - n.level + 1] + ([n.module] if n.module else []))
+                else:
+                    base = n.module or ""
+                for a in n.names:
+                    for c in (f"{base}.{a.name}", base):
+                        if c in mods and c != m and mods[c].name != "__init__.py":
+                            edges[m].add(c)
+                            break
+            elif isinstance(n, ast.Import):
+                for a in n.names:
+                    if a.name in mods and a.name != m and mods[a.name].name != "__init__.py":
+                        edges[m].add(a.name)
+    return edges
+
+
+def _first_cycle(edges: dict[str, set[str]]) -> list[str]:
+    state: dict[str, int] = {}
+    found: list[str] = []
+
+    def dfs(u: str, stack: list[str]) -> None:
+        state[u] = 1
+        stack.append(u)
+        for v in sorted(edges[u]):
+            if state.get(v) == 1 and not found:
+                found.extend(stack[stack.index(v):] + [v])
+            elif not state.get(v):
+                dfs(v, stack)
+        stack.pop()
+        state[u] = 2
+
+    for m in sorted(edges):
+        if not state.get(m):
+            dfs(m, [])
+    return found
+
+
+def test_no_import_cycle_in_src():
+    cycle = _first_cycle(_edges(_modules()))
+    assert not cycle, "import cycle (lazy imports included): " + " -> ".join(cycle)
+
+
+def test_the_cycle_check_sees_lazy_imports(tmp_path):
+    """The check itself: a function-level import that closes a loop is a cycle."""
+    edges = {"p.a": {"p.b"}, "p.b": {"p.a"}, "p.c": set()}
+    assert _first_cycle(edges) == ["p.a", "p.b", "p.a"]
+    tree = ast.parse("def f():\n    from weightsync.layout.plan import TensorSource\n")
+    assert any(isinstance(n, ast.ImportFrom) for n in ast.walk(tree))
+
+
+def test_no_module_over_400_lines():
+    sizes = {m: len(f.read_text().splitlines()) for m, f in _modules().items()}
+    big = {m: n for m, n in sizes.items() if n > max(MAX_LINES, _KNOWN_OVER.get(m, 0))}
+    assert not big, f"modules over {MAX_LINES} lines: {big}"
+    stale = {m: sizes.get(m) for m in _KNOWN_OVER if sizes.get(m, 0) <= MAX_LINES}
+    assert not stale, f"modules now within {MAX_LINES} lines (or gone): drop them from _KNOWN_OVER: {stale}"
+
+
+def test_layout_is_pure():
+    """layout/ imports neither torch nor collectives, except the single-process reference executor."""
+    for m, f in _modules().items():
+        if not m.startswith("weightsync.layout") or m == "weightsync.layout.reference":
+            continue
+        for n in ast.walk(ast.parse(f.read_text())):
+            names = [a.name for a in n.names] if isinstance(n, ast.Import) else []
+            if isinstance(n, ast.ImportFrom) and not n.level:
+                names = [n.module or ""]
+            assert not any(x == "torch" or x.startswith(("torch.", "vllm")) for x in names), f"{m} imports {names}"
