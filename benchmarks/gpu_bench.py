@@ -39,7 +39,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
 
-from weightsync.buckets import pack, plan_buckets, unpack
+from weightsync.layout.buckets import plan_buckets
+from weightsync.transport.packing import pack, unpack
 from weightsync.protocol import ParamMeta
 from weightsync.transport.ipc_handles import BufferImporter, ExportedBuffer
 

@@ -7,9 +7,6 @@ import pathlib
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
 MAX_LINES = 400
-# Modules already over MAX_LINES, with their size when this test was written: they may shrink, not grow.
-# Temporary: transport/ipc.py is being rewritten (issue "One transport core"); drop the entry then.
-_KNOWN_OVER = {"weightsync.transport.ipc": 412}
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -80,10 +77,8 @@ def test_the_cycle_check_sees_lazy_imports(tmp_path):
 
 def test_no_module_over_400_lines():
     sizes = {m: len(f.read_text().splitlines()) for m, f in _modules().items()}
-    big = {m: n for m, n in sizes.items() if n > max(MAX_LINES, _KNOWN_OVER.get(m, 0))}
+    big = {m: n for m, n in sizes.items() if n > MAX_LINES}
     assert not big, f"modules over {MAX_LINES} lines: {big}"
-    stale = {m: sizes.get(m) for m in _KNOWN_OVER if sizes.get(m, 0) <= MAX_LINES}
-    assert not stale, f"modules now within {MAX_LINES} lines (or gone): drop them from _KNOWN_OVER: {stale}"
 
 
 def test_layout_is_pure():

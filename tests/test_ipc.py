@@ -15,11 +15,13 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from weightsync.buckets import pack, plan_buckets
+from weightsync.layout.buckets import plan_buckets
+from weightsync.transport.packing import pack
 from helpers import CorruptingClient, JsonRoundTripClient
 from weightsync.local.actors import RemoteError, gather
 from weightsync.local.cluster import Layout, free_port
-from weightsync.protocol import ParamMeta, parse_info
+from weightsync.protocol import ParamMeta
+from weightsync.engine import parse_info
 from weightsync.transport import ipc_handles
 from weightsync.transport.ipc import IPCTrainerInitInfo, IPCUpdateInfo, IPCWorkerInitInfo
 from weightsync.transport.ipc_handles import BufferImporter, ExportedBuffer

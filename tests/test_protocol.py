@@ -6,7 +6,8 @@ import torch
 
 from weightsync import (FullTensorSource, ParamMeta, WeightSource, WeightTransferTrainerFactory,
                         WorkerEngineFactory, transport_names)
-from weightsync.protocol import dtype_from_name, dtype_name, parse_info
+from weightsync.protocol import dtype_from_name, dtype_name
+from weightsync.engine import parse_info
 from weightsync.transport.nccl import NCCLTrainerInitInfo, NCCLUpdateInfo, NCCLWorkerInitInfo
 
 

@@ -9,8 +9,8 @@ import importlib
 from typing import Any
 
 from .clients import HTTPVLLMWeightSyncClient, RayVLLMWeightSyncClient, RemoteCallError, WeightSyncClient
-from .protocol import (ParamMeta, SyncStats, TrainerEngine, TrainerInitInfo, WeightSource, WorkerInitInfo,
-                       WorkerUpdateInfo)
+from .engine import SyncStats, TrainerEngine, TrainerInitInfo, WorkerInitInfo, WorkerUpdateInfo
+from .protocol import ParamMeta, WeightSource
 from .registry import TRANSPORTS, Transport, WeightTransferTrainerFactory, WorkerEngineFactory, transport, transport_names
 from .sources import DTensorModuleSource, FullTensorSource
 

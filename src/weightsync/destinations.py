@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .layout.plan import DestPiece
+from .layout.records import DestPiece
 from .layout.regions import Region
 
 __all__ = ["Fallback", "WorkerDestinations", "resolve_destinations"]

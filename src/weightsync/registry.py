@@ -14,7 +14,8 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .protocol import TrainerEngine, TrainerInitInfo, WeightSource
+from .engine import TrainerEngine, TrainerInitInfo
+from .protocol import WeightSource
 
 __all__ = ["Transport", "TRANSPORTS", "transport", "transport_names", "WeightTransferTrainerFactory",
            "WorkerEngineFactory"]

@@ -15,7 +15,7 @@ from functools import cached_property
 
 import torch
 
-from .layout.plan import TensorSource
+from .layout.records import TensorSource
 from .layout.regions import Replicate, Shard, placements_from_torch, source_regions
 from .protocol import ParamMeta, WeightSource, check_metadata, dtype_name
 

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from .protocol import WorkerInitInfo, WorkerUpdateInfo, parse_info
+from .engine import WorkerInitInfo, WorkerUpdateInfo, parse_info
 
 __all__ = ["WorkerEngine", "LayerwiseApplier", "PoisonedError"]
 

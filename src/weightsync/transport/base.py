@@ -34,7 +34,8 @@ from dataclasses import asdict
 from typing import Any, ClassVar
 
 from ..comm import Communicator, DataPlaneError, SyncAborted
-from ..protocol import SyncStats, TrainerEngine, TrainerInitInfo, WeightSource, WorkerInitInfo, WorkerUpdateInfo
+from ..engine import SyncStats, TrainerEngine, TrainerInitInfo, WorkerInitInfo, WorkerUpdateInfo
+from ..protocol import WeightSource
 from ..worker import LayerwiseApplier, PoisonedError, WorkerEngine
 
 __all__ = ["BaseTrainerEngine", "BaseWorkerEngine", "SyncFailed", "PoisonedError", "client_result"]

@@ -18,12 +18,14 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..buckets import ALIGN, Bucket, fold_checksum, metadata_digest, pack, plan_buckets, unpack
-from ..protocol import MetadataUpdateInfo, ParamMeta, SyncStats, TrainerInitInfo, WorkerInitInfo, check_metadata, checked
+from ..engine import MetadataUpdateInfo, SyncStats, TrainerInitInfo, WorkerInitInfo
+from ..layout.buckets import ALIGN, Bucket, metadata_digest, plan_buckets
+from ..protocol import ParamMeta, check_metadata, checked
 from ..registry import Transport
 from ..worker import LayerwiseApplier
 from .base import BaseTrainerEngine, BaseWorkerEngine
 from .ipc_handles import BufferImporter, ExportedBuffer, memory_saver_paused
+from .packing import fold_checksum, pack, unpack
 
 __all__ = ["IPCTrainerInitInfo", "IPCWorkerInitInfo", "IPCUpdateInfo", "IPCTrainerEngine", "IPCWorkerEngine", "TRANSPORT"]
 

@@ -21,7 +21,7 @@ import torch
 
 from ..comm import Communicator
 from ..layout.schedule import message_cap
-from ..protocol import SyncStats, TrainerInitInfo, WorkerInitInfo, WorkerUpdateInfo
+from ..engine import SyncStats, TrainerInitInfo, WorkerInitInfo, WorkerUpdateInfo
 from ..registry import Transport
 from ..sources import tensor_sources
 from ..worker import LayerwiseApplier

@@ -11,18 +11,13 @@ from typing import Any
 
 import torch
 
-from ..buckets import fold_checksum
 from ..comm import Communicator
-from ..layout.plan import (
-    DestPiece,
-    TensorSource,
-    TransferPlan,
-    build_plan,
-    dtype_itemsize,
-)
+from ..layout.plan import TransferPlan, build_plan
+from ..layout.records import DestPiece, TensorSource, align_up, dtype_itemsize
 from ..layout.regions import Region
-from ..layout.schedule import Message, pair_messages, rounds
+from ..layout.schedule import ALIGN, Message, pair_messages, rounds
 from ..protocol import dtype_from_name
+from .packing import fold_checksum
 
 __all__ = ["FALLBACK", "sources_to_wire", "sources_from_wire", "dests_to_wire", "Gathered", "gather_plan",
            "run_rounds"]
@@ -117,7 +112,7 @@ def run_rounds(comm: Communicator, plan_rounds: list[list[Message]], staging: to
         bufs, base = [], 0
         for m in msgs:
             bufs.append(staging[base : base + m.nbytes])
-            base += (m.nbytes + 63) // 64 * 64
+            base += align_up(m.nbytes, ALIGN)
         if sender:
             for m, buf in zip(msgs, bufs):
                 for i, (item, off) in enumerate(zip(m.items, m.offsets)):

@@ -15,11 +15,13 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..buckets import ALIGN, Bucket, fold_checksum, metadata_digest, pack, plan_buckets, unpack
-from ..protocol import (MetadataUpdateInfo, ParamMeta, SyncStats, TrainerInitInfo, WorkerInitInfo, check_metadata,
-                        checked)
+from ..engine import MetadataUpdateInfo, SyncStats, TrainerInitInfo, WorkerInitInfo
+from ..layout.buckets import ALIGN, Bucket, metadata_digest, plan_buckets
+from ..layout.records import align_up
+from ..protocol import ParamMeta, check_metadata, checked
 from ..registry import Transport
 from .base import BaseTrainerEngine, BaseWorkerEngine
+from .packing import fold_checksum, pack, unpack
 
 __all__ = ["NCCLTrainerInitInfo", "NCCLWorkerInitInfo", "NCCLUpdateInfo", "NCCLTrainerEngine", "NCCLWorkerEngine",
            "TRANSPORT"]
@@ -77,10 +79,6 @@ class NCCLWorkerInitInfo(WorkerInitInfo):
 @dataclass(kw_only=True)
 class NCCLUpdateInfo(MetadataUpdateInfo):
     """One sync: the metadata when it changed (else empty lists) and its digest."""
-
-
-def _aligned(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 class NCCLTrainerEngine(BaseTrainerEngine):
@@ -142,7 +140,7 @@ class NCCLTrainerEngine(BaseTrainerEngine):
             slot = b % len(works)
             if works[slot] is not None:
                 self.comm.wait(works[slot], "bucket broadcast")
-            buf = self._buffers[slot][: _aligned(bucket.nbytes)]
+            buf = self._buffers[slot][: align_up(bucket.nbytes, ALIGN)]
             for entry in bucket.entries:
                 _, tensor = next(it)
                 pack(buf, entry, tensor)
@@ -191,7 +189,7 @@ class NCCLWorkerEngine(BaseWorkerEngine):
 
         def post(b: int) -> tuple[torch.Tensor, Any]:
             # A fresh buffer per bucket: layerwise reload may keep views until a layer is complete.
-            buf = torch.empty(_aligned(buckets[b].nbytes), dtype=torch.uint8, device=self.device)
+            buf = torch.empty(align_up(buckets[b].nbytes, ALIGN), dtype=torch.uint8, device=self.device)
             return buf, self.comm.broadcast(buf, src=0, async_op=True)
 
         inflight = post(0) if buckets else None

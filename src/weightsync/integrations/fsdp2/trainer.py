@@ -23,7 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ...protocol import SyncStats, TrainerEngine, TrainerInitInfo, WeightSource
+from ...engine import SyncStats, TrainerEngine, TrainerInitInfo
+from ...protocol import WeightSource
 from . import checkpoint as ckpt
 from .config import TrainerConfig
 from .data import Sample, dp_schedule, pack
