@@ -3,5 +3,5 @@
 # Extra arguments go to `weightsync demo` (e.g. --transport nccl --trainers 2 --tp 2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh
+scripts/setup.sh main
 exec .venv/bin/weightsync demo "$@"

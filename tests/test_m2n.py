@@ -79,7 +79,7 @@ def test_model_mismatch_fails_init_on_every_rank_before_data_moves(cluster):
             for a in cluster.active_trainers]
     for f in futs:
         with pytest.raises(RemoteError, match=r"ValueError: parameter 'model.layers.0.self_attn.k_proj.weight': "
-                                              r"the trainer's shape \(16, 64\) does not match vLLM's "
+                                              r"the trainer's shape \(32, 64\) does not match vLLM's "
                                               r"model.layers.0.self_attn.qkv_proj.weight"):
             f.result()
     assert cluster.on_receivers("checksum") == before

@@ -54,9 +54,9 @@ def test_plan_matches_vllm_load_weights(cluster, model, tp):
 def test_kv_head_replication_and_vocab_padding_at_tp4(cluster):
     out = plan_and_check(cluster, Layout(trainers=2, tp=4, model="tiny_qwen3"))
     dests = out["dests"]
-    k = "model.layers.0.self_attn.k_proj.weight"  # 2 KV heads of 16 over TP 4: ranks 0,1 head 0; 2,3 head 1
+    k = "model.layers.0.self_attn.k_proj.weight"  # 2 KV heads of 32 over TP 4: ranks 0,1 head 0; 2,3 head 1
     rows = [[p.region.offsets[0] for p in d.pieces if p.name == k] for d in dests]
-    assert rows == [[0], [0], [16], [16]]
+    assert rows == [[0], [0], [32], [32]]
     emb = "model.embed_tokens.weight"  # vocab 151 padded to 192: 48 rows per rank, the last gets 7 real rows
     spans = [[(p.region.offsets[0], p.region.sizes[0]) for p in d.pieces if p.name == emb] for d in dests]
     assert spans == [[(0, 48)], [(48, 48)], [(96, 48)], [(144, 7)]]

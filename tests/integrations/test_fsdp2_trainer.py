@@ -84,8 +84,8 @@ def test_rank0_alone_reads_the_checkpoint_and_every_rank_gets_its_weights(procs,
 def test_a_bad_reference_checkpoint_fails_on_every_rank(procs, ckpts, tmp_path):
     procs.init(2)
     kv1 = write_checkpoint(str(tmp_path / "kv1"), seed=0, config="tiny_qwen3_kv1")
-    for path, match in [(kv1, r"tensor 'model.layers.0.self_attn.k_proj.weight' has shape \(16, 64\), the model "
-                              r"expects \(32, 64\)"),
+    for path, match in [(kv1, r"tensor 'model.layers.0.self_attn.k_proj.weight' has shape \(32, 64\), the model "
+                              r"expects \(64, 64\)"),
                         (str(tmp_path / "missing"), r"rank 0 could not read checkpoint .*missing")]:
         cfg = TrainerConfig(model=ModelConfig(path=ckpts["actor"], reference_path=path), device="cpu",
                             loss=LossConfig(kl_coef=0.1))

