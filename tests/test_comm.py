@@ -1,0 +1,104 @@
+"""The sync group's channels, without vLLM: a failing party wakes every peer blocked on it, fast,
+on gloo (CPU) and NCCL (CUDA, one GPU: every party on device 0; marked gpu, skipped without CUDA)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+import time
+import traceback
+
+import pytest
+import torch
+
+from weightsync.comm import Communicator, DataPlaneError
+
+WORLD = 3
+TIMEOUT_S = 30.0
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _party(rank: int, port: int, device: str, how: str, out: "mp.Queue") -> None:
+    """Rank 0 fails after the others are blocked on it; the others report how they woke."""
+    try:
+        comm = Communicator.connect("127.0.0.1", port, name=f"party {rank}", timeout_s=TIMEOUT_S, host_store=rank == 0)
+        comm.join(rank, WORLD, device=device)
+        t = torch.zeros(1 << 16, device=device)
+        if rank == 0:
+            time.sleep(1.0)  # the others are blocked in their waits by now
+            try:
+                raise ValueError("the source yielded a wrong shape")
+            except ValueError as e:
+                comm.fail(f"{type(e).__name__}: {e}", e)
+            out.put((rank, "failed", 0.0))
+            time.sleep(3.0)  # stays alive: peers must wake from the report, not from this process exiting
+            return
+        t0 = time.monotonic()
+        try:
+            if how == "broadcast":
+                comm.broadcast(t, src=0)
+            else:
+                comm.exchange([], [(t, 0, 0)])
+            out.put((rank, "completed", time.monotonic() - t0))
+        except DataPlaneError as e:
+            out.put((rank, str(e), time.monotonic() - t0))
+    except Exception:  # noqa: BLE001 - reported to the test
+        out.put((rank, traceback.format_exc(), -1.0))
+
+
+def _run(device: str, how: str) -> dict[int, tuple[str, float]]:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _port()
+    procs = [ctx.Process(target=_party, args=(r, port, device, how, out)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    results = {}
+    for _ in range(WORLD):
+        rank, what, seconds = out.get(timeout=120)
+        results[rank] = (what, seconds)
+    for p in procs:
+        p.join(30)
+    return results
+
+
+@pytest.mark.parametrize("how", ["broadcast", "recv"])
+def test_a_failing_party_wakes_every_blocked_peer_with_its_reason_gloo(how):
+    results = _run("cpu", how)
+    assert results[0][0] == "failed"
+    for rank in (1, 2):
+        what, seconds = results[rank]
+        assert "party 0: ValueError: the source yielded a wrong shape" in what, what
+        assert 0 < seconds < 5, (rank, seconds)  # well before the 30 s timeout and before rank 0 exits
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("how", ["broadcast", "recv"])
+def test_a_failing_party_wakes_every_blocked_peer_with_its_reason_nccl(how):
+    results = _run("cuda", how)
+    assert results[0][0] == "failed"
+    for rank in (1, 2):
+        what, seconds = results[rank]
+        assert "party 0: ValueError: the source yielded a wrong shape" in what, what
+        assert 0 < seconds < 5, (rank, seconds)
+
+
+def test_store_reads_raise_a_reported_failure_at_once_and_name_the_key_on_timeout():
+    host = Communicator.connect("127.0.0.1", 0, name="trainer rank 0", timeout_s=5, host_store=True)
+    peer = Communicator.connect("127.0.0.1", host.port, name="worker 0", timeout_s=5)
+    with pytest.raises(DataPlaneError, match=r"timed out after 0.2s on worker 0 waiting for 'nothing'"):
+        peer.read("nothing", timeout_s=0.2)
+    host.fail("RuntimeError: boom")
+    host.fail("RuntimeError: a later failure")  # the first report wins
+    t0 = time.monotonic()
+    with pytest.raises(DataPlaneError, match="a party failed: trainer rank 0: RuntimeError: boom$"):
+        peer.read("nothing")
+    assert time.monotonic() - t0 < 1
+    peer.shutdown()
+    host.shutdown()
