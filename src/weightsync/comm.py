@@ -146,12 +146,17 @@ class Communicator:
         they hold keeps gloo's connections open (only freeing the group and its works closes them)."""
         if error is not None:
             traceback.clear_frames(error.__traceback__)
+        self.record(message)
+        self.abort()
+
+    def record(self, message: str) -> None:
+        """Record this party's failure on the store only (the first report wins): every party
+        waiting on the store raises it. Safe from any thread."""
         if self.store is not None:
             try:
                 self.store.compare_set(_ERROR, "", f"{self.name}: {message}")
             except Exception:  # noqa: BLE001 - the store's host may be gone already
                 pass
-        self.abort()
 
     def abort(self) -> None:
         """Drop the data plane now (NCCL: abort the communicator)."""

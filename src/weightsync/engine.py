@@ -167,6 +167,9 @@ class WorkerInitInfo:
     """Limit for every blocking step."""
     rollback: bool = True
     """Keep a host copy of the parameters during a sync and restore it on failure."""
+    transport: str = ""
+    """The transport this info is for (weightsync's trainer engines fill it in): a worker engine refuses
+    an info for another transport, and vLLM's ``weightsync`` backend builds the engine it names."""
     engine_index: int = 0
     """Which engine of the client's list this one is (weightsync's clients set it per engine):
     separate engines all have vLLM's ``data_parallel_index == 0``."""

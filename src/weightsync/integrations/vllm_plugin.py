@@ -1,5 +1,8 @@
 """vLLM plugin: registers weightsync's engines in vLLM's two weight-transfer factories.
 
+Worker backends: ``weightsync_m2n``, ``weightsync_nccl``, ``weightsync_ipc``, and ``weightsync``, which
+serves whichever of them each trainer's init info names (see ``integrations.any_transport``).
+
 Wired as a ``vllm.general_plugins`` entry point, so vLLM runs ``register()`` in every process it
 starts (driver and workers). Idempotent. The classes vLLM gets are weightsync's engines with
 vLLM's own ABCs mixed in (``WeightTransferEngine`` / ``TrainerWeightTransferEngine``).
@@ -14,6 +17,8 @@ from ..registry import TRANSPORTS, transport
 __all__ = ["register", "vllm_worker_class", "vllm_trainer_class"]
 
 _CACHE: dict[tuple[str, str], type] = {}
+ANY = "weightsync"
+"""The worker backend that serves any weightsync transport (``integrations.any_transport``)."""
 
 
 def _mixed(kind: str, name: str) -> type:
@@ -21,8 +26,11 @@ def _mixed(kind: str, name: str) -> type:
     if key not in _CACHE:
         from vllm.distributed.weight_transfer import TrainerWeightTransferEngine, WeightTransferEngine
 
-        declared = transport(name)
-        ours = declared.worker_engine if kind == "worker" else declared.trainer_engine
+        if name == ANY:
+            from .any_transport import AnyTransportWorkerEngine as ours
+        else:
+            declared = transport(name)
+            ours = declared.worker_engine if kind == "worker" else declared.trainer_engine
         vllm_base = WeightTransferEngine if kind == "worker" else TrainerWeightTransferEngine
         _CACHE[key] = type(ours.__name__, (ours, vllm_base), {"__module__": ours.__module__,
                                                                "__doc__": ours.__doc__})
@@ -45,8 +53,9 @@ _WORKER, _TRAINER = "VLLMWorker_", "VLLMTrainer_"
 def __getattr__(attr: str) -> type:
     """``VLLMWorker_<backend>`` / ``VLLMTrainer_<backend>``: what vLLM's factories import lazily."""
     for prefix, kind in ((_WORKER, "worker"), (_TRAINER, "trainer")):
-        if attr.startswith(prefix) and attr[len(prefix):] in TRANSPORTS:
-            return _mixed(kind, attr[len(prefix):])
+        name = attr[len(prefix):]
+        if attr.startswith(prefix) and (name in TRANSPORTS or (kind == "worker" and name == ANY)):
+            return _mixed(kind, name)
     raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
 
 
@@ -57,9 +66,11 @@ def _register_into(factory: Any, name: str, class_name: str) -> None:
 
 
 def register() -> None:
-    """Register ``weightsync_*`` backends in vLLM's factories, lazily by import path; idempotent."""
+    """Register the ``weightsync_*`` transports in vLLM's factories, and the worker backend
+    ``weightsync`` that serves any of them; lazily by import path; idempotent."""
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
     for name in TRANSPORTS:
         _register_into(WeightTransferEngineFactory, name, _WORKER + name)
         _register_into(WeightTransferTrainerFactory, name, _TRAINER + name)
+    _register_into(WeightTransferEngineFactory, ANY, _WORKER + ANY)

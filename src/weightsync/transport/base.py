@@ -33,9 +33,12 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict
 from typing import Any, ClassVar
 
+import torch
+
 from ..comm import Communicator, DataPlaneError, SyncAborted
 from ..engine import SyncStats, TrainerEngine, TrainerInitInfo, WorkerInitInfo, WorkerUpdateInfo
 from ..protocol import WeightSource
+from ..registry import TRANSPORTS, transport
 from ..worker import LayerwiseApplier, PoisonedError, WorkerEngine
 
 __all__ = ["BaseTrainerEngine", "BaseWorkerEngine", "SyncFailed", "PoisonedError", "client_result"]
@@ -111,8 +114,8 @@ class BaseTrainerEngine(TrainerEngine):
                                              timeout_s=i.timeout_s, host_store=self.is_sender)
             fut = None
             if self.is_sender:
-                payload = asdict(self._worker_init_info(self.comm.port))
-                fut = self._pool.submit(self._client_init, payload)
+                payload = {**asdict(self._worker_init_info(self.comm.port)), "transport": self.init_info.backend}
+                fut = self._watched(self._pool.submit(self._client_init, payload), "init_weight_transfer_engine")
             if (data := self._data_rank()) is not None:
                 self.comm.join(*data, device=i.device)
             self._handshake()
@@ -146,7 +149,19 @@ class BaseTrainerEngine(TrainerEngine):
     def _update_async(self, update: WorkerUpdateInfo | dict[str, Any]) -> Future:
         """Rank 0: the client's ``update_weights`` in a thread (workers receive while we send)."""
         payload = update if isinstance(update, dict) else asdict(update)
-        return self._pool.submit(self.client.update_weights, payload)
+        return self._watched(self._pool.submit(self.client.update_weights, payload), "update_weights")
+
+    def _watched(self, fut: Future, what: str) -> Future:
+        """A client call whose failure is recorded on the store at once, so every rank waiting there
+        (rank 0's own rendezvous included) raises it instead of waiting out a timeout."""
+        comm = self.comm
+
+        def done(f: Future) -> None:
+            if (e := f.exception()) is not None:
+                comm.record(f"the client's {what} failed: {_message(e)}")
+
+        fut.add_done_callback(done)
+        return fut
 
     # ---- one sync ---------------------------------------------------------------------
     def _key(self, *parts: Any) -> str:
@@ -265,6 +280,33 @@ class BaseWorkerEngine(WorkerEngine):
         raise NotImplementedError
 
     # ---- vLLM's worker calls ------------------------------------------------------------
+    def parse_init_info(self, init_dict: dict[str, Any]) -> Any:
+        """The typed init info; an info for another transport is refused naming both. A refused info
+        is reported on the trainer's store when it names one, so the trainer ranks fail at once."""
+        try:
+            return self._parse_init_info(init_dict)
+        except ValueError as e:
+            host, port = (init_dict.get(k) if isinstance(init_dict, dict) else None
+                          for k in ("master_address", "master_port"))
+            if isinstance(host, str) and isinstance(port, int):
+                try:
+                    Communicator.report(host, port, f"worker {self.worker_rank}: {_message(e)}")
+                except Exception:  # noqa: BLE001 - the trainer side still has its timeout
+                    pass
+            raise
+
+    def _parse_init_info(self, init_dict: dict[str, Any]) -> Any:
+        named = init_dict.get("transport") if isinstance(init_dict, dict) else None
+        if named:
+            own = next((n for n in TRANSPORTS if isinstance(self, transport(n).worker_engine)), type(self).__name__)
+            if named != own:
+                if named not in TRANSPORTS:
+                    transport(named)  # ValueError listing the transports
+                raise ValueError(f"init_info.transport is {named!r}, but this vLLM engine's weight-transfer backend "
+                                 f"is {own!r}: start vLLM with WeightTransferConfig(backend={named!r}), or "
+                                 "backend='weightsync' to serve any weightsync transport")
+        return super().parse_init_info(init_dict)
+
     @property
     def worker_rank(self) -> int:
         """This worker's rank over every engine: (engine, DP replica) index * (TP x PP) + rank."""
@@ -275,6 +317,20 @@ class BaseWorkerEngine(WorkerEngine):
         dp_size = int(getattr(pc, "data_parallel_size", 1) or 1)
         replica = engine * dp_size + int(getattr(pc, "data_parallel_index", 0) or 0)
         return replica * int(pc.world_size) + int(pc.rank)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """vLLM's entry point: a malformed update info fails the sync like any receive error."""
+        try:
+            parsed = self.parse_update_info(update_info)
+        except ValueError as e:
+            self.poisoned = _message(e)
+            if self.comm is not None:
+                self.comm.fail(self.poisoned, e)
+            self._rollback()
+            raise
+        self.receive_weights(parsed)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def init_transfer_engine(self, init_info: Any) -> None:
         self.shutdown()
