@@ -32,7 +32,7 @@ import pybase64
 import torch
 import torch.distributed as dist
 
-__all__ = ["Communicator", "DataPlaneError", "SyncAborted", "decode_unique_id", "connect_store"]
+__all__ = ["Communicator", "DataPlaneError", "SyncAborted", "decode_unique_id", "connect_store", "describe"]
 
 NCCL_UNIQUE_ID_BYTES = 128
 _ERROR = "error"
@@ -43,6 +43,11 @@ def connect_store(host: str, port: int, timeout_s: float, *, is_master: bool = F
     """A TCPStore client (or its host, with ``is_master``; port 0 picks a free port)."""
     return dist.TCPStore(host, port, None, is_master=is_master, timeout=timedelta(seconds=timeout_s),
                          wait_for_workers=False, use_libuv=True)
+
+
+def describe(error: BaseException) -> str:
+    """``"TypeName: message"``: how failures are reported to the other parties."""
+    return f"{type(error).__name__}: {error}"
 
 
 class DataPlaneError(RuntimeError):

@@ -23,9 +23,10 @@ from ..layout.buckets import ALIGN, Bucket, metadata_digest, plan_buckets
 from ..protocol import ParamMeta, check_metadata, checked
 from ..registry import Transport
 from ..worker import LayerwiseApplier
-from .base import BaseTrainerEngine, BaseWorkerEngine
+from .base import BaseTrainerEngine
 from .ipc_handles import BufferImporter, ExportedBuffer, memory_saver_paused
 from .packing import fold_checksum, pack, unpack
+from .worker_base import BaseWorkerEngine
 
 __all__ = ["IPCTrainerInitInfo", "IPCWorkerInitInfo", "IPCUpdateInfo", "IPCTrainerEngine", "IPCWorkerEngine", "TRANSPORT"]
 

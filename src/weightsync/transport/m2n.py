@@ -20,13 +20,15 @@ from typing import Any, ClassVar
 import torch
 
 from ..comm import Communicator
-from ..layout.schedule import message_cap
 from ..engine import SyncStats, TrainerInitInfo, WorkerInitInfo, WorkerUpdateInfo
+from ..layout.schedule import message_cap
 from ..registry import Transport
 from ..sources import tensor_sources
 from ..worker import LayerwiseApplier
-from .base import BaseTrainerEngine, BaseWorkerEngine
-from .m2n_exec import FALLBACK, agree, dests_to_wire, gather_plan, my_messages, run_rounds, sources_from_wire, sources_to_wire
+from .base import BaseTrainerEngine
+from .m2n_exec import (FALLBACK, agree, dests_to_wire, gather_plan, my_messages, run_rounds, sources_from_wire,
+                       sources_to_wire)
+from .worker_base import BaseWorkerEngine
 
 __all__ = ["M2NTrainerInitInfo", "M2NWorkerInitInfo", "M2NUpdateInfo", "M2NTrainerEngine", "M2NWorkerEngine",
            "TRANSPORT"]

@@ -20,8 +20,9 @@ from ..layout.buckets import ALIGN, Bucket, metadata_digest, plan_buckets
 from ..layout.records import align_up
 from ..protocol import ParamMeta, check_metadata, checked
 from ..registry import Transport
-from .base import BaseTrainerEngine, BaseWorkerEngine
+from .base import BaseTrainerEngine
 from .packing import fold_checksum, pack, unpack
+from .worker_base import BaseWorkerEngine
 
 __all__ = ["NCCLTrainerInitInfo", "NCCLWorkerInitInfo", "NCCLUpdateInfo", "NCCLTrainerEngine", "NCCLWorkerEngine",
            "TRANSPORT"]

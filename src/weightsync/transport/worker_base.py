@@ -1,0 +1,176 @@
+"""The transport core, worker side: the lifecycle every transport's worker engine shares.
+
+As vLLM's worker calls it: ``init_transfer_engine`` connects to the trainer's store, checks the
+deployment and runs ``_init``; ``start_weight_update`` opens a :class:`LayerwiseApplier`;
+``receive_weights`` runs ``_receive`` (it returns the bytes its data plane delivered, which the worker
+publishes) or, for an abort, rolls back and leaves the update; any failure poisons the engine (it
+refuses updates until re-initialized) and is reported to every party of the group.
+
+Hooks: ``_expected_workers`` (for the deployment check), ``_init``, ``_start`` (optional), ``_receive``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..comm import Communicator, SyncAborted, describe
+from ..registry import TRANSPORTS, transport
+from ..worker import LayerwiseApplier, WorkerEngine
+
+__all__ = ["BaseWorkerEngine"]
+
+
+class BaseWorkerEngine(WorkerEngine):
+    """The worker-side lifecycle; subclasses implement the hooks listed in the module docstring."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.comm: Communicator | None = None
+        self.info: Any = None
+        self._applier: LayerwiseApplier | None = None
+        self._received = 0
+
+    # ---- hooks ------------------------------------------------------------------------
+    def _expected_workers(self, info: Any) -> tuple[int, str]:
+        """Workers over all engines that ``info`` describes, and the field that says so."""
+        raise NotImplementedError
+
+    def _init(self, info: Any) -> None:
+        """Join the data plane, resolve destinations, ... (after the deployment checks)."""
+
+    def _start(self, applier: LayerwiseApplier) -> None:
+        """Prepare a sync (default: enter layerwise reload at once)."""
+        applier.start()
+
+    def _receive(self, update: Any) -> int:
+        """Receive and apply; returns the bytes the data plane delivered."""
+        raise NotImplementedError
+
+    # ---- vLLM's worker calls ------------------------------------------------------------
+    def parse_init_info(self, init_dict: dict[str, Any]) -> Any:
+        """The typed init info; an info for another transport is refused naming both. A refused info
+        is reported on the trainer's store when it names one, so the trainer ranks fail at once."""
+        try:
+            return self._parse_init_info(init_dict)
+        except ValueError as e:
+            host, port = (init_dict.get(k) if isinstance(init_dict, dict) else None
+                          for k in ("master_address", "master_port"))
+            if isinstance(host, str) and isinstance(port, int):
+                try:
+                    Communicator.report(host, port, f"worker {self.worker_rank}: {describe(e)}")
+                except Exception:  # noqa: BLE001 - the trainer side still has its timeout
+                    pass
+            raise
+
+    def _parse_init_info(self, init_dict: dict[str, Any]) -> Any:
+        named = init_dict.get("transport") if isinstance(init_dict, dict) else None
+        if named:
+            own = next((n for n in TRANSPORTS if isinstance(self, transport(n).worker_engine)), type(self).__name__)
+            if named != own:
+                if named not in TRANSPORTS:
+                    transport(named)  # ValueError listing the transports
+                raise ValueError(f"init_info.transport is {named!r}, but this vLLM engine's weight-transfer backend "
+                                 f"is {own!r}: start vLLM with WeightTransferConfig(backend={named!r}), or "
+                                 "backend='weightsync' to serve any weightsync transport")
+        return super().parse_init_info(init_dict)
+
+    @property
+    def worker_rank(self) -> int:
+        """This worker's rank over every engine: (engine, DP replica) index * (TP x PP) + rank."""
+        pc = self.parallel_config
+        if pc is None:
+            return 0
+        engine = self.info.engine_index if self.info is not None else 0
+        dp_size = int(getattr(pc, "data_parallel_size", 1) or 1)
+        replica = engine * dp_size + int(getattr(pc, "data_parallel_index", 0) or 0)
+        return replica * int(pc.world_size) + int(pc.rank)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """vLLM's entry point: a malformed update info fails the sync like any receive error."""
+        try:
+            parsed = self.parse_update_info(update_info)
+        except ValueError as e:
+            self.poisoned = describe(e)
+            if self.comm is not None:
+                self.comm.fail(self.poisoned, e)
+            self._rollback()
+            raise
+        self.receive_weights(parsed)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def init_transfer_engine(self, init_info: Any) -> None:
+        self.shutdown()
+        self.info, self.poisoned = init_info, None
+        i = init_info
+        try:
+            self.comm = Communicator.connect(i.master_address, i.master_port, name=f"worker {self.worker_rank}",
+                                             timeout_s=i.timeout_s)
+            self._check_deployment(i)
+            self._init(i)
+        except BaseException as e:
+            if self.comm is not None:
+                self.comm.fail(describe(e), e)
+            else:
+                try:
+                    Communicator.report(i.master_address, i.master_port, f"worker {self.worker_rank}: {describe(e)}")
+                except Exception:  # noqa: BLE001 - the trainer side still has its timeout
+                    pass
+            raise
+
+    def _check_deployment(self, info: Any) -> None:
+        (expected, field), w = self._expected_workers(info), self.worker_rank
+        pc = self.parallel_config
+        if info.num_engines is not None and pc is not None:
+            per_engine = int(getattr(pc, "data_parallel_size", 1) or 1) * int(pc.world_size)
+            if info.num_engines * per_engine != expected:
+                raise ValueError(f"the trainer's {field} describes {expected} worker(s), but the client drives "
+                                 f"{info.num_engines} engine(s) of {per_engine} worker(s) each")
+        if w >= expected:
+            raise ValueError(f"worker rank {w} is outside the {expected} worker(s) the trainer's {field} describes")
+
+    def start_weight_update(self) -> None:
+        self._check_not_poisoned()
+        if self.comm is None:
+            raise RuntimeError("init_transfer_engine must run before start_weight_update")
+        self._applier = LayerwiseApplier(self.model, self.model_config, rollback=self.info.rollback)
+        self._received = 0
+        self._start(self._applier)
+
+    def receive_weights(self, update_info: Any) -> None:
+        if update_info.abort is not None:
+            self._rollback()
+            self.poisoned = self.poisoned or f"trainer aborted weight sync {update_info.sync_id}"
+            raise SyncAborted(f"trainer aborted weight sync {update_info.sync_id}: {update_info.abort}")
+        self._check_not_poisoned()
+        if self._applier is None or self.comm is None:
+            raise RuntimeError("start_weight_update must run before update_weights")
+        try:
+            self._received += self._receive(update_info)
+            self.comm.publish(f"sync{update_info.sync_id}/recv/{self.worker_rank}", self._received)
+        except BaseException as e:
+            self.poisoned = describe(e)
+            if self.comm is not None:
+                self.comm.fail(self.poisoned, e)
+            self._rollback()
+            raise
+
+    def finish_weight_update(self) -> None:
+        self._check_not_poisoned()
+        if self._applier is None:
+            raise RuntimeError("finish_weight_update without start_weight_update")
+        self._applier.finish()
+        self._applier = None
+
+    def _rollback(self) -> None:
+        if self._applier is not None:
+            self._applier.abort()
+        self._applier = None
+
+    def shutdown(self) -> None:
+        self._rollback()
+        if self.comm is not None:
+            self.comm.shutdown()
+        self.comm = None
