@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from weightsync.layout.records import align_up, dtype_itemsize
 
-__all__ = ["ALIGN", "Bucket", "BucketEntry", "TensorMeta", "metadata_digest", "plan_buckets"]
+__all__ = ["ALIGN", "Bucket", "BucketEntry", "TensorMeta", "check_bucket_bytes", "metadata_digest", "plan_buckets"]
 
 ALIGN = 256
 """Byte alignment of every tensor inside a bucket."""
@@ -69,6 +69,12 @@ class Bucket:
 def _dtype_name(dtype: Any) -> str:
     """``torch.bfloat16`` or ``"torch.bfloat16"`` or ``"bfloat16"`` -> ``"bfloat16"``."""
     return str(dtype).removeprefix("torch.")
+
+
+def check_bucket_bytes(name: str, n: object) -> None:
+    """``ValueError`` naming the field unless ``n`` is a positive multiple of ``ALIGN``."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < ALIGN or n % ALIGN:
+        raise ValueError(f"{name} must be a positive multiple of {ALIGN}, got {n!r}")
 
 
 def plan_buckets(metas: Sequence[TensorMeta], bucket_bytes: int) -> list[Bucket]:

@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 from ..comm import Communicator, describe
 from ..engine import SyncStats, TrainerEngine, TrainerInitInfo, WorkerInitInfo, WorkerUpdateInfo
 from ..protocol import WeightSource
+from ..registry import transport
 from ..worker import PoisonedError
 
 __all__ = ["BaseTrainerEngine", "SyncFailed", "PoisonedError", "client_result"]
@@ -54,8 +55,6 @@ def client_result(fut: Future, timeout_s: float, what: str) -> Any:
 class BaseTrainerEngine(TrainerEngine):
     """The trainer-side lifecycle; subclasses implement the hooks listed in the module docstring."""
 
-    source_kind: ClassVar[str] = "full"
-    """``"local"``: the transport reads ``iter_local`` shards; ``"full"``: ``iter_full`` tensors."""
     update_info_cls: ClassVar[type[WorkerUpdateInfo]] = WorkerUpdateInfo
     """The workers' update info (an abort is sent as one)."""
 
@@ -63,6 +62,12 @@ class BaseTrainerEngine(TrainerEngine):
     def _worker_init_info(self, port: int) -> WorkerInitInfo:
         """What every worker's ``init_transfer_engine`` gets (``port``: the store's actual port)."""
         raise NotImplementedError
+
+    def _shared_worker_fields(self, port: int) -> dict[str, Any]:
+        """The worker init info's fields every transport shares (``port``: the store's actual port)."""
+        i = self.init_info
+        return {"master_address": i.master_address, "master_port": port, "timeout_s": i.timeout_s,
+                "rollback": i.rollback}
 
     def _data_rank(self) -> tuple[int, int] | None:
         """``(rank, world size)`` of this trainer rank in the data plane, or None (control only)."""
@@ -92,7 +97,7 @@ class BaseTrainerEngine(TrainerEngine):
         """Rendezvous with every worker (collective on every trainer rank)."""
         if not isinstance(init_info, cls.init_info_cls):
             raise TypeError(f"{cls.__name__} needs a {cls.init_info_cls.__name__}, got {type(init_info).__name__}")
-        _check_source(init_info.backend, cls.source_kind, source)
+        _check_source(init_info.backend, transport(init_info.backend).source, source)
         self = cls(init_info, client=client, source=source)
         self.sync_id, self.failed, self.comm = 0, None, None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="weightsync-client")

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..engine import MetadataUpdateInfo, SyncStats, TrainerInitInfo, WorkerInitInfo
-from ..layout.buckets import ALIGN, Bucket, metadata_digest, plan_buckets
+from ..layout.buckets import ALIGN, Bucket, check_bucket_bytes, metadata_digest, plan_buckets
 from ..protocol import ParamMeta, check_metadata, checked
 from ..registry import Transport
 from ..worker import LayerwiseApplier
@@ -38,11 +38,6 @@ def _check_mapping(mapping: Any, num_workers: int, num_trainer_ranks: int) -> No
             or any(not isinstance(t, int) or not 0 <= t < num_trainer_ranks for t in mapping)):
         raise ValueError(f"worker_to_trainer must list, for each of the num_workers={num_workers} workers, a trainer "
                          f"rank in [0, num_trainer_ranks={num_trainer_ranks}), got {mapping!r}")
-
-
-def _check_bucket_bytes(name: str, n: Any) -> None:
-    if not isinstance(n, int) or n < ALIGN or n % ALIGN:
-        raise ValueError(f"{name} must be a positive multiple of {ALIGN}, got {n!r}")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -66,7 +61,7 @@ class IPCTrainerInitInfo(TrainerInitInfo):
             mapping = [w % self.num_trainer_ranks for w in range(self.num_workers)]
         _check_mapping(mapping, self.num_workers, self.num_trainer_ranks)
         self._set(worker_to_trainer=tuple(mapping))
-        _check_bucket_bytes("bucket_bytes", self.bucket_bytes)
+        check_bucket_bytes("bucket_bytes", self.bucket_bytes)
 
     @classmethod
     def for_deployment(cls, *, num_trainer_ranks: int, replicas: int, tp: int, rank: int = 0,
@@ -87,7 +82,7 @@ class IPCWorkerInitInfo(WorkerInitInfo):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_bucket_bytes("init_info.bucket_bytes", self.bucket_bytes)
+        check_bucket_bytes("init_info.bucket_bytes", self.bucket_bytes)
         _check_mapping(self.worker_to_trainer, self.num_workers, self.num_trainer_ranks)
 
 
@@ -114,12 +109,10 @@ class IPCTrainerEngine(BaseTrainerEngine):
 
     init_info_cls = IPCTrainerInitInfo
     update_info_cls = IPCUpdateInfo
-    source_kind = "full"
 
     def _worker_init_info(self, port: int) -> IPCWorkerInitInfo:
         i = self.init_info
-        return IPCWorkerInitInfo(master_address=i.master_address, master_port=port, timeout_s=i.timeout_s,
-                                 rollback=i.rollback, num_workers=i.num_workers,
+        return IPCWorkerInitInfo(**self._shared_worker_fields(port), num_workers=i.num_workers,
                                  worker_to_trainer=list(i.worker_to_trainer), num_trainer_ranks=i.num_trainer_ranks,
                                  bucket_bytes=i.bucket_bytes)
 

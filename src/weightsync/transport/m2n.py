@@ -104,13 +104,12 @@ class M2NTrainerEngine(BaseTrainerEngine):
 
     init_info_cls = M2NTrainerInitInfo
     update_info_cls = M2NUpdateInfo
-    source_kind = "local"
 
     def _worker_init_info(self, port: int) -> M2NWorkerInitInfo:
         i = self.init_info
-        return M2NWorkerInitInfo(master_address=i.master_address, master_port=port, timeout_s=i.timeout_s,
-                                 rollback=i.rollback, num_trainer_ranks=i.num_trainer_ranks, world_size=i.world_size,
-                                 dst_mesh_dims=list(i.dst_mesh_dims), staging_bytes=i.staging_bytes)
+        return M2NWorkerInitInfo(**self._shared_worker_fields(port), num_trainer_ranks=i.num_trainer_ranks,
+                                 world_size=i.world_size, dst_mesh_dims=list(i.dst_mesh_dims),
+                                 staging_bytes=i.staging_bytes)
 
     def _data_rank(self) -> tuple[int, int]:
         return self.rank, self.init_info.world_size

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..engine import MetadataUpdateInfo, SyncStats, TrainerInitInfo, WorkerInitInfo
-from ..layout.buckets import ALIGN, Bucket, metadata_digest, plan_buckets
+from ..layout.buckets import ALIGN, Bucket, check_bucket_bytes, metadata_digest, plan_buckets
 from ..layout.records import align_up
 from ..protocol import ParamMeta, check_metadata, checked
 from ..registry import Transport
@@ -28,11 +28,6 @@ __all__ = ["NCCLTrainerInitInfo", "NCCLWorkerInitInfo", "NCCLUpdateInfo", "NCCLT
            "TRANSPORT"]
 
 DEFAULT_BUCKET_BYTES = 256 << 20
-
-
-def _check_bucket_bytes(name: str, n: Any) -> None:
-    if not isinstance(n, int) or n < ALIGN or n % ALIGN:
-        raise ValueError(f"{name} must be a positive multiple of {ALIGN}, got {n!r}")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -53,7 +48,7 @@ class NCCLTrainerInitInfo(TrainerInitInfo):
             raise ValueError(f"world_size must be >= 2 (sender + at least one worker), got {self.world_size!r}")
         if not isinstance(self.num_buffers, int) or self.num_buffers < 1:
             raise ValueError(f"num_buffers must be an int >= 1, got {self.num_buffers!r}")
-        _check_bucket_bytes("bucket_bytes", self.bucket_bytes)
+        check_bucket_bytes("bucket_bytes", self.bucket_bytes)
 
     @classmethod
     def for_deployment(cls, *, num_trainer_ranks: int, replicas: int, tp: int, rank: int = 0,
@@ -72,7 +67,7 @@ class NCCLWorkerInitInfo(WorkerInitInfo):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_bucket_bytes("init_info.bucket_bytes", self.bucket_bytes)
+        check_bucket_bytes("init_info.bucket_bytes", self.bucket_bytes)
         if self.world_size < 2:
             raise ValueError(f"init_info.world_size must be >= 2, got {self.world_size}")
 
@@ -87,12 +82,11 @@ class NCCLTrainerEngine(BaseTrainerEngine):
 
     init_info_cls = NCCLTrainerInitInfo
     update_info_cls = NCCLUpdateInfo
-    source_kind = "full"
 
     def _worker_init_info(self, port: int) -> NCCLWorkerInitInfo:
         i = self.init_info
-        return NCCLWorkerInitInfo(master_address=i.master_address, master_port=port, timeout_s=i.timeout_s,
-                                  rollback=i.rollback, world_size=i.world_size, bucket_bytes=i.bucket_bytes)
+        return NCCLWorkerInitInfo(**self._shared_worker_fields(port), world_size=i.world_size,
+                                  bucket_bytes=i.bucket_bytes)
 
     def _data_rank(self) -> tuple[int, int] | None:
         return (0, self.init_info.world_size) if self.is_sender else None

@@ -92,10 +92,7 @@ class BaseWorkerEngine(WorkerEngine):
         try:
             parsed = self.parse_update_info(update_info)
         except ValueError as e:
-            self.poisoned = describe(e)
-            if self.comm is not None:
-                self.comm.fail(self.poisoned, e)
-            self._rollback()
+            self._fail(e)
             raise
         self.receive_weights(parsed)
         if self.device.type == "cuda":
@@ -151,11 +148,15 @@ class BaseWorkerEngine(WorkerEngine):
             self._received += self._receive(update_info)
             self.comm.publish(f"sync{update_info.sync_id}/recv/{self.worker_rank}", self._received)
         except BaseException as e:
-            self.poisoned = describe(e)
-            if self.comm is not None:
-                self.comm.fail(self.poisoned, e)
-            self._rollback()
+            self._fail(e)
             raise
+
+    def _fail(self, error: BaseException) -> None:
+        """Poison this engine, report ``error`` to every party (dropping the data plane), roll back."""
+        self.poisoned = describe(error)
+        if self.comm is not None:
+            self.comm.fail(self.poisoned, error)
+        self._rollback()
 
     def finish_weight_update(self) -> None:
         self._check_not_poisoned()
