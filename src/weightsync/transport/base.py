@@ -108,7 +108,7 @@ class BaseTrainerEngine(TrainerEngine):
             fut = None
             if self.is_sender:
                 payload = {**asdict(self._worker_init_info(self.comm.port)), "transport": self.init_info.backend}
-                fut = self._watched(self._pool.submit(self._client_init, payload), "init_weight_transfer_engine")
+                fut = self._watched(self._pool.submit(self.client.init_weight_transfer_engine, payload), "init_weight_transfer_engine")
             if (data := self._data_rank()) is not None:
                 self.comm.join(*data, device=i.device)
             self._handshake()
@@ -124,11 +124,14 @@ class BaseTrainerEngine(TrainerEngine):
             raise
         return self
 
-    def _client_init(self, payload: dict[str, Any]) -> None:
-        # An update a previous trainer left active (it died mid-sync) is aborted first: vLLM's worker
-        # leaves an update when the engine raises, and refuses to start a new one while one is active.
-        self._abort_workers("re-initializing")
-        self.client.init_weight_transfer_engine(payload)
+    def _start_update(self) -> None:
+        """Rank 0: start the update on every engine. vLLM's worker refuses while an update is active,
+        which a trainer that died mid-sync leaves behind; that one is aborted, then started again."""
+        try:
+            self.client.start_weight_update()
+        except Exception:  # noqa: BLE001 - a second refusal is raised as it is
+            self._abort_workers("a previous trainer left this update active")
+            self.client.start_weight_update()
 
     def _abort_workers(self, reason: str) -> None:
         """Rank 0: every worker in an update restores its parameters and leaves it (best effort: a
@@ -187,7 +190,7 @@ class BaseTrainerEngine(TrainerEngine):
         try:
             with stats.timed("start"):
                 if self.is_sender:
-                    self.client.start_weight_update()
+                    self._start_update()
                     self.comm.publish(self._key("started"), _OK)
                 else:  # no rank enters the source's collectives before the engines accepted the update
                     self.comm.read(self._key("started"))

@@ -137,9 +137,10 @@ class BaseWorkerEngine(WorkerEngine):
         self._start(self._applier)
 
     def receive_weights(self, update_info: Any) -> None:
-        if update_info.abort is not None:
+        if update_info.abort is not None:  # leaves the update; an engine that was in one needs re-init
+            if self._applier is not None:
+                self.poisoned = self.poisoned or f"trainer aborted weight sync {update_info.sync_id}"
             self._rollback()
-            self.poisoned = self.poisoned or f"trainer aborted weight sync {update_info.sync_id}"
             raise SyncAborted(f"trainer aborted weight sync {update_info.sync_id}: {update_info.abort}")
         self._check_not_poisoned()
         if self._applier is None or self.comm is None:
