@@ -28,8 +28,8 @@ def resources() -> dict:
 
 
 def soak(cluster, transport: str, syncs: int) -> dict:
-    from weightsync.local.cluster import Layout
-    from weightsync.local.demo import BACKENDS, SOURCES, _init_info
+    from weightsync.testing.cluster import Layout
+    from weightsync.testing.demo import BACKENDS, SOURCES, _init_info
 
     layout = Layout(trainers=2, tp=2, backend=BACKENDS[transport])
     cluster.setup(layout)
@@ -54,7 +54,7 @@ def soak(cluster, transport: str, syncs: int) -> dict:
 
 
 def main() -> int:
-    from weightsync.local.cluster import LocalCluster
+    from weightsync.testing.cluster import LocalCluster
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--syncs", type=int, default=200)

@@ -5,7 +5,7 @@ Launch (CPU, gloo; no GPU needed; vLLM installed)::
     .venv/bin/python benchmarks/transfer_throughput.py --quick   # 2 trainers -> TP 2, two sizes: < 10 min on 2 cores
     .venv/bin/python benchmarks/transfer_throughput.py           # size, layout and staging sweeps (~1 h on 2 cores)
 
-Trainers are real FSDP2 ranks (``weightsync.local``) holding a synthetic Qwen3-shaped model (fp32 by
+Trainers are real FSDP2 ranks (``weightsync.testing``) holding a synthetic Qwen3-shaped model (fp32 by
 default; head_dim 64/128, GQA 2:1, intermediate 3x hidden, a 8-16k vocabulary so layers dominate);
 receivers are vLLM's own ``Qwen3ForCausalLM`` with TP over gloo. For every transport (``nccl_m2n``,
 ``nccl``, ``ipc``) and the naive baseline (``full_tensor()`` per parameter, trainer rank 0 broadcasts
@@ -35,9 +35,9 @@ from typing import Any
 import _report
 import torch
 
-from weightsync.local.actors import Actor, gather
-from weightsync.local.cluster import Layout, LocalCluster, free_port
-from weightsync.local.demo import BACKENDS, SOURCES, _init_info
+from weightsync.testing.actors import Actor, gather
+from weightsync.testing.cluster import Layout, LocalCluster, free_port
+from weightsync.testing.demo import BACKENDS, SOURCES, _init_info
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MiB = 1 << 20
@@ -277,7 +277,7 @@ def run_paired(cluster: LocalCluster, sc: Scenario, model_dir: str, itemsize: in
                     dtype="float32" if itemsize == 4 else "bfloat16", backend=BACKENDS["nccl_m2n"])
     cluster.setup(layout)
     ts, rs = cluster.active_trainers, cluster.active_receivers
-    cluster.make_engines(_init_info("nccl_m2n", layout, sc.staging_mib * MiB), source="dtensor")
+    cluster.make_engines(_init_info("nccl_m2n", layout, sc.staging_mib * MiB), source="local")
     naive_group(ts, rs)
     p2p_group(ts + rs)
     samples = []

@@ -130,7 +130,7 @@ def make_llm_class():
 
 def run_cpu(steps: int) -> bool:
     """The same colocated flow on CPU: trainer rank r serves vLLM TP rank r through shared memory."""
-    from weightsync.local.cluster import Layout, LocalCluster, free_port
+    from weightsync.testing.cluster import Layout, LocalCluster, free_port
 
     layout = Layout(trainers=2, tp=2, backend="weightsync_ipc", model="tiny_qwen3")
     cluster = LocalCluster()

@@ -115,7 +115,7 @@ def run_gpu(model_name: str) -> None:
 
 def run_cpu(trainers: int, replicas: int) -> bool:
     """The same flow on CPU: FSDP2 ranks over gloo -> 2 replicas of vLLM's Qwen3 classes (TP=1)."""
-    from weightsync.local.cluster import Layout, LocalCluster, free_port
+    from weightsync.testing.cluster import Layout, LocalCluster, free_port
     from weightsync.transport.nccl import NCCLTrainerInitInfo
 
     layout = Layout(trainers=trainers, tp=1, replicas=replicas, backend="weightsync_nccl", model="tiny_qwen3")

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from conftest import HAS_VLLM
+from helpers import HAS_VLLM
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed"),
               pytest.mark.timeout(900)]

@@ -9,8 +9,8 @@ __all__ = ["main"]
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .local.cluster import Layout
-    from .local.demo import TRANSPORTS, format_table, run_demo
+    from .testing.cluster import Layout
+    from .testing.demo import TRANSPORTS, format_table, run_demo
 
     transports = list(TRANSPORTS) if args.transport == "all" else [args.transport]
     layout = Layout(trainers=args.trainers, tp=args.tp, replicas=args.replicas, dtype=args.dtype,

@@ -18,7 +18,7 @@ TRANSPORTS = ("nccl", "ipc", "nccl_m2n")
 """Transports the demo runs (``all`` = every one of them)."""
 BACKENDS = {"nccl": "weightsync_nccl", "ipc": "weightsync_ipc", "nccl_m2n": "weightsync_m2n"}
 """Demo transport name -> the backend name registered in vLLM."""
-SOURCES = {"nccl_m2n": "dtensor"}
+SOURCES = {"nccl_m2n": "local"}
 """Transports that read local FSDP2 shards (``DTensorModuleSource``) rather than full tensors."""
 
 

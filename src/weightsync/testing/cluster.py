@@ -18,8 +18,8 @@ from .receiver import VLLM_CPU_ENV
 
 __all__ = ["Layout", "LocalCluster", "model_config_dir", "free_port"]
 
-_T = "weightsync.local.trainer:"
-_R = "weightsync.local.receiver:"
+_T = "weightsync.testing.trainer:"
+_R = "weightsync.testing.receiver:"
 
 
 def model_config_dir(name: str) -> str:
@@ -139,19 +139,20 @@ class LocalCluster:
         return LocalWeightSyncClient([addrs[i : i + tp] for i in range(0, len(addrs), tp)], timeout_s=timeout_s)
 
     def on_trainers(self, fn: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """``fn`` (a ``weightsync.local.trainer`` function, or any ``"module:function"``) on every trainer."""
+        """``fn`` (a ``weightsync.testing.trainer`` function, or any ``"module:function"``) on every trainer."""
         fn = fn if ":" in fn else _T + fn
         return gather([a.submit(fn, *args, **kwargs) for a in self.active_trainers])
 
     def on_receivers(self, fn: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """``fn`` (a ``weightsync.local.receiver`` function, or any ``"module:function"``) on every receiver."""
+        """``fn`` (a ``weightsync.testing.receiver`` function, or any ``"module:function"``) on every receiver."""
         fn = fn if ":" in fn else _R + fn
         return gather([a.submit(fn, *args, **kwargs) for a in self.active_receivers])
 
-    def make_engines(self, init_info: Any, *, source: str = "full", bucket_bytes: int | None = None,
-                     client: Any = None, factory: str = "weightsync") -> None:
-        self.on_trainers("make_engine", init_info, client or self.client(), source=source, bucket_bytes=bucket_bytes,
-                         factory=factory)
+    def make_engines(self, init_info: Any, *, source: str = "full", fault: str | None = None,
+                     bucket_bytes: int | None = None, client: Any = None, factory: str = "weightsync") -> None:
+        """``trainer.make_engine`` on every trainer rank (see there for ``source`` and ``fault``)."""
+        self.on_trainers("make_engine", init_info, client or self.client(), source=source, fault=fault,
+                         bucket_bytes=bucket_bytes, factory=factory)
 
     def sync(self, weight_version: str | None = None, *, verify: bool = False) -> dict[str, Any]:
         """``send_weights`` on every trainer rank; returns rank 0's stats."""

@@ -1,7 +1,7 @@
-"""What runs inside a local vLLM receiver process: vLLM's real model class with TP over gloo,
+"""What runs inside a harness vLLM receiver process: vLLM's real model class with TP over gloo,
 plus the worker-side weight-transfer methods exactly as vLLM's ``Worker`` exposes them.
 
-Every function here is called through ``weightsync.local.actors``; state lives in ``STATE``.
+Every function here is called through ``weightsync.testing.actors``; state lives in ``STATE``.
 """
 
 from __future__ import annotations
