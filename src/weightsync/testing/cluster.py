@@ -1,7 +1,8 @@
 """A local CPU cluster: FSDP2 trainer processes and vLLM receiver processes (TP over gloo).
 
-Used by ``weightsync demo`` and the test suite. Processes are started once and re-laid-out for
-each scenario (trainer count, TP, replicas, dtype, model), since each vLLM process costs seconds.
+Used by ``weightsync demo``, the examples' ``--cpu`` modes, the benchmarks and the tests. Processes
+are started once and re-laid-out for each scenario (trainer count, TP, replicas, dtype, model),
+since each vLLM process costs seconds.
 """
 
 from __future__ import annotations
