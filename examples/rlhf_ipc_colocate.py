@@ -106,7 +106,7 @@ class TrainerRank:
     def sync(self, version: str) -> dict:
         """Collective over the trainer ranks: push the weights; returns this rank's stats."""
         stats = self.engine.send_weights(weight_version=version)
-        return {"seconds": stats.seconds, "phases": stats.phases, "chunks": stats.num_chunks,
+        return {"seconds": stats.seconds, "phases": stats.phases, "chunks": stats.num_steps,
                 "bytes_sent": stats.bytes_sent}
 
     def shutdown(self) -> None:

@@ -132,7 +132,8 @@ BAD_INPUTS = {
                                  r"shape \(16, 64\) does not match vLLM's model.layers.0.self_attn.qkv_proj.weight"),
     "m2n: dst_mesh_dims smaller than the deployment": (
         M2N, make(lambda: m2n_info(dst_mesh_dims=(1, 1), world_size=3), "local"),
-        r"worker rank 1 is outside dst_mesh_dims=\(1, 1\)"),
+        r"the trainer's dst_mesh_dims=\(1, 1\) describes 1 worker\(s\), but the client drives 1 engine\(s\) of 2 "
+        r"worker\(s\) each"),
 }
 
 

@@ -44,7 +44,7 @@ def imports(cluster) -> list[int | None]:
     ({"num_workers": 3, "worker_to_trainer": [0, 0]}, r"worker_to_trainer .*num_workers=3"),
     ({"num_workers": 1, "bucket_bytes": 1000}, "bucket_bytes must be a positive multiple of 256, got 1000"),
     ({"num_workers": 0}, "num_workers must be an int >= 1, got 0"),
-    ({"num_workers": 1, "rank": 1}, r"rank must be < num_trainer_ranks=1, got 1"),
+    ({"num_workers": 1, "rank": 1}, r"rank must be in \[0, num_trainer_ranks=1\), got 1"),
     ({"num_workers": 1, "device": "tpu"}, "device must be 'cuda' or 'cpu'"),
 ])
 def test_trainer_init_info_rejects_bad_fields_naming_them(kwargs, message):
@@ -54,14 +54,19 @@ def test_trainer_init_info_rejects_bad_fields_naming_them(kwargs, message):
 
 def test_default_mapping_and_json_safe_worker_infos():
     info = IPCTrainerInitInfo(num_trainer_ranks=2, num_workers=4, master_port=1, device="cpu", rank=1)
-    assert info.worker_to_trainer == [0, 1, 0, 1]
+    assert info.worker_to_trainer == (0, 1, 0, 1)
     with pytest.raises(ValueError, match=r"chunk must be in \[0, num_chunks=3\), got 3"):
-        parse_info(IPCUpdateInfo, {"sync_id": 1, "chunk": 3, "num_chunks": 3, "digest": "d", "trainer_rank": 0,
-                                   "handle": {"k": {}}}, "update_info")
+        parse_info(IPCUpdateInfo, {"sync_id": 1, "chunk": 3, "num_chunks": 3, "digest": "d",
+                                   "handles": {"0": {"trainer_rank": 0, "handle": {}}}}, "update_info")
     with pytest.raises(ValueError, match="unknown field"):
         parse_info(IPCWorkerInitInfo, {"num_workers": 1, "worker_to_trainer": [0], "num_trainer_ranks": 1,
-                                       "bucket_bytes": 256, "pickled": "x"}, "init_info")
-    upd = IPCUpdateInfo(sync_id=1, chunk=0, num_chunks=1, digest="d", trainer_rank=0, handle={"k": {"kind": "shm"}})
+                                       "bucket_bytes": 256, "pickled": "x", "master_address": "h",
+                                       "master_port": 1}, "init_info")
+    with pytest.raises(ValueError, match=r"field 'master_port' must be an int, got 'x'"):
+        parse_info(IPCWorkerInitInfo, {"num_workers": 1, "worker_to_trainer": [0], "num_trainer_ranks": 1,
+                                       "bucket_bytes": 256, "master_address": "h", "master_port": "x"}, "init_info")
+    upd = IPCUpdateInfo(sync_id=1, chunk=0, num_chunks=1, digest="d",
+                        handles={"0": {"trainer_rank": 0, "handle": {"k": {"kind": "shm"}}}})
     assert parse_info(IPCUpdateInfo, json.loads(json.dumps(upd.__dict__))) == upd
 
 
@@ -128,7 +133,7 @@ def test_colocated_sync_is_bit_exact_against_vllm_load_weights(cluster, dtype):
     cluster.setup(layout)
     cluster.make_engines(ipc_info(layout), client=JsonRoundTripClient(cluster.client()))  # JSON-safe, as over HTTP
     stats = cluster.sync(weight_version="v1")
-    assert stats["num_chunks"] >= 3, "the bucket is smaller than the model"
+    assert stats["num_steps"] >= 3, "the bucket is smaller than the model"
     assert mismatches(cluster) == {}
     assert set(stats["bytes_received_per_worker"]) == {0, 1}
     assert cluster.client().weight_versions() == ["v1", "v1"]
@@ -149,11 +154,12 @@ def test_a_worker_rejecting_a_chunk_fails_every_rank_and_all_workers_roll_back(c
     before = cluster.on_receivers("checksum")
     cluster.train_step(2)
 
-    bad = CorruptingClient(cluster.client(), chunk=2, worker=1, field="digest", value="f" * 64)
+    bad = CorruptingClient(cluster.client(), chunk=2, worker=1, field="trainer_rank", value=7)
     cluster.make_engines(ipc_info(COLOCATED), client=bad)  # worker 0 applies chunks 0-2, worker 1 refuses chunk 2
     futures = [a.submit("weightsync.testing.trainer:send_weights", "bad", timeout_s=120) for a in cluster.active_trainers]
     for f in futures:
-        with pytest.raises(RemoteError, match="update_info.digest 'f{64}' does not match"):
+        with pytest.raises(RemoteError, match="SyncFailed: weight sync 1 failed: worker 1: ValueError: "
+                                              "update_info.handles has no handle from trainer rank 1 for worker 1"):
             f.result()
     assert cluster.on_receivers("checksum") == before
     assert cluster.client().weight_versions() == ["good", "good"]
@@ -168,7 +174,7 @@ def test_50_syncs_leak_no_shared_memory_fds_or_rss(cluster):
     def resources(collect: bool = False) -> list[dict]:
         return gather([a.submit("weightsync.testing.probes:process_resources", collect) for a in procs])
 
-    assert cluster.sync()["num_chunks"] == 2  # the first sync creates each buffer and each import
+    assert cluster.sync()["num_steps"] == 2  # the first sync creates each buffer and each import
     start = resources(collect=True)
     for i in range(50):
         cluster.sync(weight_version=f"s{i}")

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from weightsync import (FullTensorSource, ParamMeta, WeightSource, WeightTransferTrainerFactory,
-                        WorkerEngineFactory)
+                        WorkerEngineFactory, transport_names)
 from weightsync.protocol import dtype_from_name, dtype_name, parse_info
 from weightsync.transport.nccl import NCCLTrainerInitInfo, NCCLUpdateInfo, NCCLWorkerInitInfo
 
@@ -19,7 +19,13 @@ def test_import_pulls_in_no_vllm_ray_or_nccl():
 
 def test_parse_info_turns_bad_fields_into_value_errors():
     ok = parse_info(NCCLWorkerInitInfo, {"master_address": "h", "master_port": 1, "world_size": 3})
-    assert ok.rank_offset == 1 and ok.bucket_bytes == 256 << 20
+    assert ok.engine_index == 0 and ok.bucket_bytes == 256 << 20
+    with pytest.raises(ValueError, match=r"field 'world_size' must be an int, got '3'"):
+        parse_info(NCCLWorkerInitInfo, {"master_address": "h", "master_port": 1, "world_size": "3"})
+    with pytest.raises(ValueError, match=r"field 'shapes' element 0 element 1 must be an int, got \[\[1, 'x'\]\]"):
+        parse_info(NCCLUpdateInfo, {"names": ["a"], "dtype_names": ["float32"], "shapes": [[1, "x"]]})
+    with pytest.raises(ValueError, match=r"field 'verify' must be a bool, got 1"):
+        parse_info(NCCLUpdateInfo, {"verify": 1})
     with pytest.raises(ValueError, match=r"unknown field\(s\) \['worldsize'\]"):
         parse_info(NCCLWorkerInitInfo, {"master_address": "h", "master_port": 1, "worldsize": 3})
     with pytest.raises(ValueError, match="missing 1 required keyword-only argument: 'world_size'"):
@@ -51,8 +57,10 @@ def test_dtype_names_roundtrip_and_reject_unknown():
 
 
 def test_registries_are_lazy_and_list_names():
-    assert "weightsync_nccl" in WorkerEngineFactory.available()
-    assert WorkerEngineFactory.engine_class("nccl").__name__ == "NCCLWorkerEngine"  # short alias
+    assert transport_names() == ["weightsync_ipc", "weightsync_m2n", "weightsync_nccl"]
+    assert WorkerEngineFactory.engine_class("weightsync_nccl").__name__ == "NCCLWorkerEngine"
+    with pytest.raises(ValueError, match="unknown weight-transfer backend 'nccl'"):
+        WorkerEngineFactory.engine_class("nccl")  # one name per transport
     with pytest.raises(ValueError, match=r"unknown weight-transfer backend 'gloo'; available: "
                                          r"\['weightsync_ipc', 'weightsync_m2n', 'weightsync_nccl'\]"):
         WeightTransferTrainerFactory.engine_class("gloo")

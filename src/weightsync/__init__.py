@@ -11,26 +11,27 @@ from typing import Any
 from .clients import HTTPVLLMWeightSyncClient, RayVLLMWeightSyncClient, RemoteCallError, WeightSyncClient
 from .protocol import (ParamMeta, SyncStats, TrainerEngine, TrainerInitInfo, WeightSource, WorkerInitInfo,
                        WorkerUpdateInfo)
-from .registry import WeightTransferTrainerFactory, WorkerEngineFactory
+from .registry import TRANSPORTS, Transport, WeightTransferTrainerFactory, WorkerEngineFactory, transport, transport_names
 from .sources import DTensorModuleSource, FullTensorSource
 
 __version__ = "0.1.0"
 
-_LAZY = {
-    "NCCLTrainerInitInfo": "weightsync.transport.nccl",
-    "M2NTrainerInitInfo": "weightsync.transport.m2n",
-    "IPCTrainerInitInfo": "weightsync.transport.ipc",
-    "LocalWeightSyncClient": "weightsync.local.client",
-}
+_LAZY = {"LocalWeightSyncClient": "weightsync.local.client"}
+"""Exports loaded on first use; every name a transport module exports (its init infos) is one too."""
 
 __all__ = [
     "ParamMeta", "WeightSource", "FullTensorSource", "DTensorModuleSource", "TrainerInitInfo", "WorkerInitInfo",
     "WorkerUpdateInfo", "TrainerEngine", "SyncStats", "WeightTransferTrainerFactory", "WorkerEngineFactory",
-    "WeightSyncClient", "HTTPVLLMWeightSyncClient", "RayVLLMWeightSyncClient", "RemoteCallError", *_LAZY,
+    "WeightSyncClient", "HTTPVLLMWeightSyncClient", "RayVLLMWeightSyncClient", "RemoteCallError", "Transport",
+    "transport", "transport_names", *_LAZY,
 ]
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
+    """Lazy exports: ``weightsync.M2NTrainerInitInfo`` imports the transport that declares it."""
+    modules = [_LAZY[name]] if name in _LAZY else [] if name.startswith("_") else list(TRANSPORTS.values())
+    for module_name in modules:
+        module = importlib.import_module(module_name)
+        if name in getattr(module, "__all__", ()):
+            return getattr(module, name)
     raise AttributeError(f"module 'weightsync' has no attribute {name!r}")

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["WeightSyncClient", "RemoteCallError", "HTTPVLLMWeightSyncClient", "RayVLLMWeightSyncClient", "paused",
+__all__ = ["WeightSyncClient", "RemoteCallError", "per_engine", "HTTPVLLMWeightSyncClient", "RayVLLMWeightSyncClient", "paused",
            "PAUSE_MODES"]
 
 PAUSE_MODES = ("abort", "wait", "keep")
@@ -34,6 +34,13 @@ UpdatePayload = dict[str, Any] | list[dict[str, Any]]
 
 class RemoteCallError(RuntimeError):
     """An inference-side call failed; the message carries the remote error text."""
+
+
+def per_engine(init_info: dict[str, Any], num_engines: int) -> list[dict[str, Any]]:
+    """The init info as each of ``num_engines`` separate engines gets it: with its ``engine_index``
+    and ``num_engines`` (every separate engine has vLLM's ``data_parallel_index == 0``, so this is
+    how its workers learn which replica they are)."""
+    return [{**init_info, "engine_index": i, "num_engines": num_engines} for i in range(num_engines)]
 
 
 @runtime_checkable
@@ -78,13 +85,17 @@ class HTTPVLLMWeightSyncClient:
             raise RemoteCallError(f"POST {url}/{path} failed: {e}") from None
         return json.loads(raw) if raw else None
 
-    def _post(self, path: str, body: dict[str, Any] | None = None) -> None:
+    def _post(self, path: str, body: dict[str, Any] | None = None,
+              bodies: list[dict[str, Any]] | None = None) -> None:
+        bodies = bodies or [body] * len(self.base_urls)  # type: ignore[list-item]
         with ThreadPoolExecutor(len(self.base_urls)) as pool:
-            for f in [pool.submit(self._post_one, u, path, body) for u in self.base_urls]:
+            for f in [pool.submit(self._post_one, u, path, b) for u, b in zip(self.base_urls, bodies)]:
                 f.result()
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self._post("init_weight_transfer_engine", {"init_info": init_info})
+        """Each engine gets the init info with its ``engine_index`` (see ``per_engine``)."""
+        self._post("init_weight_transfer_engine",
+                   bodies=[{"init_info": d} for d in per_engine(init_info, len(self.base_urls))])
 
     def start_weight_update(self) -> None:
         self._post("start_weight_update")
@@ -117,19 +128,21 @@ class RayVLLMWeightSyncClient:
             raise ValueError("handle must be an actor handle or a non-empty list of them")
         self.timeout_s = timeout_s
 
-    def _call(self, method: str, *args: Any) -> None:
+    def _call(self, method: str, *args: Any, per_handle: list[tuple[Any, ...]] | None = None) -> None:
         import ray
 
-        refs = [getattr(h, method).remote(*args) for h in self.handles]
+        refs = [getattr(h, method).remote(*(per_handle[i] if per_handle else args)) for i, h in enumerate(self.handles)]
         try:
             ray.get(refs, timeout=self.timeout_s)
         except ray.exceptions.RayError as e:
             raise RemoteCallError(f"{method} failed on an inference actor: {e}") from None
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """Each engine gets the init info with its ``engine_index`` (see ``per_engine``)."""
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
-        self._call("init_weight_transfer_engine", WeightTransferInitRequest(init_info=init_info))
+        self._call("init_weight_transfer_engine", per_handle=[
+            (WeightTransferInitRequest(init_info=d),) for d in per_engine(init_info, len(self.handles))])
 
     def start_weight_update(self) -> None:
         self._call("start_weight_update")

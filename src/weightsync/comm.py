@@ -1,18 +1,30 @@
-"""The data-plane seam: a stateless process group between trainer ranks and vLLM workers.
+"""The sync group's two channels: a control channel (a TCPStore) and a data plane (a stateless group).
 
-Built from its own TCPStore rendezvous, independent of the trainer's default group and of
-vLLM's groups: gloo on CPU, NCCL on CUDA. The store doubles as the small control channel
-(``publish`` / ``wait_for``) used for agreement and abort messages; it never carries weights.
+Trainer rank 0 hosts the store; every party of a sync group (trainer ranks and vLLM workers)
+connects to it with :meth:`Communicator.connect`. The store carries small JSON values only:
+agreement, verdicts, byte counts, checksums, and the first failure (``fail``), which wakes every
+party waiting on the store at once. It never carries weights.
 
-On an unregistered group ``torch.distributed.send`` and ``batch_isend_irecv`` refuse to work, so
-this module calls the backend's raw ``send``/``recv``/``broadcast`` and waits on their works.
+Parties that move data then :meth:`~Communicator.join` a process group built on that store and
+independent of the trainer's and vLLM's own groups: gloo on CPU, NCCL on CUDA. On an unregistered
+group ``torch.distributed.send`` and ``batch_isend_irecv`` refuse to work, so this module calls the
+backend's raw ``send``/``recv``/``broadcast`` and waits on their works itself.
+
+Waiting on NCCL: a blocked party polls its works and the store together, so a peer's reported
+failure or the deadline aborts its own communicator and raises ``DataPlaneError`` in the caller.
+This is what makes failures fail fast on NCCL, where aborting one rank's communicator does not wake
+its peers and ProcessGroupNCCL's watchdog would otherwise tear the process down on a timeout (the
+NCCL group is built with async error handling off; our own deadline governs). On gloo a failing
+party closes its connections (``fail`` drops its group), which wakes every peer blocked on it.
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import os
 import time
+import traceback
 from datetime import timedelta
 from typing import Any
 
@@ -24,25 +36,21 @@ __all__ = ["Communicator", "DataPlaneError", "SyncAborted", "decode_unique_id", 
 
 NCCL_UNIQUE_ID_BYTES = 128
 _ERROR = "error"
+_STORE_POLL_S = 0.005
 
 
-def connect_store(host: str, port: int, timeout_s: float, *, is_master: bool = False,
-                  world_size: int | None = None) -> Any:
-    """A TCPStore client (or the host, with ``is_master``) for the group's control channel."""
-    return dist.TCPStore(host, port, world_size, is_master=is_master, timeout=timedelta(seconds=timeout_s),
+def connect_store(host: str, port: int, timeout_s: float, *, is_master: bool = False) -> Any:
+    """A TCPStore client (or its host, with ``is_master``; port 0 picks a free port)."""
+    return dist.TCPStore(host, port, None, is_master=is_master, timeout=timedelta(seconds=timeout_s),
                          wait_for_workers=False, use_libuv=True)
 
 
-def _fail(store: Any, message: str) -> None:
-    store.compare_set(_ERROR, "", message)  # sets only if no failure was recorded yet
-
-
 class DataPlaneError(RuntimeError):
-    """A peer aborted or a data-plane operation failed or timed out."""
+    """A peer failed, or a data-plane operation failed or timed out."""
 
 
 class SyncAborted(DataPlaneError):
-    """The sender flagged the sync as aborted in-band; the group itself is intact."""
+    """The trainer aborted the sync in-band; the data plane itself is intact."""
 
 
 def decode_unique_id(b64: str) -> bytes:
@@ -56,79 +64,97 @@ def decode_unique_id(b64: str) -> bytes:
     return raw
 
 
+def _nccl_group(store: Any, rank: int, world_size: int, timeout: timedelta) -> Any:
+    """ProcessGroupNCCL whose errors and timeouts raise in the caller (no watchdog teardown)."""
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    saved = {k: os.environ.get(k) for k in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_BLOCKING_WAIT")}
+    os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"  # read when the group is built: this group only
+    os.environ["TORCH_NCCL_BLOCKING_WAIT"] = "0"
+    try:
+        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 class Communicator:
-    """Point-to-point and broadcast among ``world_size`` ranks of one weight-sync group.
+    """One party's view of a sync group: the control channel, and the data plane once joined.
 
     Every method that moves data must be called by the matching peers (collective rule).
     """
 
-    def __init__(self, pg: Any, store: Any, rank: int, world_size: int, device: torch.device,
-                 timeout_s: float) -> None:
-        self._pg = pg
+    def __init__(self, store: Any, *, name: str, timeout_s: float) -> None:
         self.store = store
-        self.rank = rank
-        self.world_size = world_size
-        self.device = device
+        self.name = name
+        """Who this party is, in messages (``trainer rank 1``, ``worker 3``)."""
         self.timeout_s = timeout_s
+        self.rank: int | None = None
+        """Rank in the data plane (None until ``join``)."""
+        self.world_size = 0
+        self.device = torch.device("cpu")
+        self._pg: Any = None
 
     @classmethod
-    def from_tcp_store(cls, host: str, port: int, rank: int, world_size: int, *,
-                       device: torch.device | str = "cpu", timeout_s: float = 300.0,
-                       group_name: str = "weightsync") -> "Communicator":
-        """Join (rank 0 hosts) a TCPStore rendezvous and build gloo (CPU) or NCCL (CUDA) on it.
-
-        Every rank first announces itself on the store; a peer that fails before joining reports
-        it with ``Communicator.report`` and every waiting rank raises its message at once."""
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+    def connect(cls, host: str, port: int, *, name: str, timeout_s: float = 300.0,
+                host_store: bool = False) -> "Communicator":
+        """The control channel of the group at ``host:port``; ``host_store`` hosts it (port 0: any free port)."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        device = torch.device(device)
-        store = connect_store(host, port, timeout_s, is_master=rank == 0, world_size=world_size)
-        comm = cls(None, store, rank, world_size, device, timeout_s)
-        comm.publish(f"join/{rank}", True)
-        for r in range(world_size):
-            comm.read(f"join/{r}")  # raises a peer's reported failure instead of waiting it out
-        prefixed = dist.PrefixStore(f"{group_name}/", store)
-        timeout = timedelta(seconds=timeout_s)
-        if device.type == "cuda":
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
-            comm._pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
-        else:
-            comm._pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
-        comm.barrier()  # everyone joined before any data moves
-        return comm
+        return cls(connect_store(host, port, timeout_s, is_master=host_store), name=name, timeout_s=timeout_s)
 
-    @classmethod
-    def control_only(cls, host: str, port: int, rank: int, *, timeout_s: float = 300.0) -> "Communicator":
-        """The group's control channel only (store client, no data plane), e.g. for trainer ranks that
-        take part in a sync without moving data themselves."""
-        return cls(None, connect_store(host, port, timeout_s), rank, 0, torch.device("cpu"), timeout_s)
+    @property
+    def port(self) -> int:
+        """The store's port (the one picked, for a host started on port 0)."""
+        return int(self.store.port)
 
     @staticmethod
-    def report(host: str, port: int, message: str, timeout_s: float = 30.0) -> None:
-        """Tell every rank of the group at ``host:port`` that this peer failed (it never joins)."""
-        _fail(connect_store(host, port, timeout_s), message)
+    def report(host: str, port: int, message: str, timeout_s: float = 10.0) -> None:
+        """Tell every party of the group at ``host:port`` that this one failed (it never connected)."""
+        connect_store(host, port, timeout_s).compare_set(_ERROR, "", message)
+
+    def join(self, rank: int, world_size: int, *, device: torch.device | str = "cpu",
+             group_name: str = "weightsync") -> None:
+        """Join the data plane as ``rank`` of ``world_size`` (gloo on CPU, NCCL on CUDA). Every member
+        first announces itself; a failure any party reports meanwhile raises at once."""
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+        self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
+        self.publish(f"join/{rank}", self.name)
+        for r in range(world_size):
+            self.read(f"join/{r}")
+        prefixed = dist.PrefixStore(f"{group_name}/", self.store)
+        timeout = timedelta(seconds=self.timeout_s)
+        if self.device.type == "cuda":
+            self._pg = _nccl_group(prefixed, rank, world_size, timeout)
+        else:
+            self._pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        self.barrier()  # everyone joined before any data moves
 
     # ---- control channel (store) -------------------------------------------------------
     def publish(self, key: str, value: Any) -> None:
-        """Put a JSON-safe value under ``key`` for every peer to read."""
+        """Put a JSON-safe value under ``key`` for every party to read."""
         self.store.set(key, json.dumps(value))
 
-    def fail(self, message: str) -> None:
-        """Record this rank's failure for every peer (the first report wins) and drop the data plane:
-        closing its connections wakes every peer blocked on this rank at once, and peers waiting on
-        the store raise the reported message. Call on any failure during a transfer."""
+    def fail(self, message: str, error: BaseException | None = None) -> None:
+        """Record this party's failure for everyone (the first report wins) and drop the data plane:
+        parties waiting on the store or blocked on this one raise at once. Call on any failure, with
+        the ``error`` being handled: its traceback's frames are cleared first, since a pending work
+        they hold keeps gloo's connections open (only freeing the group and its works closes them)."""
+        if error is not None:
+            traceback.clear_frames(error.__traceback__)
         if self.store is not None:
             try:
-                _fail(self.store, f"rank {self.rank}: {message}")
+                self.store.compare_set(_ERROR, "", f"{self.name}: {message}")
             except Exception:  # noqa: BLE001 - the store's host may be gone already
                 pass
         self.abort()
 
     def abort(self) -> None:
-        """Drop the data-plane group now (NCCL: abort the communicator)."""
+        """Drop the data plane now (NCCL: abort the communicator)."""
         pg, self._pg = self._pg, None
         if pg is not None and self.device.type == "cuda":
             pg.abort()
@@ -136,75 +162,105 @@ class Communicator:
         gc.collect()  # gloo closes its connections when the group is freed
 
     def peer_error(self) -> str | None:
-        """The failure a rank reported on this group, if any (never blocks)."""
+        """The first failure reported on this group, if any (never blocks)."""
         store = self.store
-        return store.get(_ERROR).decode() if store is not None and store.check([_ERROR]) else None
+        if store is None:
+            return None
+        try:
+            return store.get(_ERROR).decode() if store.check([_ERROR]) else None
+        except Exception as e:  # noqa: BLE001 - the store's host (trainer rank 0) is gone
+            return f"the sync group's store is unreachable ({str(e).splitlines()[0][:200]})"
 
     def read(self, key: str, timeout_s: float | None = None) -> Any:
-        """Wait (up to the timeout) for ``key`` and return its JSON value; raises ``DataPlaneError``
-        at once when a peer reported a failure."""
+        """Wait (up to the timeout) for ``key`` and return its JSON value; ``DataPlaneError`` at once
+        when a party reported a failure."""
         limit = timeout_s or self.timeout_s
         deadline = time.monotonic() + limit
-        while not self.store.check([key]):
+        while True:
+            try:
+                if self.store.check([key]):
+                    return json.loads(self.store.get(key))
+            except Exception as e:  # noqa: BLE001 - the store's host is gone
+                raise DataPlaneError(f"{self.name}: the sync group's store is unreachable while waiting for "
+                                     f"{key!r} ({str(e).splitlines()[0][:200]})") from None
             if (err := self.peer_error()) is not None:
-                raise DataPlaneError(f"a peer failed: {err}")
+                raise DataPlaneError(f"a party failed: {err}")
             if time.monotonic() > deadline:
-                raise DataPlaneError(f"timed out after {limit}s on rank {self.rank} waiting for {key!r}")
-            time.sleep(0.005)
-        return json.loads(self.store.get(key))
+                raise DataPlaneError(f"timed out after {limit}s on {self.name} waiting for {key!r}")
+            time.sleep(_STORE_POLL_S)
 
     def peek(self, key: str) -> Any | None:
         """The JSON value under ``key`` if set, else None (never blocks)."""
         return json.loads(self.store.get(key)) if self.store.check([key]) else None
 
     # ---- data plane -------------------------------------------------------------------
-    def _wait(self, work: Any, what: str) -> None:
+    def wait(self, work: Any, what: str = "operation") -> None:
+        """Wait for a data-plane work. NCCL: poll it and the store, so a reported failure or the
+        deadline aborts this party's communicator and raises ``DataPlaneError``. gloo: a blocking
+        wait (its send/recv works complete only inside ``wait``); a failing peer closes its
+        connections, which raises here at once."""
         try:
+            if self.device.type == "cuda":
+                self._poll(work, what)
             work.wait(timedelta(seconds=self.timeout_s))
-        except Exception as e:  # timeout, or a peer closed its connections (it died or failed)
+        except DataPlaneError:
+            raise
+        except Exception as e:
             err = self.peer_error()
-            reason = f"; a peer reported: {err}" if err else ""
-            raise DataPlaneError(f"{what} failed on rank {self.rank}: {str(e).splitlines()[0][:300]}{reason}") from e
+            reason = f"; a party reported: {err}" if err else ""
+            raise DataPlaneError(f"{what} failed on {self.name}: {str(e).splitlines()[0][:300]}{reason}") from e
+
+    def _poll(self, work: Any, what: str) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        next_check, pause = 0.0, 2e-5
+        while not work.is_completed():
+            now = time.monotonic()
+            if now >= next_check:
+                if (err := self.peer_error()) is not None:
+                    self.abort()
+                    raise DataPlaneError(f"{what} failed on {self.name}: a party failed: {err}")
+                if now > deadline:
+                    self.abort()
+                    raise DataPlaneError(f"{what} timed out after {self.timeout_s}s on {self.name}")
+                next_check = now + _STORE_POLL_S
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
 
     def broadcast(self, tensor: torch.Tensor, src: int, *, async_op: bool = False) -> Any:
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         opts.rootTensor = 0
-        work = self._pg.broadcast([tensor], opts)
+        work = self._live().broadcast([tensor], opts)
         if async_op:
             return work
-        self._wait(work, "broadcast")
+        self.wait(work, "broadcast")
         return None
-
-    def wait(self, work: Any, what: str = "operation") -> None:
-        """Wait for a work returned by an ``async_op=True`` call."""
-        self._wait(work, what)
-
-    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Any:
-        return self._pg.send([tensor], dst, tag)
-
-    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Any:
-        return self._pg.recv([tensor], src, tag)
 
     def exchange(self, sends: list[tuple[torch.Tensor, int, int]], recvs: list[tuple[torch.Tensor, int, int]],
                  what: str = "point-to-point round") -> None:
         """Post every ``(tensor, peer, tag)`` send and receive together, then wait for all of them
         (NCCL: one coalesced group). The peers must post the matching ops in their own call."""
+        pg = self._live()
         cuda = self.device.type == "cuda"
         if cuda:
-            self._pg._start_coalescing(self.device)
-        works = [self._pg.send([t], peer, tag) for t, peer, tag in sends]
-        works += [self._pg.recv([t], peer, tag) for t, peer, tag in recvs]
+            pg._start_coalescing(self.device)
+        works = [pg.send([t], peer, tag) for t, peer, tag in sends]
+        works += [pg.recv([t], peer, tag) for t, peer, tag in recvs]
         if cuda:
-            works = [self._pg._end_coalescing(self.device)]
+            works = [pg._end_coalescing(self.device)]
         for w in works:
-            self._wait(w, what)
+            self.wait(w, what)
 
     def barrier(self) -> None:
         flag = torch.zeros(1, dtype=torch.int32, device=self.device)
-        self._wait(self._pg.allreduce([flag]), "barrier")
+        self.wait(self._live().allreduce([flag]), "barrier")
+
+    def _live(self) -> Any:
+        if self._pg is None:
+            raise DataPlaneError(f"{self.name}: the data plane was dropped after a failure (re-initialize)")
+        return self._pg
 
     def shutdown(self) -> None:
-        """Drop the group and the store. Safe to call twice."""
+        """Drop the data plane and the store. Safe to call twice."""
         self.abort()
         self.store = None

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import types
+import typing
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -33,6 +35,7 @@ __all__ = [
     "TrainerInitInfo",
     "WorkerInitInfo",
     "WorkerUpdateInfo",
+    "MetadataUpdateInfo",
     "SyncStats",
     "TrainerEngine",
     "parse_info",
@@ -177,44 +180,188 @@ def checked(source_iter: Iterator[tuple[str, torch.Tensor]], metas: list[ParamMe
         raise ValueError(f"parameter {metas[i].name!r}: source stopped after {i} of {len(metas)} parameters")
 
 
+def _type_error(value: Any, hint: Any) -> str | None:
+    """Why ``value`` does not fit the annotation ``hint`` (JSON-safe kinds only), or None."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return None
+    if origin in (typing.Union, types.UnionType):
+        reasons = [_type_error(value, a) for a in args]
+        return None if any(r is None for r in reasons) else next(r for r in reasons if r)
+    if hint is type(None):
+        return None if value is None else "must be null"
+    if hint is bool:
+        return None if isinstance(value, bool) else "must be a bool"
+    if hint is int:
+        return None if isinstance(value, int) and not isinstance(value, bool) else "must be an int"
+    if hint is float:
+        return None if isinstance(value, (int, float)) and not isinstance(value, bool) else "must be a number"
+    if hint is str:
+        return None if isinstance(value, str) else "must be a str"
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            return "must be a list"
+        inner = args[0] if args and (origin is list or (len(args) == 2 and args[1] is Ellipsis)) else None
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(value) != len(args):
+                return f"must have {len(args)} elements"
+            return next((f"element {i} {r}" for i, (v, a) in enumerate(zip(value, args))
+                         if (r := _type_error(v, a))), None)
+        return None if inner is None else next(
+            (f"element {i} {r}" for i, v in enumerate(value) if (r := _type_error(v, inner))), None)
+    if origin is dict or hint is dict:
+        if not isinstance(value, dict):
+            return "must be a dict"
+        if len(args) == 2:
+            return next((f"entry {k!r} {r}" for k, v in value.items()
+                         if (r := _type_error(k, args[0]) or _type_error(v, args[1]))), None)
+    return None
+
+
 def parse_info(cls: type[T], data: Mapping[str, Any] | T, what: str = "info") -> T:
-    """Build dataclass ``cls`` from a JSON-safe dict; unknown/missing fields -> ``ValueError``."""
+    """Build dataclass ``cls`` from a JSON-safe dict: unknown, missing and wrongly typed fields
+    raise ``ValueError`` naming the field (before any value reaches torch)."""
     if isinstance(data, cls):
         return data
     if not isinstance(data, Mapping):
         raise ValueError(f"{what} for {cls.__name__} must be a dict, got {type(data).__name__}")
-    names = {f.name for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
-    unknown = sorted(set(data) - names)
+    fields_ = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
+    unknown = sorted(set(data) - set(fields_))
     if unknown:
-        raise ValueError(f"{what} for {cls.__name__}: unknown field(s) {unknown}; expected {sorted(names)}")
+        raise ValueError(f"{what} for {cls.__name__}: unknown field(s) {unknown}; expected {sorted(fields_)}")
+    hints = typing.get_type_hints(cls)
+    for name, value in data.items():
+        if (reason := _type_error(value, hints.get(name, Any))) is not None:
+            raise ValueError(f"{what} for {cls.__name__}: field {name!r} {reason}, got {value!r:.80}")
     try:
         return cls(**data)
     except TypeError as e:
         raise ValueError(f"{what} for {cls.__name__}: {e}") from e
 
 
-@dataclass(kw_only=True)
+def _check_port(name: str, port: Any, *, required: bool) -> None:
+    if port is None and not required:
+        return
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+        raise ValueError(f"{name} must be a port number in [0, 65535]{'' if required else ' or None'}, got {port!r}")
+
+
+@dataclass(kw_only=True, frozen=True)
 class TrainerInitInfo:
-    """Base of every trainer-side init info. ``backend`` selects the engine; ``rank`` is this
-    trainer process's rank among the trainer ranks (rank 0 drives the client)."""
+    """Base of every trainer-side init info: the fields every transport shares. ``backend``
+    selects the engine. Give the same values on every trainer rank (``rank`` aside)."""
 
     backend: ClassVar[str] = ""
     rank: int
-    """This trainer process's rank, 0 <= rank < num_trainer_ranks."""
+    """This trainer process's rank, 0 <= rank < num_trainer_ranks (rank 0 drives the client)."""
+    num_trainer_ranks: int = 1
+    """Trainer ranks taking part in every sync (each calls ``trainer_init`` and ``send_weights``)."""
+    master_address: str = "127.0.0.1"
+    """Host of the sync group's rendezvous store; trainer rank 0 hosts it, so it is rank 0's address."""
+    master_port: int | None = None
+    """Free port for the store on ``master_address``; None picks one (one trainer rank only)."""
+    timeout_s: float = 300.0
+    """Limit for every blocking step (rendezvous, each transfer wait, each client call)."""
+    rollback: bool = True
+    """Workers keep a host copy of their parameters during a sync and restore it on failure."""
+    device: str = field(default_factory=default_device)
+    """``"cuda"`` (NCCL data plane, CUDA IPC) or ``"cpu"`` (gloo, shared memory)."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.rank, int) or self.rank < 0:
-            raise ValueError(f"{type(self).__name__}.rank must be an int >= 0, got {self.rank!r}")
+        name = type(self).__name__
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 0:
+            raise ValueError(f"{name}.rank must be an int >= 0, got {self.rank!r}")
+        if not isinstance(self.num_trainer_ranks, int) or self.num_trainer_ranks < 1:
+            raise ValueError(f"{name}.num_trainer_ranks must be an int >= 1, got {self.num_trainer_ranks!r}")
+        if self.rank >= self.num_trainer_ranks:
+            raise ValueError(f"{name}.rank must be in [0, num_trainer_ranks={self.num_trainer_ranks}), got {self.rank}")
+        if not isinstance(self.master_address, str) or not self.master_address:
+            raise ValueError(f"{name}.master_address must be a host name or address, got {self.master_address!r}")
+        _check_port(f"{name}.master_port", self.master_port, required=False)
+        if self.master_port is None and self.num_trainer_ranks > 1:
+            raise ValueError(f"{name}.master_port is required when num_trainer_ranks={self.num_trainer_ranks} > 1")
+        if not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
+            raise ValueError(f"{name}.timeout_s must be > 0, got {self.timeout_s!r}")
+        if not isinstance(self.rollback, bool):
+            raise ValueError(f"{name}.rollback must be a bool, got {self.rollback!r}")
+        if not isinstance(self.device, str) or self.device.partition(":")[0] not in ("cuda", "cpu"):
+            raise ValueError(f"{name}.device must be 'cuda' or 'cpu', got {self.device!r}")
+
+    def _set(self, **values: Any) -> None:
+        """Normalize fields in ``__post_init__`` (the info is frozen)."""
+        for k, v in values.items():
+            object.__setattr__(self, k, v)
+
+    @classmethod
+    def for_deployment(cls, *, num_trainer_ranks: int, replicas: int, tp: int, rank: int = 0,
+                       buffer_bytes: int | None = None, **fields: Any) -> "TrainerInitInfo":
+        """The init info for ``num_trainer_ranks`` trainer ranks and ``replicas`` engines of ``tp``
+        workers each; ``buffer_bytes`` sets the transport's staging/bucket size, ``fields`` any other field."""
+        raise NotImplementedError(f"{cls.__name__} does not implement for_deployment")
 
 
 @dataclass(kw_only=True)
 class WorkerInitInfo:
-    """Base of worker-side init infos (what ``init_weight_transfer_engine`` receives)."""
+    """Base of worker-side init infos (what ``init_weight_transfer_engine`` receives; built by
+    trainer rank 0, JSON-safe)."""
+
+    master_address: str
+    """Host of the sync group's store (trainer rank 0)."""
+    master_port: int
+    """Port of the sync group's store."""
+    timeout_s: float = 300.0
+    """Limit for every blocking step."""
+    rollback: bool = True
+    """Keep a host copy of the parameters during a sync and restore it on failure."""
+    engine_index: int = 0
+    """Which engine of the client's list this one is (weightsync's clients set it per engine):
+    separate engines all have vLLM's ``data_parallel_index == 0``."""
+    num_engines: int | None = None
+    """How many engines the client drives (set by weightsync's clients), to check the deployment."""
+
+    def __post_init__(self) -> None:
+        _check_port("init_info.master_port", self.master_port, required=True)
+        if self.engine_index < 0 or (self.num_engines is not None and not 0 <= self.engine_index < self.num_engines):
+            raise ValueError(f"init_info.engine_index must be in [0, num_engines={self.num_engines}), "
+                             f"got {self.engine_index}")
 
 
 @dataclass(kw_only=True)
 class WorkerUpdateInfo:
     """Base of worker-side update infos (what ``update_weights`` receives)."""
+
+    sync_id: int = 0
+    """The trainer's sync counter (1, 2, ...)."""
+    digest: str = ""
+    """What both sides must agree on before data moves (plan or metadata digest)."""
+    verify: bool = False
+    """Compare checksums of what was applied with what the trainers sent before the sync finishes."""
+    abort: str | None = None
+    """Set when the trainer gave up on the sync: the worker restores its parameters and raises."""
+
+
+@dataclass(kw_only=True)
+class MetadataUpdateInfo(WorkerUpdateInfo):
+    """An update that carries the tensors' metadata when it changed (empty lists: the previous one)."""
+
+    names: list[str] = field(default_factory=list)
+    dtype_names: list[str] = field(default_factory=list)
+    shapes: list[list[int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not len(self.names) == len(self.dtype_names) == len(self.shapes):
+            raise ValueError(f"names, dtype_names and shapes must have equal lengths, got "
+                             f"{len(self.names)}, {len(self.dtype_names)}, {len(self.shapes)}")
+
+    def metas(self) -> list[ParamMeta]:
+        return [ParamMeta(n, dtype_from_name(d), tuple(s)) for n, d, s in zip(self.names, self.dtype_names, self.shapes)]
+
+    @staticmethod
+    def wire(metas: list[ParamMeta]) -> dict[str, list[Any]]:
+        """The metadata fields for ``metas``."""
+        recs = [m.wire() for m in metas]
+        return {"names": [r["name"] for r in recs], "dtype_names": [r["dtype"] for r in recs],
+                "shapes": [r["shape"] for r in recs]}
 
 
 @dataclass
@@ -226,11 +373,14 @@ class SyncStats:
     bytes_sent: int = 0
     """Payload bytes this rank put on the wire (per destination: a broadcast counts once)."""
     bytes_received_per_worker: dict[int, int] = field(default_factory=dict)
-    """Payload bytes each worker received (rank 0; measured by the workers where the transport can)."""
+    """Bytes each worker received, counted by the worker from the buffers its data plane filled
+    (rank 0 only)."""
     lower_bound_per_worker: dict[int, int] = field(default_factory=dict)
-    """Least payload bytes each worker needs (its shard of every tensor); filled by sharded transports."""
+    """Least payload bytes each worker needs, from the plan (its shard of every tensor for M2N, every
+    tensor whole for the full-tensor transports); rank 0 only."""
     num_tensors: int = 0
-    num_chunks: int = 0
+    num_steps: int = 0
+    """Fills of the bounded staging memory: buckets (nccl, ipc) or point-to-point rounds (m2n)."""
     phases: dict[str, float] = field(default_factory=dict)
     """Seconds per phase: ``preflight``, ``start``, ``transfer``, ``finish``, ..."""
     weight_version: str | None = None
@@ -283,8 +433,10 @@ class TrainerEngine(ABC):
         """Rendezvous with the workers and return a ready engine. Call on every trainer rank."""
 
     @abstractmethod
-    def send_weights(self, *, weight_version: str | None = None) -> SyncStats:
-        """Push the source's current weights to every worker. Call on every trainer rank."""
+    def send_weights(self, *, weight_version: str | None = None, verify: bool = False) -> SyncStats:
+        """Push the source's current weights to every worker; returns once every worker applied them.
+        With ``verify``, every worker compares checksums of what it applied with what was sent before
+        the sync finishes. Call on every trainer rank."""
 
     def shutdown(self) -> None:
         """Release communicators and buffers. Call on every trainer rank."""

@@ -1,61 +1,74 @@
-"""Backend registries: name -> trainer / worker engine class, resolved lazily by import path.
+"""Transports by name, and the factories that build their engines.
 
-``import weightsync`` imports no transport module; a backend's module is imported on first use.
+Each transport is declared once, in its own module, as a module-level ``TRANSPORT`` (a
+:class:`Transport`: name, engine classes, init info, source kind, colocated or not). The registry
+maps each name to that module and imports it on first use, so ``import weightsync`` imports no
+transport module. The demo, the CLI, the FSDP2 trainer, the benchmarks, the vLLM plugin and the
+tests all read transports from here: a new transport is its own file plus one line in
+``TRANSPORTS``.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from .protocol import TrainerEngine, TrainerInitInfo, WeightSource
 
-__all__ = ["WeightTransferTrainerFactory", "WorkerEngineFactory", "BACKENDS"]
+__all__ = ["Transport", "TRANSPORTS", "transport", "transport_names", "WeightTransferTrainerFactory",
+           "WorkerEngineFactory"]
 
-# Names are the ones registered into vLLM (its own ``nccl``/``ipc``/``nccl_m2n`` are taken); the
-# short names (``nccl``) are accepted as aliases here.
-BACKENDS: dict[str, tuple[str, str, str]] = {
-    # name: (module, trainer engine class, worker engine class)
-    "weightsync_nccl": ("weightsync.transport.nccl", "NCCLTrainerEngine", "NCCLWorkerEngine"),
-    "weightsync_m2n": ("weightsync.transport.m2n", "M2NTrainerEngine", "M2NWorkerEngine"),
-    "weightsync_ipc": ("weightsync.transport.ipc", "IPCTrainerEngine", "IPCWorkerEngine"),
+
+@dataclass(frozen=True)
+class Transport:
+    """One transport, as its module declares it."""
+
+    name: str
+    """Backend name, registered into vLLM's factories (vLLM's own ``nccl``/``ipc``/``nccl_m2n`` are taken)."""
+    trainer_engine: type
+    """Trainer-side engine class (``trainer_init`` / ``send_weights``)."""
+    worker_engine: type
+    """Worker-side engine class (vLLM's ``WeightTransferEngine`` API)."""
+    init_info: type[TrainerInitInfo]
+    """Trainer init info; ``init_info.for_deployment(...)`` builds one for a deployment."""
+    source: Literal["local", "full"]
+    """What it reads: ``"local"`` FSDP2 shards (``DTensorModuleSource``) or ``"full"`` tensors (``FullTensorSource``)."""
+    colocated: bool
+    """Trainer and vLLM share devices (memory is handed over, not sent)."""
+    summary: str
+    """One line: what moves, for help texts."""
+
+
+TRANSPORTS: dict[str, str] = {
+    "weightsync_m2n": "weightsync.transport.m2n",
+    "weightsync_nccl": "weightsync.transport.nccl",
+    "weightsync_ipc": "weightsync.transport.ipc",
 }
+"""Transport name -> the module that declares it (as ``TRANSPORT``)."""
 
 
-def _load(path: str, name: str) -> Any:
-    return getattr(importlib.import_module(path), name)
+def transport_names() -> list[str]:
+    """Every registered transport name, sorted."""
+    return sorted(TRANSPORTS)
 
 
-class _Factory:
-    _kind: str
-    _index: int
-    _registry: dict[str, tuple[str, str]]
-
-    @classmethod
-    def register_engine(cls, name: str, module_path: str, class_name: str, *, replace: bool = False) -> None:
-        """Register ``module_path:class_name`` under ``name`` (``ValueError`` on a taken name)."""
-        if name in cls._registry and not replace and cls._registry[name] != (module_path, class_name):
-            raise ValueError(f"{cls._kind} engine {name!r} is already registered as {cls._registry[name]}")
-        cls._registry[name] = (module_path, class_name)
-
-    @classmethod
-    def engine_class(cls, name: str) -> type:
-        if name not in cls._registry and f"weightsync_{name}" in cls._registry:
-            name = f"weightsync_{name}"
-        if name not in cls._registry:
-            raise ValueError(f"unknown weight-transfer backend {name!r}; available: {sorted(cls._registry)}")
-        return _load(*cls._registry[name])
-
-    @classmethod
-    def available(cls) -> list[str]:
-        return sorted(cls._registry)
+def transport(name: str) -> Transport:
+    """The declaration of transport ``name`` (imports its module); ``ValueError`` listing the names."""
+    if name not in TRANSPORTS:
+        raise ValueError(f"unknown weight-transfer backend {name!r}; available: {transport_names()}")
+    declared = importlib.import_module(TRANSPORTS[name]).TRANSPORT
+    if declared.name != name:
+        raise RuntimeError(f"module {TRANSPORTS[name]} declares transport {declared.name!r}, registered as {name!r}")
+    return declared
 
 
-class WorkerEngineFactory(_Factory):
+class WorkerEngineFactory:
     """Worker engines by backend name."""
 
-    _kind = "worker"
-    _registry = {name: (mod, worker) for name, (mod, _, worker) in BACKENDS.items()}
+    @staticmethod
+    def engine_class(name: str) -> type:
+        return transport(name).worker_engine
 
     @classmethod
     def create_engine(cls, backend: str, vllm_config: Any, device: Any, model: Any, config: Any = None) -> Any:
@@ -63,11 +76,12 @@ class WorkerEngineFactory(_Factory):
         return cls.engine_class(backend)(config, vllm_config, device, model)
 
 
-class WeightTransferTrainerFactory(_Factory):
+class WeightTransferTrainerFactory:
     """Trainer engines, dispatched on ``type(init_info).backend``."""
 
-    _kind = "trainer"
-    _registry = {name: (mod, trainer) for name, (mod, trainer, _) in BACKENDS.items()}
+    @staticmethod
+    def engine_class(name: str) -> type:
+        return transport(name).trainer_engine
 
     @classmethod
     def trainer_init(cls, init_info: TrainerInitInfo, *, client: Any, source: WeightSource | None = None) -> TrainerEngine:
@@ -75,4 +89,3 @@ class WeightTransferTrainerFactory(_Factory):
         if not isinstance(init_info, TrainerInitInfo):
             raise TypeError(f"init_info must be a TrainerInitInfo, got {type(init_info).__name__}")
         return cls.engine_class(type(init_info).backend).trainer_init(init_info, client=client, source=source)
-

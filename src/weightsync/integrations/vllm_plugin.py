@@ -7,10 +7,9 @@ vLLM's own ABCs mixed in (``WeightTransferEngine`` / ``TrainerWeightTransferEngi
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
-from ..registry import BACKENDS
+from ..registry import TRANSPORTS, transport
 
 __all__ = ["register", "vllm_worker_class", "vllm_trainer_class"]
 
@@ -22,8 +21,8 @@ def _mixed(kind: str, name: str) -> type:
     if key not in _CACHE:
         from vllm.distributed.weight_transfer import TrainerWeightTransferEngine, WeightTransferEngine
 
-        module, trainer, worker = BACKENDS[name]
-        ours = getattr(importlib.import_module(module), worker if kind == "worker" else trainer)
+        declared = transport(name)
+        ours = declared.worker_engine if kind == "worker" else declared.trainer_engine
         vllm_base = WeightTransferEngine if kind == "worker" else TrainerWeightTransferEngine
         _CACHE[key] = type(ours.__name__, (ours, vllm_base), {"__module__": ours.__module__,
                                                                "__doc__": ours.__doc__})
@@ -46,7 +45,7 @@ _WORKER, _TRAINER = "VLLMWorker_", "VLLMTrainer_"
 def __getattr__(attr: str) -> type:
     """``VLLMWorker_<backend>`` / ``VLLMTrainer_<backend>``: what vLLM's factories import lazily."""
     for prefix, kind in ((_WORKER, "worker"), (_TRAINER, "trainer")):
-        if attr.startswith(prefix) and attr[len(prefix):] in BACKENDS:
+        if attr.startswith(prefix) and attr[len(prefix):] in TRANSPORTS:
             return _mixed(kind, attr[len(prefix):])
     raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
 
@@ -61,6 +60,6 @@ def register() -> None:
     """Register ``weightsync_*`` backends in vLLM's factories, lazily by import path; idempotent."""
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
-    for name in BACKENDS:
+    for name in TRANSPORTS:
         _register_into(WeightTransferEngineFactory, name, _WORKER + name)
         _register_into(WeightTransferTrainerFactory, name, _TRAINER + name)

@@ -20,7 +20,7 @@ from weightsync.layout.regions import Region
 __all__ = ["ALIGN", "Message", "split_item", "pair_messages", "message_cap", "rounds"]
 
 ALIGN = 64
-"""Byte alignment of each item inside a message (any dtype can be viewed in place)."""
+"""Byte alignment of each message in staging, and the granularity of ``message_cap``."""
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ def pair_messages(items: Iterable[TransferItem], *, by: str, cap: int,
 
         for piece, size in pieces:
             nbytes = piece.region.numel * size
-            start = _align(used)
+            start = (used + size - 1) // size * size  # element-aligned: viewable in place, no padding within one dtype
             if cur and start + nbytes > cap:
                 flush()
                 cur, offs, start = [], [], 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ..clients import RemoteCallError
+from ..clients import RemoteCallError, per_engine
 from .actors import ActorAddress, RemoteError, call
 
 __all__ = ["LocalWeightSyncClient"]
@@ -34,10 +34,11 @@ class LocalWeightSyncClient:
     def workers(self) -> list[ActorAddress]:
         return [a for r in self.replicas for a in r]
 
-    def _fan(self, method: str, *args: Any) -> list[Any]:
+    def _fan(self, method: str, *args: Any, per_replica: list[tuple[Any, ...]] | None = None) -> list[Any]:
         workers = self.workers
+        calls = [(a, per_replica[i] if per_replica else args) for i, r in enumerate(self.replicas) for a in r]
         with ThreadPoolExecutor(len(workers)) as pool:
-            futs = [pool.submit(call, a, _RECEIVER + method, *args, timeout_s=self.timeout_s) for a in workers]
+            futs = [pool.submit(call, a, _RECEIVER + method, *a_args, timeout_s=self.timeout_s) for a, a_args in calls]
             errors, results = [], []
             for a, f in zip(workers, futs):
                 try:
@@ -49,7 +50,9 @@ class LocalWeightSyncClient:
         return results
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self._fan("init_weight_transfer_engine", init_info)
+        """Each replica (a separate engine) gets the init info with its ``engine_index``."""
+        self._fan("init_weight_transfer_engine",
+                  per_replica=[(d,) for d in per_engine(init_info, len(self.replicas))])
 
     def start_weight_update(self) -> None:
         self._fan("start_weight_update")

@@ -107,7 +107,8 @@ class JsonRoundTripClient:
 
 
 class CorruptingClient(JsonRoundTripClient):
-    """Sets ``update_info[worker][field] = value`` in the ``chunk``-th ``update_weights`` call of each sync."""
+    """Sets ``update_info["handles"][worker][field] = value`` (what one worker gets) in the ``chunk``-th
+    ``update_weights`` call of each sync."""
 
     def __init__(self, inner: Any, *, chunk: int, worker: int, field: str, value: Any) -> None:
         super().__init__(inner)
@@ -121,7 +122,7 @@ class CorruptingClient(JsonRoundTripClient):
     def update_weights(self, update_info: Any) -> None:
         update_info = self._json(update_info)
         if self._calls == self.chunk:
-            update_info[self.worker][self.field] = self.value
+            update_info["handles"][str(self.worker)][self.field] = self.value
         self._calls += 1
         self.inner.update_weights(update_info)
 

@@ -68,10 +68,10 @@ def engine_classes() -> dict[str, dict[str, Any]]:
     from vllm.distributed.weight_transfer import (TrainerWeightTransferEngine, WeightTransferEngine,
                                                   WeightTransferEngineFactory, WeightTransferTrainerFactory)
 
-    from ..registry import BACKENDS
+    from ..registry import transport_names
 
     out = {}
-    for name in BACKENDS:
+    for name in transport_names():
         engine = WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend=name), STATE["vllm_config"],
                                                            torch.device("cpu"), STATE["model"])
         trainer = WeightTransferTrainerFactory._registry[name]()

@@ -61,7 +61,8 @@ def _build_model(vc: Any, device: str = "cpu", weights: Any = None) -> tuple[tor
 
 def setup(model_dir: str, *, tp: int, rank: int, replica: int, port: int, dtype: str, backend: str,
           seed: int = 0, device: str = "cpu") -> None:
-    """Build vLLM's model (TP rank ``rank`` of replica ``replica``) and its weight-transfer engine,
+    """Build vLLM's model (TP rank ``rank`` of replica ``replica``, a separate engine: the client
+    tells its workers which replica they are) and its weight-transfer engine,
     the way vLLM's worker does: through vLLM's own factory, after loading general plugins.
     ``device="meta"`` builds shapes and layouts only (for planning large models)."""
     os.makedirs(VLLM_CPU_ENV["VLLM_RPC_BASE_PATH"], exist_ok=True)
@@ -80,7 +81,6 @@ def setup(model_dir: str, *, tp: int, rank: int, replica: int, port: int, dtype:
                     device_config=DeviceConfig(device="cpu"),
                     weight_transfer_config=WeightTransferConfig(backend=backend))
     vc.parallel_config.rank = rank
-    vc.parallel_config.data_parallel_index = replica
     with set_current_vllm_config(vc):
         init_distributed_environment(world_size=tp, rank=rank, local_rank=rank, backend="gloo",
                                      distributed_init_method=f"tcp://127.0.0.1:{port}")
@@ -129,8 +129,9 @@ def update_weights(update_info: dict | list) -> None:
     if not STATE["active"]:
         raise RuntimeError("start_weight_update must be called before update_weights")
     engine = STATE["engine"]
-    if isinstance(update_info, list):
-        update_info = update_info[engine.worker_rank]
+    if isinstance(update_info, list):  # indexed like vLLM's worker does: within this engine
+        pc = STATE["vllm_config"].parallel_config
+        update_info = update_info[pc.data_parallel_index * pc.world_size + pc.rank]
     try:
         with _ctx():
             engine.update_weights(update_info)

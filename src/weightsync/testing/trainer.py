@@ -104,7 +104,7 @@ def make_engine(init_info: Any, client: Any, *, source: str = "full", fault: str
         from .faults import faulty
 
         src = faulty(src, fault)
-    init_info = dataclasses.replace(init_info, rank=STATE["rank"])
+    init_info = dataclasses.replace(init_info, rank=STATE["rank"], num_trainer_ranks=STATE["world"])
     STATE["engine"] = WeightTransferTrainerFactory.trainer_init(init_info, client=client, source=src)
 
 

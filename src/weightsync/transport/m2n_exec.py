@@ -128,7 +128,7 @@ def run_rounds(comm: Communicator, plan_rounds: list[list[Message]], staging: to
         ops = [(buf, peer_rank(m.dst if sender else m.src), m.index) for m, buf in zip(msgs, bufs)]
         comm.exchange(ops if sender else [], [] if sender else ops, "M2N round")
         for m, buf in zip(msgs, bufs):
-            moved += sum(it.region.numel * dtype_itemsize(dtypes[it.name]) for it in m.items)
+            moved += buf.numel()  # what the data plane filled, padding included
             if not sender:
                 for i, (item, off) in enumerate(zip(m.items, m.offsets)):
                     received = _view(buf, off, item, dtypes)
