@@ -12,13 +12,16 @@ import atexit
 import importlib.util
 import os
 import random
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from weightsync.integrations.fsdp2 import LossConfig, ModelConfig, OptimConfig, TrainerConfig
+from weightsync.registry import transport, transport_names
 from weightsync.testing.actors import STATE
-from weightsync.testing.cluster import Layout, free_port
+from weightsync.testing.cluster import Layout
+from weightsync.testing.cluster import init_info as cluster_init_info
 from weightsync.testing.fsdp2 import FSDP2Ranks, write_checkpoint
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -26,33 +29,17 @@ HAS_CUDA = torch.cuda.is_available()
 
 
 # --- transports and the local cluster -------------------------------------------------------
+TRANSPORTS = transport_names()
+"""Every registered transport: end-to-end tests parametrize over these."""
+SOURCES = {name: transport(name).source for name in TRANSPORTS}
+"""The source kind each transport reads (``make_engines(source=...)``: ``"full"`` or ``"local"``)."""
+
+
 def init_info(backend: str, layout: Layout, *, buffer_bytes: int = 64 << 10, timeout_s: float = 60.0,
               **fields: Any) -> Any:
-    """A valid CPU init info for ``backend`` on ``layout`` (bucket or staging ``buffer_bytes``)."""
-    common = {"master_port": free_port(), "device": "cpu", "timeout_s": timeout_s, "rank": 0}
-    if backend == "weightsync_nccl":
-        from weightsync.transport.nccl import NCCLTrainerInitInfo
-
-        return NCCLTrainerInitInfo(**{"master_address": "127.0.0.1", "world_size": 1 + layout.num_workers,
-                                      "bucket_bytes": buffer_bytes, **common, **fields})
-    if backend == "weightsync_ipc":  # colocated: worker w is served by trainer rank w % trainers
-        from weightsync.transport.ipc import IPCTrainerInitInfo
-
-        return IPCTrainerInitInfo(**{"num_trainer_ranks": layout.trainers, "num_workers": layout.num_workers,
-                                     "bucket_bytes": buffer_bytes, **common, **fields})
-    if backend == "weightsync_m2n":
-        from weightsync.transport.m2n import M2NTrainerInitInfo
-
-        return M2NTrainerInitInfo(**{"master_address": "127.0.0.1", "num_trainer_ranks": layout.trainers,
-                                     "world_size": layout.trainers + layout.num_workers,
-                                     "dst_mesh_dims": (layout.replicas, layout.tp), "staging_bytes": buffer_bytes,
-                                     **common, **fields})
-    raise ValueError(f"unknown backend {backend!r}")
-
-
-SOURCES = {"weightsync_nccl": "full", "weightsync_ipc": "full", "weightsync_m2n": "local"}
-"""The source kind each transport reads (``make_engines(source=...)``)."""
-TRANSPORTS = list(SOURCES)
+    """A valid CPU init info for ``backend`` on ``layout``'s deployment (bucket or staging ``buffer_bytes``)."""
+    return cluster_init_info(replace(layout, backend=backend), buffer_bytes=buffer_bytes, timeout_s=timeout_s,
+                             **fields)
 
 
 def mismatches(cluster: Any) -> dict[str, list[str]]:

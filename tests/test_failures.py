@@ -4,6 +4,7 @@ version as they were, a re-init recovers, and verified syncs do not leak."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 
@@ -24,9 +25,11 @@ NCCL = Layout(trainers=2, tp=2, backend="weightsync_nccl")
 
 
 def info(backend: str, **kw):
-    """An init info for 2 trainer ranks -> TP 2 (small buffers: a sync takes several rounds or buckets)."""
+    """An init info for 2 trainer ranks -> TP 2 (small buffers: a sync takes several rounds or buckets),
+    with the fields in ``kw`` replaced (validated again)."""
     buffer = 1 << 14 if backend == "weightsync_m2n" else 1 << 16
-    return init_info(backend, Layout(trainers=2, tp=2), buffer_bytes=buffer, timeout_s=TIMEOUT, **kw)
+    return dataclasses.replace(init_info(backend, Layout(trainers=2, tp=2), buffer_bytes=buffer, timeout_s=TIMEOUT),
+                               **kw)
 
 
 def m2n_info(**kw):
@@ -192,7 +195,7 @@ def recover_and_verify(cluster, layout, make_info, source) -> None:
 
 @vllm
 @pytest.mark.parametrize("layout, make_info, source", [(M2N, m2n_info, "local"), (NCCL, nccl_info, "full")],
-                         ids=["m2n", "nccl"])
+                         ids=["weightsync_m2n", "weightsync_nccl"])
 def test_killing_a_receiver_mid_sync(cluster, layout, make_info, source):
     elapsed = kill_mid_sync(cluster, layout, make_info(), source, pick=lambda c: c.receivers[1])
     assert elapsed < 2 * TIMEOUT
