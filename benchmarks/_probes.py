@@ -1,6 +1,6 @@
 """Functions ``transfer_throughput.py`` runs inside the local cluster's trainer and receiver processes.
 
-Called by name (``"_probes:<function>"``) through ``weightsync.local.actors``; the benchmarks
+Called by name (``"_probes:<function>"``) through ``weightsync.testing.actors``; the benchmarks
 folder reaches the processes' ``sys.path`` because they are spawned from the benchmark script.
 
 * memory: ``mem_reset`` (gc, ``malloc_trim``, reset the peak RSS via ``/proc/self/clear_refs``),
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from weightsync.local.actors import STATE
+from weightsync.testing.actors import STATE
 
 __all__ = [
     "instrument",

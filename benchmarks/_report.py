@@ -9,7 +9,7 @@ __all__ = ["TARGETS", "acceptance", "markdown", "plots", "row_line"]
 
 TARGETS = {"wire_over_lower_bound": 1.00, "speedup_over_naive": 2.0, "fraction_of_p2p": 0.80,
            "trainer_extra_over_staging": 1.0}
-"""Issue 8 / issue 4 targets for nccl_m2n at 2 trainers -> TP 2."""
+"""Issue 8 / issue 4 targets for weightsync_m2n at 2 trainers -> TP 2."""
 
 
 def _layout(r: dict[str, Any]) -> str:
@@ -36,7 +36,7 @@ def acceptance(result: dict[str, Any]) -> list[dict[str, Any]]:
     moments apart), else from the separate rows."""
     out = []
     rows = [r for r in result["rows"] if r["sweep"] == "size" and (r["trainers"], r["tp"], r["replicas"]) == (2, 2, 1)]
-    for m2n in (r for r in rows if r["transport"] == "nccl_m2n"):
+    for m2n in (r for r in rows if r["transport"] == "weightsync_m2n"):
         naive = next((r for r in rows if r["transport"] == "naive" and r["size"] == m2n["size"]), None)
         p2p = _p2p(result, m2n)
         paired = result.get("paired", {}).get(m2n["size"])
@@ -57,7 +57,7 @@ def acceptance(result: dict[str, Any]) -> list[dict[str, Any]]:
         }
         a["speedup_over_naive"] = paired["speedup"] if paired else a["speedup_rows"]
         a["fraction_of_p2p"] = paired["fraction_of_p2p"] if paired else a["fraction_of_p2p_rows"]
-        nr = next((r for r in rows if r["transport"] == "nccl_m2n/no-rollback" and r["size"] == m2n["size"]), None)
+        nr = next((r for r in rows if r["transport"] == "weightsync_m2n/no-rollback" and r["size"] == m2n["size"]), None)
         if nr is not None:
             a.update(no_rollback_seconds=nr["seconds"], no_rollback_gbps=nr["gbps_per_receiver"])
         out.append(a)
@@ -76,15 +76,15 @@ def _targets_table(acc: list[dict[str, Any]]) -> list[str]:
         p = a["paired"]
         wl = a["wire_over_lower_bound"]
         how_speed = (f"median (range {_range(p, 'speedup')}) over {len(p['samples'])} back-to-back pairs of "
-                     f"naive s / nccl_m2n s (medians "
+                     f"naive s / weightsync_m2n s (medians "
                      f"{p['naive_s']:.3f} / {p['m2n_s']:.3f} s); separate rows: {_f(a['speedup_rows'])}x"
-                     if p else "naive row s / nccl_m2n row s")
-        how_p2p = (f"median (range {_range(p, 'fraction_of_p2p', 100)} %) over the same pairs of nccl_m2n GB/s "
+                     if p else "naive row s / weightsync_m2n row s")
+        how_p2p = (f"median (range {_range(p, 'fraction_of_p2p', 100)} %) over the same pairs of weightsync_m2n GB/s "
                    f"per receiver / raw gloo p2p one pair "
                    f"({p['p2p_mib']} MiB messages, median {p['p2p_gbps']:.2f} GB/s); separate rows: "
                    f"{100 * a['fraction_of_p2p_rows']:.0f} % of the best pair {a['p2p_pair_best_gbps']:.2f} GB/s, "
                    f"{100 * a['fraction_of_p2p_round']:.0f} % of a raw M2N-shaped round "
-                   f"{a['p2p_round_gbps']:.2f} GB/s" if p else "nccl_m2n row GB/s / best raw pair GB/s")
+                   f"{a['p2p_round_gbps']:.2f} GB/s" if p else "weightsync_m2n row GB/s / best raw pair GB/s")
         mb = f"{a['model_mb']:.0f}"
         lines += [
             (f"| {mb} | bytes on the wire / lower bound | 1.00 | {_f(wl)} | "
@@ -180,8 +180,8 @@ def markdown(result: dict[str, Any]) -> str:
            f"Run finished {result.get('finished', '?')}, {result.get('seconds_total', 0) / 60:.1f} min."), ""]
     acc = acceptance(result)
     if acc:
-        out += ["## Targets: nccl_m2n, 2 trainers -> TP 2", ""] + _targets_table(acc)
-        out += ["", "Where nccl_m2n's time goes (medians; trainer rank 0, slowest worker):", ""]
+        out += ["## Targets: weightsync_m2n, 2 trainers -> TP 2", ""] + _targets_table(acc)
+        out += ["", "Where weightsync_m2n's time goes (medians; trainer rank 0, slowest worker):", ""]
         out += [_where(a) for a in acc]
         out.append("")
     for sweep, title in (("size", "Model-size sweep"), ("layout", "Rank-layout sweep"), ("staging", "Staging sweep")):
@@ -189,9 +189,9 @@ def markdown(result: dict[str, Any]) -> str:
         if sweep == "layout" and sel:  # the size sweep's 2 -> TP 2 rows at the same size belong here too
             sel = [r for r in rows if r["sweep"] == "size" and r["size"] == sel[0]["size"]
                    and r["transport"] in {x["transport"] for x in sel}] + sel
-        if sweep == "staging":  # the size sweep's nccl_m2n row at the same size belongs here too
+        if sweep == "staging":  # the size sweep's weightsync_m2n row at the same size belongs here too
             sizes = {r["size"] for r in sel}
-            sel = sorted(sel + [r for r in rows if r["sweep"] == "size" and r["transport"] == "nccl_m2n"
+            sel = sorted(sel + [r for r in rows if r["sweep"] == "size" and r["transport"] == "weightsync_m2n"
                                 and r["size"] in sizes and (r["trainers"], r["tp"]) == (2, 2)],
                          key=lambda r: r["bucket_mib"])
         if sel:
@@ -295,7 +295,7 @@ def plots(result: dict[str, Any], out_dir: str) -> list[str]:
         paths.append(os.path.join(out_dir, "transfer_layouts.png"))
         fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
-    stag = [r for r in rows if r["transport"] == "nccl_m2n" and r["sweep"] in ("staging", "size")
+    stag = [r for r in rows if r["transport"] == "weightsync_m2n" and r["sweep"] in ("staging", "size")
             and (r["trainers"], r["tp"], r["replicas"]) == (2, 2, 1)]
     if size_rows:
         fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -314,12 +314,12 @@ def plots(result: dict[str, Any], out_dir: str) -> list[str]:
         sel = sorted((r for r in stag if r["size"] == size), key=lambda r: r["bucket_mib"])
         if sel:
             xs = [r["bucket_mib"] for r in sel]
-            b.plot(xs, [max(r["trainer_extra_mib"]) for r in sel], "o-", label="nccl_m2n trainer")
-            b.plot(xs, [max(r["worker_extra_mib"]) for r in sel], "s-", label="nccl_m2n worker (incl. rollback copy)")
+            b.plot(xs, [max(r["trainer_extra_mib"]) for r in sel], "o-", label="weightsync_m2n trainer")
+            b.plot(xs, [max(r["worker_extra_mib"]) for r in sel], "s-", label="weightsync_m2n worker (incl. rollback copy)")
             b.plot(xs, xs, ls="--", c="gray", label="one staging bucket")
             b.set_xscale("log", base=2)
             b.xaxis.set_major_formatter(plain)
-            b.set_title(f"nccl_m2n staging sweep at {sel[0]['model_mb']:.0f} MB")
+            b.set_title(f"weightsync_m2n staging sweep at {sel[0]['model_mb']:.0f} MB")
         b.set_xlabel("staging bucket (MiB)")
         b.set_ylabel("extra peak RSS (MiB, max over ranks)")
         for ax in (a, b):

@@ -51,7 +51,7 @@ def vllm_rules_bytes(metas: list[tuple[str, str, list[int]]], num_workers: int, 
     """Inside a receiver: bytes this worker gets under vLLM 0.33's own nccl_m2n resolver."""
     from vllm.distributed.weight_transfer.m2n_layout import resolve_parameter_destinations
 
-    from weightsync.local.actors import STATE
+    from weightsync.testing.actors import STATE
 
     dests = resolve_parameter_destinations(
         STATE["model"], [m[0] for m in metas], [getattr(torch, m[1]) for m in metas], [m[2] for m in metas],
@@ -66,7 +66,7 @@ def vllm_rules_bytes(metas: list[tuple[str, str, list[int]]], num_workers: int, 
 
 
 def main() -> None:
-    from weightsync.local.cluster import Layout, LocalCluster
+    from weightsync.testing.cluster import Layout, LocalCluster
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])

@@ -1,6 +1,6 @@
 """Soak: many consecutive verified syncs; RSS, open fds and threads of every process must stay flat.
 
-    python benchmarks/soak.py [--syncs 200] [--transport nccl_m2n nccl]
+    python benchmarks/soak.py [--syncs 200] [--transport weightsync_m2n weightsync_nccl]
 
 For each transport (2 FSDP2 trainer ranks -> vLLM Qwen3 TP=2 on CPU), runs ``--syncs`` syncs with
 ``verify=True`` (every worker checks what it applied against the trainers' checksums before the sync
@@ -28,12 +28,10 @@ def resources() -> dict:
 
 
 def soak(cluster, transport: str, syncs: int) -> dict:
-    from weightsync.local.cluster import Layout
-    from weightsync.local.demo import BACKENDS, SOURCES, _init_info
+    from weightsync.testing.cluster import Layout
 
-    layout = Layout(trainers=2, tp=2, backend=BACKENDS[transport])
-    cluster.setup(layout)
-    cluster.make_engines(_init_info(transport, layout, 1 << 16), source=SOURCES.get(transport, "full"))
+    cluster.setup(Layout(trainers=2, tp=2, backend=transport))
+    cluster.make_engines(cluster.init_info(buffer_bytes=1 << 16))  # the source kind the transport reads
     procs = cluster.active_trainers + cluster.active_receivers
     for i in range(3):  # warm-up: buffers, plan, optimizer state, allocator
         cluster.train_step(-1 - i)
@@ -54,11 +52,12 @@ def soak(cluster, transport: str, syncs: int) -> dict:
 
 
 def main() -> int:
-    from weightsync.local.cluster import LocalCluster
+    from weightsync.registry import transport_names
+    from weightsync.testing.cluster import LocalCluster
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--syncs", type=int, default=200)
-    ap.add_argument("--transport", nargs="+", default=["nccl_m2n", "nccl"], choices=["nccl_m2n", "nccl"])
+    ap.add_argument("--transport", nargs="+", default=["weightsync_m2n", "weightsync_nccl"], choices=transport_names())
     args = ap.parse_args()
     cluster = LocalCluster()
     try:

@@ -5,13 +5,14 @@ Launch (CPU, gloo; no GPU needed; vLLM installed)::
     .venv/bin/python benchmarks/transfer_throughput.py --quick   # 2 trainers -> TP 2, two sizes: < 10 min on 2 cores
     .venv/bin/python benchmarks/transfer_throughput.py           # size, layout and staging sweeps (~1 h on 2 cores)
 
-Trainers are real FSDP2 ranks (``weightsync.local``) holding a synthetic Qwen3-shaped model (fp32 by
+Trainers are real FSDP2 ranks (``weightsync.testing``) holding a synthetic Qwen3-shaped model (fp32 by
 default; head_dim 64/128, GQA 2:1, intermediate 3x hidden, a 8-16k vocabulary so layers dominate);
-receivers are vLLM's own ``Qwen3ForCausalLM`` with TP over gloo. For every transport (``nccl_m2n``,
-``nccl``, ``ipc``) and the naive baseline (``full_tensor()`` per parameter, trainer rank 0 broadcasts
-it to every worker over gloo, each worker ``load_weights``), after one warm-up sync: seconds per sync
-(median), GB/s per receiver, bytes received per worker / the least it needs, extra peak RSS on
-trainers and workers (over the RSS before the engine existed), and time per phase. Raw gloo
+receivers are vLLM's own ``Qwen3ForCausalLM`` with TP over gloo. For every registered transport
+(``weightsync_m2n``, ``weightsync_nccl``, ``weightsync_ipc``) and the naive baseline (``full_tensor()``
+per parameter, trainer rank 0 broadcasts it to every worker over gloo, each worker ``load_weights``),
+after one warm-up sync: seconds per sync (median), GB/s per receiver, bytes received per worker / the
+least it needs, extra peak RSS on trainers and workers (over the RSS before the engine existed), and
+time per phase. Raw gloo
 point-to-point bandwidth (one pair, and one M2N-shaped round) and memcpy are measured in the same run;
 ``plan_coverage.py`` and ``plan_scale.py`` run afterwards and their tables join the report.
 
@@ -35,9 +36,9 @@ from typing import Any
 import _report
 import torch
 
-from weightsync.local.actors import Actor, gather
-from weightsync.local.cluster import Layout, LocalCluster, free_port
-from weightsync.local.demo import BACKENDS, SOURCES, _init_info
+from weightsync.testing.actors import Actor, gather
+from weightsync.registry import transport as registered
+from weightsync.testing.cluster import Layout, LocalCluster, free_port, init_info
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MiB = 1 << 20
@@ -53,8 +54,8 @@ BIG = ("1GB", "2GB")
 """Sizes after which the processes are restarted."""
 LAYOUTS = ("1:1:1", "1:2:1", "2:1:1", "1:4:1", "2:4:1", "4:2:1", "4:4:1", "2:2:2", "4:2:2")
 """trainers:TP:replicas of the layout sweep (2:2:1 comes from the size sweep)."""
-TRANSPORTS = ("nccl_m2n", "nccl_m2n/no-rollback", "nccl", "ipc", "naive")
-"""``nccl_m2n`` runs first: its plan gives every worker's lower bound for the other rows."""
+TRANSPORTS = ("weightsync_m2n", "weightsync_m2n/no-rollback", "weightsync_nccl", "weightsync_ipc", "naive")
+"""``weightsync_m2n`` runs first: its plan gives every worker's lower bound for the other rows."""
 
 
 def qwen3_config(hidden: int, layers: int, vocab: int, tied: bool) -> dict[str, Any]:
@@ -89,14 +90,15 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
     if args.quick:
         out = [Scenario("size", 2, 2, 1, s, tr, b) for s in args.sizes or ("64MB", "256MB")]
         big = out[-1].size
-        return out + [Scenario("staging", 2, 2, 1, big, ("nccl_m2n",), s) for s in (16, 256) if s != b]
+        return out + [Scenario("staging", 2, 2, 1, big, ("weightsync_m2n",), s) for s in (16, 256) if s != b]
     out = [Scenario("size", 2, 2, 1, s, tr, b) for s in args.sizes or SIZES]
     no_var = tuple(t for t in tr if "/" not in t)
     for lay in args.layouts:
         t, p, r = (int(x) for x in lay.split(":"))
         out.append(Scenario("layout", t, p, r, args.layout_size, no_var, b))
-    if "nccl_m2n" in tr:
-        out += [Scenario("staging", 2, 2, 1, args.layout_size, ("nccl_m2n",), s) for s in args.staging_sweep if s != b]
+    if "weightsync_m2n" in tr:
+        out += [Scenario("staging", 2, 2, 1, args.layout_size, ("weightsync_m2n",), s)
+                for s in args.staging_sweep if s != b]
     return out
 
 
@@ -163,7 +165,7 @@ def run_engine(cluster: LocalCluster, sc: Scenario, transport: str, model_dir: s
     with ``profile`` one more sync under cProfile in trainer rank 0 and worker 0 (not timed)."""
     name, _, variant = transport.partition("/")
     layout = Layout(trainers=sc.trainers, tp=sc.tp, replicas=sc.replicas, model=model_dir,
-                    dtype="float32" if itemsize == 4 else "bfloat16", backend=BACKENDS[name])
+                    dtype="float32" if itemsize == 4 else "bfloat16", backend=name)
     cluster.setup(layout)
     ts, rs = cluster.active_trainers, cluster.active_receivers
     cluster.on_trainers("shutdown_engine")
@@ -171,13 +173,14 @@ def run_engine(cluster: LocalCluster, sc: Scenario, transport: str, model_dir: s
     on(rs, "touch_params")
     with open(os.path.join(model_dir, "config.json")) as f:
         largest = largest_tensor_bytes(json.load(f), itemsize)
-    bucket = sc.staging_mib * MiB if name == "nccl_m2n" else max(sc.staging_mib * MiB, -(-largest // MiB) * MiB)
-    info = _init_info(name, layout, bucket)
+    bucket = (sc.staging_mib * MiB if registered(name).source == "local"  # M2N staging; a bucket holds the largest
+              else max(sc.staging_mib * MiB, -(-largest // MiB) * MiB))
+    info = init_info(layout, buffer_bytes=bucket)
     if variant == "no-rollback":
         info = dataclasses.replace(info, rollback=False)
     rss_t, rss_r = on(ts, "mem_reset"), on(rs, "mem_reset")
     t0 = time.perf_counter()
-    cluster.make_engines(info, source=SOURCES.get(name, "full"), bucket_bytes=bucket)
+    cluster.make_engines(info, source=registered(name).source, bucket_bytes=bucket)
     init_s = time.perf_counter() - t0
     on(ts + rs, "instrument")
     walls, stats, phases = [], [], []
@@ -270,14 +273,14 @@ def run_naive(cluster: LocalCluster, warmup: int, repeats: int, verify: bool) ->
 
 def run_paired(cluster: LocalCluster, sc: Scenario, model_dir: str, itemsize: int, repeats: int,
                p2p_mib: int) -> dict[str, Any]:
-    """nccl_m2n, the naive sync (before or after it, alternately) and raw p2p (one pair, ``p2p_mib``
+    """weightsync_m2n, the naive sync (before or after it, alternately) and raw p2p (one pair, ``p2p_mib``
     messages) back to back, ``repeats`` times after a warm-up, on the same processes: on a shared machine each ratio is taken between
     measurements made moments apart, and the medians of the ratios are reported."""
     layout = Layout(trainers=sc.trainers, tp=sc.tp, replicas=sc.replicas, model=model_dir,
-                    dtype="float32" if itemsize == 4 else "bfloat16", backend=BACKENDS["nccl_m2n"])
+                    dtype="float32" if itemsize == 4 else "bfloat16", backend="weightsync_m2n")
     cluster.setup(layout)
     ts, rs = cluster.active_trainers, cluster.active_receivers
-    cluster.make_engines(_init_info("nccl_m2n", layout, sc.staging_mib * MiB), source="dtensor")
+    cluster.make_engines(init_info(layout, buffer_bytes=sc.staging_mib * MiB), source="local")
     naive_group(ts, rs)
     p2p_group(ts + rs)
     samples = []
@@ -316,13 +319,13 @@ def finish_row(row: dict[str, Any], sc: Scenario, model_mb: float, lower: dict[i
 def run_scenario(cluster: LocalCluster, sc: Scenario, args: argparse.Namespace, result: dict[str, Any],
                  model_dir: str, itemsize: int, repeats: int, verify: bool, profile: bool) -> None:
     """Every transport of ``sc``, raw p2p after the first and the last one, then (2 -> TP 2 size rows)
-    the paired nccl_m2n / naive / raw p2p runs; rows go into ``result``."""
+    the paired weightsync_m2n / naive / raw p2p runs; rows go into ``result``."""
     lower, model_mb = None, None
     for transport in sc.transports:
         if transport == "naive":
             row = run_naive(cluster, 1, repeats, verify)
         else:
-            prof = profile and transport == "nccl_m2n"
+            prof = profile and transport == "weightsync_m2n"
             row = run_engine(cluster, sc, transport, model_dir, itemsize, 1, repeats, verify, prof)
             for who, text in (row.pop("profiles") or {}).items():
                 with open(os.path.join(args.out, f"profile_{transport}_{sc.size}_{who}.txt"), "w") as f:
@@ -330,7 +333,7 @@ def run_scenario(cluster: LocalCluster, sc: Scenario, args: argparse.Namespace, 
         if model_mb is None:
             model_mb = on(cluster.active_trainers[:1], "model_bytes")[0] / 1e6
         row = finish_row(row, sc, model_mb, lower)
-        if transport == "nccl_m2n":
+        if transport == "weightsync_m2n":
             lower = row["lower_bound_per_worker"]
         result["rows"].append(row)
         print(f"    {_report.row_line(row)}", flush=True)
@@ -341,12 +344,12 @@ def run_scenario(cluster: LocalCluster, sc: Scenario, args: argparse.Namespace, 
             result["p2p"][pkey] = merge_p2p(result["p2p"].get(pkey), p2p)
             print(f"    raw p2p: one pair {p2p['pair_gbps']} GB/s, M2N-shaped round "
                   f"{p2p['round_gbps_per_receiver']:.3f} GB/s per receiver", flush=True)
-    paired = {"nccl_m2n", "naive"} <= set(sc.transports) and (sc.trainers, sc.tp, sc.replicas) == (2, 2, 1)
+    paired = {"weightsync_m2n", "naive"} <= set(sc.transports) and (sc.trainers, sc.tp, sc.replicas) == (2, 2, 1)
     if sc.sweep == "size" and paired:
         p = result["p2p"][f"2x2x1@{sc.staging_mib}"]
         best = max(p["pair_gbps"], key=p["pair_gbps"].get)
         pr = result["paired"][sc.size] = run_paired(cluster, sc, model_dir, itemsize, max(5, repeats), best)
-        print(f"    paired: nccl_m2n {pr['m2n_s']:.3f} s, naive {pr['naive_s']:.3f} s, speedup "
+        print(f"    paired: weightsync_m2n {pr['m2n_s']:.3f} s, naive {pr['naive_s']:.3f} s, speedup "
               f"{pr['speedup']:.2f}x; {100 * pr['fraction_of_p2p']:.0f} % of raw p2p {pr['p2p_gbps']:.2f} GB/s",
               flush=True)
     if result["memcpy"] is None:
@@ -380,6 +383,17 @@ def machine() -> dict[str, Any]:
             "loadavg_start": os.getloadavg()}
 
 
+_OLD_NAMES = {"nccl_m2n": "weightsync_m2n", "nccl_m2n/no-rollback": "weightsync_m2n/no-rollback",
+              "nccl": "weightsync_nccl", "ipc": "weightsync_ipc"}
+"""Transport labels of runs saved before every transport went by its registered name."""
+
+
+def _renamed(result: dict[str, Any]) -> dict[str, Any]:
+    for r in result.get("rows", []):
+        r["transport"] = _OLD_NAMES.get(r["transport"], r["transport"])
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="2 trainers -> TP 2 at 64 MB and 256 MB only")
@@ -392,14 +406,14 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--repeats", type=int, default=None, help="timed syncs per row (default 3 quick, 5 full)")
     ap.add_argument("--profile", action="store_true",
-                    help="one more nccl_m2n sync at the largest 2 -> TP 2 size under cProfile (written to --out)")
+                    help="one more weightsync_m2n sync at the largest 2 -> TP 2 size under cProfile (written to --out)")
     ap.add_argument("--no-extras", action="store_true", help="skip plan_coverage.py and plan_scale.py")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--from-json", metavar="PATH", help="only re-render the tables and plots of a saved run")
     args = ap.parse_args()
     if args.from_json:
         with open(args.from_json) as f:
-            write_report(json.load(f), args.out)
+            write_report(_renamed(json.load(f)), args.out)
         return
     repeats = args.repeats or (3 if args.quick else 5)
     itemsize = 4 if args.dtype == "float32" else 2

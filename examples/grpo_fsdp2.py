@@ -152,12 +152,12 @@ def scripted_rollouts(step: int, args: argparse.Namespace, vocab: int) -> list[S
 
 def verify(trainer: FSDP2Trainer, client, version: str) -> str:
     """Every vLLM rank's parameters vs vLLM's ``load_weights`` of the trainer's full weights (collective)."""
-    from weightsync.local.actors import call
+    from weightsync.testing.actors import call
 
     weights = trainer.full_state_dict()
     if trainer.rank != 0:
         return ""
-    bad = {a.name: call(a, "weightsync.local.receiver:compare_with_oracle", weights) for a in client.workers}
+    bad = {a.name: call(a, "weightsync.testing.receiver:compare_with_oracle", weights) for a in client.workers}
     bad = {k: v for k, v in bad.items() if v}
     if bad or client.weight_versions() != [version] * len(client.workers):
         raise RuntimeError(f"after sync {version}: vLLM parameters differ from the trainer's: {bad}")
@@ -183,17 +183,14 @@ def cpu_rank(rank: int, port: int, path: str, info: M2NTrainerInitInfo, client, 
 
 def run_cpu(args: argparse.Namespace) -> None:
     import torch.multiprocessing as mp
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from weightsync.local.cluster import Layout, LocalCluster, model_config_dir
+    from weightsync.testing.cluster import Layout, LocalCluster
+    from weightsync.testing.fsdp2 import write_checkpoint
 
     tmp = tempfile.mkdtemp(prefix="grpo-fsdp2-")
     cluster = LocalCluster()
     try:
-        path = os.path.join(tmp, "tiny_qwen3")
-        torch.manual_seed(0)
-        hf_config = AutoConfig.from_pretrained(model_config_dir("tiny_qwen3"))
-        AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).save_pretrained(path)
+        path = write_checkpoint(os.path.join(tmp, "tiny_qwen3"), seed=0)  # a seeded random tiny Qwen3
         cluster.setup(Layout(trainers=0, tp=TP, backend="weightsync_m2n", model=path))  # vLLM ranks, TP over gloo
         info = M2NTrainerInitInfo(master_address="127.0.0.1", master_port=free_port(), num_trainer_ranks=TRAINERS,
                                   world_size=TRAINERS + TP, dst_mesh_dims=(1, TP), device="cpu", rank=0)

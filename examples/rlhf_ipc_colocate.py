@@ -130,20 +130,19 @@ def make_llm_class():
 
 def run_cpu(steps: int) -> bool:
     """The same colocated flow on CPU: trainer rank r serves vLLM TP rank r through shared memory."""
-    from weightsync.local.cluster import Layout, LocalCluster, free_port
+    from weightsync.testing.cluster import Layout, LocalCluster
 
     layout = Layout(trainers=2, tp=2, backend="weightsync_ipc", model="tiny_qwen3")
     cluster = LocalCluster()
     try:
         cluster.setup(layout)
-        cluster.make_engines(IPCTrainerInitInfo(rank=0, num_trainer_ranks=2, num_workers=2, master_address="127.0.0.1",
-                                                master_port=free_port(), bucket_bytes=64 << 10, device="cpu"))
+        cluster.make_engines(cluster.init_info(buffer_bytes=64 << 10))  # IPCTrainerInitInfo for this layout
         ok = True
         for step in range(steps):
             cluster.train_step(step)
             stats = cluster.sync(weight_version=f"step{step}")
             bad = {k: v for k, v in cluster.verify().items() if v}
-            print(f"step {step}: {stats['num_chunks']} chunks through shared memory in {stats['seconds']:.3f} s: "
+            print(f"step {step}: {stats['num_steps']} chunks through shared memory in {stats['seconds']:.3f} s: "
                   f"{'verified' if not bad else f'MISMATCH {bad}'}")
             ok = ok and not bad
         return ok

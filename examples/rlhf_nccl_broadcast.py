@@ -115,23 +115,20 @@ def run_gpu(model_name: str) -> None:
 
 def run_cpu(trainers: int, replicas: int) -> bool:
     """The same flow on CPU: FSDP2 ranks over gloo -> 2 replicas of vLLM's Qwen3 classes (TP=1)."""
-    from weightsync.local.cluster import Layout, LocalCluster, free_port
-    from weightsync.transport.nccl import NCCLTrainerInitInfo
+    from weightsync.testing.cluster import Layout, LocalCluster
 
     layout = Layout(trainers=trainers, tp=1, replicas=replicas, backend="weightsync_nccl", model="tiny_qwen3")
     cluster = LocalCluster()
     try:
         cluster.setup(layout)
-        cluster.make_engines(NCCLTrainerInitInfo(master_address="127.0.0.1", master_port=free_port(),
-                                                 world_size=1 + layout.num_workers, bucket_bytes=64 << 10,
-                                                 device="cpu", rank=0))
+        cluster.make_engines(cluster.init_info(buffer_bytes=64 << 10))  # NCCLTrainerInitInfo for this layout
         ok = True
         for step in range(2):
             cluster.train_step(step)
             stats = cluster.sync(weight_version=f"step{step}")
             bad = {k: v for k, v in cluster.verify().items() if v}
             versions = cluster.client().weight_versions()
-            print(f"step {step}: {stats['num_chunks']} buckets to {layout.num_workers} workers in "
+            print(f"step {step}: {stats['num_steps']} buckets to {layout.num_workers} workers in "
                   f"{stats['seconds']:.3f} s, versions {versions}: {'verified' if not bad else f'MISMATCH {bad}'}")
             ok = ok and not bad and versions == [f"step{step}"] * layout.num_workers
         return ok

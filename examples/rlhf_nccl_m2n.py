@@ -95,16 +95,13 @@ def run_gpu(model_name: str) -> None:
 
 def run_cpu(trainers: int, tp: int) -> bool:
     """The same flow on CPU: FSDP2 ranks over gloo -> vLLM's Qwen3 classes with TP over gloo."""
-    from weightsync.local.cluster import Layout, LocalCluster, free_port
-    from weightsync.transport.m2n import M2NTrainerInitInfo
+    from weightsync.testing.cluster import Layout, LocalCluster
 
     layout = Layout(trainers=trainers, tp=tp, backend="weightsync_m2n", model="tiny_qwen3")
     cluster = LocalCluster()
     try:
         cluster.setup(layout)
-        cluster.make_engines(M2NTrainerInitInfo(master_address="127.0.0.1", master_port=free_port(),
-                                                num_trainer_ranks=trainers, world_size=trainers + tp,
-                                                dst_mesh_dims=(1, tp), device="cpu", rank=0), source="dtensor")
+        cluster.make_engines(cluster.init_info())  # M2NTrainerInitInfo for this layout; the source: local shards
         ok = True
         for step in range(2):
             cluster.train_step(step)

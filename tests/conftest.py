@@ -14,7 +14,7 @@ HAS_VLLM = importlib.util.find_spec("vllm") is not None
 def cluster():
     if not HAS_VLLM:
         pytest.skip("vLLM is not installed (pip install -e '.[vllm,test]')")
-    from weightsync.local.cluster import LocalCluster
+    from weightsync.testing.cluster import LocalCluster
 
     c = LocalCluster()
     yield c

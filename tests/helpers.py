@@ -1,275 +1,219 @@
-"""Test-only code that runs inside trainer/receiver processes (imported there by name)."""
+"""Shared test utilities (the one test helper module; the harness itself is ``weightsync.testing``).
+
+* the pytest side: what is installed, init infos per transport, the cluster's verification, the FSDP2
+  rank processes, checkpoints, configs and scripted rollouts;
+* inside FSDP2 rank processes (``ranks().run("helpers:NAME")``): negative controls and round trips
+  the FSDP2 trainer tests need.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from functools import cached_property
+import atexit
+import importlib.util
+import os
+import random
+from dataclasses import replace
+from typing import Any
 
 import torch
 
-from weightsync import FullTensorSource, ParamMeta, WeightSource
+from weightsync.integrations.fsdp2 import LossConfig, ModelConfig, OptimConfig, TrainerConfig
+from weightsync.registry import transport, transport_names
+from weightsync.testing.actors import STATE
+from weightsync.testing.cluster import Layout
+from weightsync.testing.cluster import init_info as cluster_init_info
+from weightsync.testing.fsdp2 import FSDP2Ranks, write_checkpoint
 
-BAD_NAME = "model.layers.1.mlp.up_proj.weight"
-
-
-class _Faulty(WeightSource):
-    """Wraps a FullTensorSource and corrupts what it yields for ``BAD_NAME`` (after earlier tensors moved)."""
-
-    def __init__(self, model: torch.nn.Module, how: str) -> None:
-        self.inner, self.how = FullTensorSource(model, bucket_bytes=1 << 16), how
-
-    @cached_property
-    def metadata(self) -> list[ParamMeta]:
-        return self.inner.metadata
-
-    def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, t in self.inner.iter_full():
-            if name == BAD_NAME:
-                if self.how == "shape":
-                    t = t[:-1]
-                elif self.how == "dtype":
-                    t = t.to(torch.float16)
-                elif self.how == "name":
-                    name = name + ".typo"
-                elif self.how == "short":
-                    return
-            yield name, t
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+HAS_CUDA = torch.cuda.is_available()
 
 
-def bad_shape(model):
-    return _Faulty(model, "shape")
+# --- transports and the local cluster -------------------------------------------------------
+TRANSPORTS = transport_names()
+"""Every registered transport: end-to-end tests parametrize over these."""
+SOURCES = {name: transport(name).source for name in TRANSPORTS}
+"""The source kind each transport reads (``make_engines(source=...)``: ``"full"`` or ``"local"``)."""
 
 
-def bad_dtype(model):
-    return _Faulty(model, "dtype")
+def init_info(backend: str, layout: Layout, *, buffer_bytes: int = 64 << 10, timeout_s: float = 60.0,
+              **fields: Any) -> Any:
+    """A valid CPU init info for ``backend`` on ``layout``'s deployment (bucket or staging ``buffer_bytes``)."""
+    return cluster_init_info(replace(layout, backend=backend), buffer_bytes=buffer_bytes, timeout_s=timeout_s,
+                             **fields)
 
 
-def bad_name(model):
-    return _Faulty(model, "name")
+def mismatches(cluster: Any) -> dict[str, list[str]]:
+    """Receiver name -> parameters that differ from vLLM's loader of the trainer's weights (empty: exact)."""
+    return {k: v for k, v in cluster.verify().items() if v}
 
 
-def stops_early(model):
-    return _Faulty(model, "short")
+# --- FSDP2 trainer ranks ----------------------------------------------------------------------
+_RANKS: FSDP2Ranks | None = None
+_CKPTS: dict[str, str] = {}
 
 
-def engine_classes() -> dict:
-    """Inside a receiver: what vLLM's factories build for every weightsync backend name."""
-    import torch
-    from vllm.config import WeightTransferConfig
-    from vllm.distributed.weight_transfer import (TrainerWeightTransferEngine, WeightTransferEngine,
-                                                  WeightTransferEngineFactory, WeightTransferTrainerFactory)
+def ranks() -> FSDP2Ranks:
+    """Two FSDP2 rank processes, started once per pytest process and reused by every test module."""
+    global _RANKS
+    if _RANKS is None:
+        _RANKS = FSDP2Ranks(2)
+        atexit.register(_RANKS.close)
+    return _RANKS
 
-    from weightsync.local.actors import STATE
-    from weightsync.registry import TRANSPORTS
 
-    out = {}
-    for name in TRANSPORTS:
-        engine = WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend=name), STATE["vllm_config"],
-                                                           torch.device("cpu"), STATE["model"])
-        trainer = WeightTransferTrainerFactory._registry[name]()
-        out[name] = {"worker": type(engine).__name__, "worker_is_vllm": isinstance(engine, WeightTransferEngine),
-                     "trainer": trainer.__name__, "trainer_is_vllm": issubclass(trainer, TrainerWeightTransferEngine)}
+def checkpoints() -> dict[str, str]:
+    """Two seeded random tiny-Qwen3 checkpoints, written once per pytest process: ``actor`` (seed 0)
+    and ``other`` (seed 1, a reference model that differs from the actor)."""
+    if not _CKPTS:
+        import shutil
+        import tempfile
+
+        root = tempfile.mkdtemp(prefix="fsdp2-ckpts-")
+        atexit.register(shutil.rmtree, root, True)
+        _CKPTS.update(actor=write_checkpoint(os.path.join(root, "actor"), seed=0),
+                      other=write_checkpoint(os.path.join(root, "other"), seed=1))
+    return dict(_CKPTS)
+
+
+def config(ckpts: dict[str, str], *, ref: str | None = None, max_tokens: int = 40, optim: OptimConfig | None = None,
+           **loss: Any) -> TrainerConfig:
+    """A CPU trainer config on ``ckpts['actor']`` (reference ``ckpts[ref]``), lr 1e-3."""
+    return TrainerConfig(model=ModelConfig(path=ckpts["actor"], reference_path=ckpts[ref] if ref else None),
+                         loss=LossConfig(**loss), optim=optim or OptimConfig(lr=1e-3), device="cpu",
+                         max_tokens_per_micro_batch=max_tokens)
+
+
+def make_samples(n_groups: int, group_size: int, *, seed: int, vocab: int = 151, zero_rewards: bool = False,
+                 with_rollout_log_probs: bool = False) -> list:
+    """Scripted rollouts: random prompts (3-9 tokens) and responses (2-12 tokens), rewards in [0, 1]."""
+    from weightsync.integrations.fsdp2 import Sample
+
+    rng = random.Random(seed)
+    out = []
+    for g in range(n_groups):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(3, 9))]
+        for _ in range(group_size):
+            resp = [rng.randrange(vocab) for _ in range(rng.randint(2, 12))]
+            lps = [-5.0 + rng.uniform(-0.5, 0.5) for _ in resp] if with_rollout_log_probs else None
+            out.append(Sample(prompt, resp, 0.0 if zero_rewards else rng.random(), g, lps))
     return out
 
 
-class _Forbidden(RuntimeError):
-    pass
+# --- inside an FSDP2 rank process ---------------------------------------------------------------
+def break_reference_swap_back() -> None:
+    """Make the trainer keep the reference weights after the reference log-probs (negative control)."""
+    from contextlib import contextmanager
+
+    ref = STATE["trainer"].reference
+
+    @contextmanager
+    def swapped_in_and_kept(model):
+        ref._exchange(model)
+        yield
+
+    ref.swapped_in = swapped_in_and_kept
 
 
-def send_weights_without_gathers(weight_version: str) -> dict:
-    """Inside a trainer: ``send_weights`` with every gathering path made to raise."""
-    import torch.distributed as dist
-    import torch.distributed._functional_collectives as fc
-    from torch.distributed.tensor import DTensor
+def _local_state() -> dict[str, torch.Tensor]:
+    from weightsync.integrations.fsdp2.offload import local_tensor
 
-    from weightsync.local.actors import STATE
+    t = STATE["trainer"]
+    out = {f"param/{n}": local_tensor(p).clone() for n, p in t.model.named_parameters()}
+    names = {id(p): n for n, p in t.model.named_parameters()}
+    for p, state in t.optimizer.state.items():
+        for k, v in state.items():
+            out[f"optim/{names[id(p)]}/{k}"] = local_tensor(v).clone()
+    return out
 
-    def forbid(what):
-        def boom(*a, **k):
-            raise _Forbidden(f"{what} called during send_weights")
-        return boom
 
-    targets = [(DTensor, "full_tensor"), (DTensor, "redistribute"), (dist, "all_gather"),
-               (dist, "all_gather_into_tensor"), (dist, "all_gather_object"), (fc, "all_gather_tensor")]
-    saved = [(obj, name, getattr(obj, name)) for obj, name in targets]
-    for obj, name, _ in saved:
-        setattr(obj, name, forbid(f"{getattr(obj, '__name__', obj)}.{name}"))
+def sleep_wake_round_trip() -> dict[str, Any]:
+    """Sleep, record what stayed allocated, wake; compare every shard and optimizer tensor bit for bit."""
+    from weightsync.integrations.fsdp2.offload import local_tensor
+
+    t = STATE["trainer"]
+    before = _local_state()
+    moved = t.sleep()
+    allocated = sum(local_tensor(p).untyped_storage().nbytes() for p in t.model.parameters())
+    allocated += sum(local_tensor(v).untyped_storage().nbytes() for s in t.optimizer.state.values()
+                     for v in s.values())
     try:
-        stats = STATE["engine"].send_weights(weight_version=weight_version)
+        t.train_step([])
+        refused = None
+    except RuntimeError as e:
+        refused = str(e)
+    t.wake()
+    after = _local_state()
+    differ = [k for k in before if before[k].dtype != after[k].dtype or not torch.equal(
+        before[k].view(-1).view(torch.uint8), after[k].view(-1).view(torch.uint8))]
+    return {"moved": moved, "allocated_while_asleep": allocated, "refused": refused, "differ": differ,
+            "tensors": len(before)}
+
+
+def memory_saver_use(backend: str) -> list[bool]:
+    """Run ``sync_weights`` on a stand-in engine with a stand-in ``torch_memory_saver`` installed;
+    returns, per ``send_weights`` call, whether the saver's tracking was paused during it."""
+    import sys
+    import types
+    from contextlib import contextmanager
+
+    t = STATE["trainer"]
+    region = {"on": True}
+
+    class _Impl:
+        class _binary_wrapper:
+            class cdll:
+                @staticmethod
+                def tms_get_interesting_region() -> bool:
+                    return region["on"]
+
+    class _Saver:
+        _impl = _Impl()
+
+        @contextmanager
+        def disable(self):
+            region["on"] = False
+            try:
+                yield
+            finally:
+                region["on"] = True
+
+    info_cls = type("_Info", (), {"backend": backend, "rank": 0})
+
+    seen: list[bool] = []
+
+    class _Engine:
+        init_info = info_cls()
+        source = t.weight_source(backend)
+
+        def send_weights(self, *, weight_version=None):
+            seen.append(not region["on"])
+
+    module = types.ModuleType("torch_memory_saver")
+    module.torch_memory_saver = _Saver()
+    sys.modules["torch_memory_saver"] = module
+    try:
+        t.sync_weights(_Engine())
     finally:
-        for obj, name, fn in saved:
-            setattr(obj, name, fn)
-    return {"received": stats.bytes_received_per_worker, "lower_bound": stats.lower_bound_per_worker}
+        del sys.modules["torch_memory_saver"]
+    return seen
 
 
-class JsonRoundTripClient:
-    """Wraps a weight-sync client; every payload must survive ``json.dumps``/``loads`` (as over HTTP)."""
+def build_counting_checkpoint_reads(config: Any) -> int:
+    """Build the trainer and return how many times this rank read weights with ``from_pretrained``."""
+    from transformers import AutoModelForCausalLM
 
-    def __init__(self, inner) -> None:
-        self.inner = inner
+    from weightsync.testing.fsdp2 import build
 
-    @staticmethod
-    def _json(payload):
-        import json
+    original = AutoModelForCausalLM.from_pretrained.__func__
+    reads = []
 
-        return json.loads(json.dumps(payload, allow_nan=False))
+    def counting(cls, *args, **kwargs):
+        reads.append(args[0] if args else kwargs.get("pretrained_model_name_or_path"))
+        return original(cls, *args, **kwargs)
 
-    def init_weight_transfer_engine(self, init_info) -> None:
-        self.inner.init_weight_transfer_engine(self._json(init_info))
-
-    def start_weight_update(self) -> None:
-        self.inner.start_weight_update()
-
-    def update_weights(self, update_info) -> None:
-        self.inner.update_weights(self._json(update_info))
-
-    def finish_weight_update(self, weight_version=None) -> None:
-        self.inner.finish_weight_update(weight_version)
-
-
-class CorruptingClient(JsonRoundTripClient):
-    """Sets ``update_info["handles"][worker][field] = value`` (what one worker gets) in the ``chunk``-th
-    ``update_weights`` call of each sync."""
-
-    def __init__(self, inner, *, chunk: int, worker: int, field: str, value) -> None:
-        super().__init__(inner)
-        self.chunk, self.worker, self.field, self.value = chunk, worker, field, value
-        self._calls = 0
-
-    def start_weight_update(self) -> None:
-        self._calls = 0
-        super().start_weight_update()
-
-    def update_weights(self, update_info) -> None:
-        update_info = self._json(update_info)
-        if self._calls == self.chunk:
-            update_info["handles"][str(self.worker)][self.field] = self.value
-        self._calls += 1
-        self.inner.update_weights(update_info)
-
-
-def process_resources(collect: bool = False) -> dict:
-    """Inside any local process: open fds, RSS, shared-memory files mapped or open, and the
-    weightsync ipc buffers this process created that are still in /dev/shm (for leak checks).
-    ``collect`` runs the garbage collector first (slow in a vLLM process)."""
-    import gc
-    import os
-
-    from weightsync.transport.ipc_handles import SHM_DIR, SHM_PREFIX
-
-    if collect:
-        gc.collect()
-    fds = os.listdir("/proc/self/fd")
-    shm = set()
-    for fd in fds:
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:  # the fd listing itself, closed meanwhile
-            continue
-        if target.startswith(SHM_DIR + "/"):
-            shm.add(target.removesuffix(" (deleted)"))
-    with open("/proc/self/maps") as f:
-        for line in f:
-            parts = line.split(maxsplit=5)
-            if len(parts) == 6 and parts[5].startswith(SHM_DIR + "/"):
-                shm.add(parts[5].strip().removesuffix(" (deleted)"))
-    with open("/proc/self/statm") as f:
-        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    own = [n for n in os.listdir(SHM_DIR) if n.startswith(f"{SHM_PREFIX}{os.getpid()}-")]
-    return {"pid": os.getpid(), "fds": len(fds), "rss": rss, "shm": len(shm), "own_buffers": len(own)}
-
-
-def ipc_imports() -> int | None:
-    """Inside a receiver: how many buffers its ipc worker engine imported so far."""
-    from weightsync.local.actors import STATE
-
-    importer = getattr(STATE.get("engine"), "importer", None)
-    return None if importer is None else importer.imports
-
-
-def slow_data_plane(seconds: float) -> None:
-    """Inside a process: every data-plane round/broadcast first sleeps ``seconds`` (0 restores)."""
-    import time
-
-    from weightsync.comm import Communicator
-
-    originals = STATE_ORIGINALS.setdefault("comm", (Communicator.exchange, Communicator.broadcast))
-    if not seconds:
-        Communicator.exchange, Communicator.broadcast = originals
-        return
-
-    def slow(fn):
-        def wrapper(*a, **k):
-            time.sleep(seconds)
-            return fn(*a, **k)
-        return wrapper
-
-    Communicator.exchange, Communicator.broadcast = slow(originals[0]), slow(originals[1])
-
-
-STATE_ORIGINALS: dict = {}
-
-
-def thread_count() -> int:
-    import threading
-
-    return threading.active_count()
-
-
-class _FaultyLocal(WeightSource):
-    """A DTensorModuleSource whose metadata or local shards are wrong in one way (M2N bad inputs)."""
-
-    def __init__(self, model, how: str) -> None:
-        import torch.distributed as dist
-
-        from weightsync import DTensorModuleSource
-
-        self.inner, self.how, self.rank = DTensorModuleSource(model, dist.get_world_size()), how, dist.get_rank()
-
-    @cached_property
-    def metadata(self) -> list[ParamMeta]:
-        import dataclasses
-
-        metas = list(self.inner.metadata)
-        if self.how == "duplicate":
-            metas.append(metas[0])
-        elif self.how == "rank1_differs" and self.rank == 1:
-            metas = [m for m in metas if m.name != BAD_NAME]
-        elif self.how == "complex":
-            metas = [dataclasses.replace(m, dtype=torch.complex64) if m.name == BAD_NAME else m for m in metas]
-        return metas
-
-    def iter_local(self):
-        for name, t in self.inner.iter_local():
-            if name == BAD_NAME and self.how == "local_shape":
-                t = t[:-1]
-            if name == BAD_NAME and self.how == "local_missing":
-                continue
-            yield name, t
-
-
-def local_shape(model):
-    return _FaultyLocal(model, "local_shape")
-
-
-def local_missing(model):
-    return _FaultyLocal(model, "local_missing")
-
-
-def duplicate(model):
-    return _FaultyLocal(model, "duplicate")
-
-
-def rank1_differs(model):
-    return _FaultyLocal(model, "rank1_differs")
-
-
-def complex_dtype(model):
-    return _FaultyLocal(model, "complex")
-
-
-def engine_poisoned() -> str | None:
-    """Inside a receiver: why its worker engine refuses updates (None when it is healthy)."""
-    from weightsync.local.actors import STATE
-
-    return STATE["engine"].poisoned
+    AutoModelForCausalLM.from_pretrained = classmethod(counting)
+    try:
+        build(config)
+    finally:
+        AutoModelForCausalLM.from_pretrained = classmethod(original)
+    return len(reads)

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from weightsync.local.actors import RemoteError
-from weightsync.local.cluster import Layout, free_port
+from weightsync.testing.actors import RemoteError
+from weightsync.testing.cluster import Layout, free_port
 from weightsync.registry import transport, transport_names
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -20,15 +20,11 @@ def info_for(name: str, layout: Layout):
         master_port=free_port(), device="cpu", timeout_s=60)
 
 
-def source_for(name: str) -> str:
-    return "dtensor" if transport(name).source == "local" else "full"
-
-
 def test_one_weightsync_engine_serves_every_transport_in_turn(cluster):
     layout = Layout(trainers=2, tp=2, backend="weightsync")
     cluster.setup(layout, fresh=True)
     for step, name in enumerate(transport_names() * 2):  # each twice, switching every time
-        cluster.make_engines(info_for(name, layout), source=source_for(name))
+        cluster.make_engines(info_for(name, layout))  # the source kind the transport reads
         cluster.train_step(step)
         assert {k: v for k, v in cluster.verify().items() if v}, "the step changed the weights: the check can fail"
         stats = cluster.sync(weight_version=f"{name}-{step}", verify=True)
@@ -42,7 +38,7 @@ def test_an_engine_of_one_transport_refuses_another_transports_init_info(cluster
     cluster.setup(layout)
     info = info_for("weightsync_nccl", layout)
     t0 = time.perf_counter()
-    futs = [a.submit("weightsync.local.trainer:make_engine", info, cluster.client(), source="full")
+    futs = [a.submit("weightsync.testing.trainer:make_engine", info, cluster.client(), source="full")
             for a in cluster.active_trainers]
     for f in futs:
         with pytest.raises(RemoteError, match=r"init_info.transport is 'weightsync_nccl', but this vLLM engine's "

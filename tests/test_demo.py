@@ -7,13 +7,19 @@ import time
 
 import pytest
 
-from conftest import HAS_VLLM
+from helpers import HAS_VLLM, TRANSPORTS
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed"),
               pytest.mark.timeout(900)]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WEIGHTSYNC = os.path.join(os.path.dirname(sys.executable), "weightsync")
+
+
+def test_demo_rejects_a_name_the_registry_does_not_know():
+    out = subprocess.run([WEIGHTSYNC, "demo", "--transport", "nccl_m2n"], capture_output=True, text=True, timeout=120,
+                         cwd=ROOT)
+    assert out.returncode == 2 and "invalid choice: 'nccl_m2n'" in out.stderr, out.stderr
 
 
 def run(*cmd: str) -> str:
@@ -27,7 +33,7 @@ def verified_rows(stdout: str, transport: str) -> list[str]:
             if line.startswith(f"| {transport} ") and line.rstrip().endswith("| verified |")]
 
 
-@pytest.mark.parametrize("transport", ["nccl", "ipc", "nccl_m2n"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_demo_transport_2_trainers_tp2_exits_0_and_prints_verified(transport):
     stdout = run(WEIGHTSYNC, "demo", "--transport", transport, "--trainers", "2", "--tp", "2")
     assert len(verified_rows(stdout, transport)) == 1, stdout
@@ -37,7 +43,7 @@ def test_demo_without_flags_runs_every_transport_verified_under_5_minutes():
     t0 = time.perf_counter()
     stdout = run(WEIGHTSYNC, "demo")
     assert time.perf_counter() - t0 < 300
-    for transport in ("nccl", "ipc", "nccl_m2n"):
+    for transport in TRANSPORTS:
         assert len(verified_rows(stdout, transport)) == 1, stdout
 
 

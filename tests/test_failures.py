@@ -1,38 +1,43 @@
-"""Failure semantics on CPU: bad input is rejected on every rank before data moves, a dead peer
-wakes everyone within the timeout, failed syncs leave the weights and the version as they were,
-a re-init recovers, and verified syncs do not leak."""
+"""Failure semantics on CPU: bad input is rejected on every rank before data moves (or, mid-sync,
+rolled back), a dead peer wakes everyone within the timeout, failed syncs leave the weights and the
+version as they were, a re-init recovers, and verified syncs do not leak."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 
 import pytest
 
+from helpers import SOURCES, TRANSPORTS, init_info, mismatches
 from weightsync import RemoteCallError
-from weightsync.local.actors import RemoteError
-from weightsync.local.cluster import Layout, free_port
-from weightsync.transport.m2n import M2NTrainerInitInfo
-from weightsync.transport.nccl import NCCLTrainerInitInfo
+from weightsync.testing.actors import RemoteError
+from weightsync.testing.cluster import Layout
+from weightsync.testing.faults import BAD_NAME as BAD
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.timeout(900)]
+vllm = pytest.mark.vllm
 
 TIMEOUT = 10.0
 M2N = Layout(trainers=2, tp=2, backend="weightsync_m2n")
 NCCL = Layout(trainers=2, tp=2, backend="weightsync_nccl")
-BAD = "model.layers.1.mlp.up_proj.weight"
 
 
-def m2n_info(**kw) -> M2NTrainerInitInfo:
-    args = dict(master_address="127.0.0.1", master_port=free_port(), num_trainer_ranks=2, world_size=4,
-                dst_mesh_dims=(1, 2), device="cpu", timeout_s=TIMEOUT, staging_bytes=1 << 14, rank=0)
-    return M2NTrainerInitInfo(**{**args, **kw})
+def info(backend: str, **kw):
+    """An init info for 2 trainer ranks -> TP 2 (small buffers: a sync takes several rounds or buckets),
+    with the fields in ``kw`` replaced (validated again)."""
+    buffer = 1 << 14 if backend == "weightsync_m2n" else 1 << 16
+    return dataclasses.replace(init_info(backend, Layout(trainers=2, tp=2), buffer_bytes=buffer, timeout_s=TIMEOUT),
+                               **kw)
 
 
-def nccl_info(**kw) -> NCCLTrainerInitInfo:
-    args = dict(master_address="127.0.0.1", master_port=free_port(), world_size=3, device="cpu",
-                timeout_s=TIMEOUT, bucket_bytes=1 << 16, rank=0)
-    return NCCLTrainerInitInfo(**{**args, **kw})
+def m2n_info(**kw):
+    return info("weightsync_m2n", **kw)
+
+
+def nccl_info(**kw):
+    return info("weightsync_nccl", **kw)
 
 
 def on_every_trainer(cluster, fn: str, *args, **kwargs) -> list[str]:
@@ -46,23 +51,69 @@ def on_every_trainer(cluster, fn: str, *args, **kwargs) -> list[str]:
     return errors
 
 
-def make(info, source):
-    return lambda cluster: on_every_trainer(cluster, "weightsync.local.trainer:make_engine", info(), cluster.client(),
-                                            source=source)
+# --- built in the test process: no cluster ---------------------------------------------------
+@pytest.mark.parametrize("kw, message", [
+    ({"staging_bytes": 64}, r"staging_bytes=64 is too small for 2 peers"),
+    ({"world_size": 5}, r"world_size must be num_trainer_ranks \+ replicas \* tp = 4, got 5"),
+], ids=["staging too small for the peers", "world_size inconsistent with the meshes"])
+def test_m2n_init_info_inconsistent_with_the_deployment_is_rejected_at_construction(kw, message):
+    with pytest.raises(ValueError, match=message):
+        m2n_info(**kw)
 
 
-def sync_with(info, source):
+# --- faulty sources, every transport ----------------------------------------------------------
+FAULT_MESSAGES = {
+    ("full", "shape"): rf"parameter '{BAD}': metadata says '{BAD}' torch.float32 \(128, 64\), "
+                       rf"source yielded '{BAD}' torch.float32 \(127, 64\)",
+    ("full", "dtype"): rf"parameter '{BAD}': metadata says .*torch.float32.* source yielded .*torch.float16",
+    ("full", "name"): rf"parameter '{BAD}': .*source yielded '{BAD}.typo'",
+    ("full", "stops_early"): rf"parameter '{BAD}': source stopped after",
+    ("local", "shape"): rf"parameter '{BAD}': expected a local shard torch.float32 \(64, 64\), "
+                        rf"source yielded torch.float32 \(63, 64\)",
+    ("local", "dtype"): rf"parameter '{BAD}': expected a local shard torch.float32 \(64, 64\), "
+                        rf"source yielded torch.float16 \(64, 64\)",
+    ("local", "name"): rf"parameter '{BAD}.typo': the source yielded it but its metadata does not list it",
+    ("local", "stops_early"): rf"parameter '{BAD}': the source yielded no local shard for it",
+}
+
+
+@vllm
+@pytest.mark.parametrize("fault", ["shape", "dtype", "name", "stops_early"])
+@pytest.mark.parametrize("backend", TRANSPORTS)
+def test_source_disagreeing_with_metadata_fails_every_rank_fast_and_workers_roll_back(cluster, backend, fault):
+    layout, source = Layout(trainers=2, tp=2, backend=backend), SOURCES[backend]
+    cluster.setup(layout)
+    cluster.make_engines(info(backend), source=source)
+    cluster.sync(weight_version="good")
+    before = cluster.on_receivers("checksum")
+    cluster.train_step(1)
+
+    t0 = time.perf_counter()  # earlier tensors move first: the source gathers 64 KiB at a time
+    cluster.make_engines(info(backend), source=source, fault=fault, bucket_bytes=1 << 16)
+    errors = on_every_trainer(cluster, "weightsync.testing.trainer:send_weights", "bad")
+    elapsed = time.perf_counter() - t0
+    assert len(errors) == layout.trainers
+    for err in errors:  # every trainer rank raises, naming the parameter
+        assert re.search(FAULT_MESSAGES[source, fault], err), err
+    assert elapsed < 5, f"rejected after {elapsed:.1f} s"
+    assert cluster.on_receivers("checksum") == before
+    assert cluster.client().weight_versions() == ["good"] * layout.num_workers
+
+    cluster.make_engines(info(backend), source=source)  # the workers take the next sync
+    cluster.sync(weight_version="after")
+    assert mismatches(cluster) == {}
+
+
+# --- other bad inputs -------------------------------------------------------------------------
+def make(info, source, fault=None):
+    return lambda cluster: on_every_trainer(cluster, "weightsync.testing.trainer:make_engine", info(), cluster.client(),
+                                            source=source, fault=fault)
+
+
+def sync_with(info, source, fault=None):
     def run(cluster):
-        cluster.make_engines(info(), source=source)
-        return on_every_trainer(cluster, "weightsync.local.trainer:send_weights", "bad")
-    return run
-
-
-def construct(**kw):
-    def run(cluster):
-        with pytest.raises(ValueError) as e:
-            m2n_info(**kw)
-        return [str(e.value)] * 2  # built on every trainer rank from the same values
+        cluster.make_engines(info(), source=source, fault=fault)
+        return on_every_trainer(cluster, "weightsync.testing.trainer:send_weights", "bad")
     return run
 
 
@@ -70,39 +121,26 @@ BAD_INPUTS = {
     "nccl: tensor larger than the bucket": (
         NCCL, sync_with(lambda: nccl_info(bucket_bytes=4096), "full"),
         r"parameter 'model.embed_tokens.weight' has 38656 bytes, more than bucket_bytes=4096"),
-    "nccl: source yields a wrong shape": (
-        NCCL, sync_with(nccl_info, "helpers:bad_shape"), rf"parameter '{BAD}': metadata says .* source yielded"),
-    "nccl: source yields a wrong dtype": (
-        NCCL, sync_with(nccl_info, "helpers:bad_dtype"), rf"parameter '{BAD}': metadata says .*torch.float16"),
-    "nccl: source yields a wrong name": (
-        NCCL, sync_with(nccl_info, "helpers:bad_name"), rf"parameter '{BAD}': .*'{BAD}.typo'"),
-    "nccl: source stops early": (
-        NCCL, sync_with(nccl_info, "helpers:stops_early"), rf"parameter '{BAD}': source stopped after"),
-    "m2n: local shard of the wrong shape": (
-        M2N, sync_with(m2n_info, "helpers:local_shape"),
-        rf"parameter '{BAD}': expected a local shard torch.float32 \(64, 64\), source yielded torch.float32 \(63, 64\)"),
     "m2n: local shard missing": (
-        M2N, sync_with(m2n_info, "helpers:local_missing"), rf"parameter '{BAD}': the source yielded no local shard"),
+        M2N, sync_with(m2n_info, "local", "missing"), rf"parameter '{BAD}': the source yielded no local shard"),
     "m2n: duplicate name in metadata": (
-        M2N, make(m2n_info, "helpers:duplicate"), r"parameter 'model.embed_tokens.weight' appears twice"),
+        M2N, make(m2n_info, "local", "duplicate"), r"parameter 'model.embed_tokens.weight' appears twice"),
     "m2n: trainer ranks disagree on metadata": (
-        M2N, make(m2n_info, "helpers:rank1_differs"), r"trainer rank 1's metadata differs from trainer rank 0's"),
+        M2N, make(m2n_info, "local", "rank1_differs"), r"trainer rank 1's metadata differs from trainer rank 0's"),
     "m2n: unsupported dtype": (
-        M2N, make(m2n_info, "helpers:complex_dtype"), rf"parameter '{BAD}': dtype torch.complex64 is not supported"),
+        M2N, make(m2n_info, "local", "complex"), rf"parameter '{BAD}': dtype torch.complex64 is not supported"),
     "m2n: trainer model differs from vLLM's": (
         Layout(trainers=2, tp=2, backend="weightsync_m2n", trainer_model="tiny_qwen3_kv1"),
-        make(m2n_info, "dtensor"), r"parameter 'model.layers.0.self_attn.k_proj.weight': the trainer's shape"),
+        make(m2n_info, "local"), r"ValueError: parameter 'model.layers.0.self_attn.k_proj.weight': the trainer's "
+                                 r"shape \(16, 64\) does not match vLLM's model.layers.0.self_attn.qkv_proj.weight"),
     "m2n: dst_mesh_dims smaller than the deployment": (
-        M2N, make(lambda: m2n_info(dst_mesh_dims=(1, 1), world_size=3), "dtensor"),
+        M2N, make(lambda: m2n_info(dst_mesh_dims=(1, 1), world_size=3), "local"),
         r"the trainer's dst_mesh_dims=\(1, 1\) describes 1 worker\(s\), but the client drives 1 engine\(s\) of 2 "
         r"worker\(s\) each"),
-    "m2n: staging too small for the peers": (
-        M2N, construct(staging_bytes=64), r"staging_bytes=64 is too small for 2 peers"),
-    "m2n: world_size inconsistent with the meshes": (
-        M2N, construct(world_size=5), r"world_size must be num_trainer_ranks \+ replicas \* tp = 4, got 5"),
 }
 
 
+@vllm
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
 def test_bad_input_rejected_on_every_rank_fast_weights_unchanged(cluster, case):
     layout, action, message = BAD_INPUTS[case]
@@ -120,6 +158,7 @@ def test_bad_input_rejected_on_every_rank_fast_weights_unchanged(cluster, case):
     assert cluster.client().weight_versions() == versions
 
 
+@vllm
 def test_worker_init_info_with_an_unknown_field_is_rejected_by_every_worker(cluster):
     cluster.setup(M2N)
     with pytest.raises(RemoteCallError, match=r"failed on 2 worker\(s\).*unknown field\(s\) \['bogus'\]"):
@@ -132,8 +171,8 @@ def kill_mid_sync(cluster, layout, info, source, pick) -> float:
     cluster.make_engines(info, source=source)
     cluster.sync(weight_version="good")
     cluster.train_step(1)
-    cluster.on_trainers("helpers:slow_data_plane", 0.3)
-    futs = [a.submit("weightsync.local.trainer:send_weights", "bad") for a in cluster.active_trainers]
+    cluster.on_trainers("weightsync.testing.faults:slow_data_plane", 0.3)
+    futs = [a.submit("weightsync.testing.trainer:send_weights", "bad") for a in cluster.active_trainers]
     time.sleep(1.0)
     t0 = time.perf_counter()
     victim.kill()
@@ -150,36 +189,40 @@ def recover_and_verify(cluster, layout, make_info, source) -> None:
     cluster.make_engines(make_info(), source=source)
     cluster.train_step(2)
     cluster.sync(weight_version="recovered", verify=True)
-    assert {k: v for k, v in cluster.verify().items() if v} == {}
+    assert mismatches(cluster) == {}
     assert cluster.client().weight_versions() == ["recovered"] * layout.num_workers
 
 
-@pytest.mark.parametrize("layout, make_info, source", [(M2N, m2n_info, "dtensor"), (NCCL, nccl_info, "full")],
-                         ids=["m2n", "nccl"])
+@vllm
+@pytest.mark.parametrize("layout, make_info, source", [(M2N, m2n_info, "local"), (NCCL, nccl_info, "full")],
+                         ids=["weightsync_m2n", "weightsync_nccl"])
 def test_killing_a_receiver_mid_sync(cluster, layout, make_info, source):
     elapsed = kill_mid_sync(cluster, layout, make_info(), source, pick=lambda c: c.receivers[1])
     assert elapsed < 2 * TIMEOUT
-    assert cluster.receivers[0].call("weightsync.local.receiver:weight_version") == "good"
-    assert cluster.receivers[0].call("helpers:engine_poisoned")  # it raised, rolled back, refuses updates
+    assert cluster.receivers[0].call("weightsync.testing.receiver:weight_version") == "good"
+    # it raised, rolled back, refuses updates
+    assert cluster.receivers[0].call("weightsync.testing.probes:engine_poisoned")
     recover_and_verify(cluster, layout, make_info, source)
 
 
+@vllm
 def test_killing_a_trainer_rank_mid_m2n_sync(cluster):
-    elapsed = kill_mid_sync(cluster, M2N, m2n_info(), "dtensor", pick=lambda c: c.trainers[1])
+    elapsed = kill_mid_sync(cluster, M2N, m2n_info(), "local", pick=lambda c: c.trainers[1])
     assert elapsed < 2 * TIMEOUT
-    assert [a.call("weightsync.local.receiver:weight_version") for a in cluster.receivers[:2]] == ["good", "good"]
-    assert all(a.call("helpers:engine_poisoned") for a in cluster.receivers[:2])  # both workers raised
-    recover_and_verify(cluster, M2N, m2n_info, "dtensor")
+    assert [a.call("weightsync.testing.receiver:weight_version") for a in cluster.receivers[:2]] == ["good", "good"]
+    assert all(a.call("weightsync.testing.probes:engine_poisoned") for a in cluster.receivers[:2])  # both raised
+    recover_and_verify(cluster, M2N, m2n_info, "local")
 
 
+@vllm
 def test_verified_syncs_do_not_leak(cluster):
     cluster.setup(M2N)
-    cluster.make_engines(m2n_info(), source="dtensor")
+    cluster.make_engines(m2n_info(), source="local")
     procs = cluster.active_trainers + cluster.active_receivers
 
     def snapshot():
-        res = [a.call("helpers:process_resources", collect=True) for a in procs]
-        return res, [a.call("helpers:thread_count") for a in procs]
+        res = [a.call("weightsync.testing.probes:process_resources", collect=True) for a in procs]
+        return res, [a.call("weightsync.testing.probes:thread_count") for a in procs]
 
     for i in range(3):
         cluster.sync(weight_version=f"warm{i}", verify=True)
@@ -188,7 +231,7 @@ def test_verified_syncs_do_not_leak(cluster):
         stats = cluster.sync(weight_version=f"soak{i}", verify=True)
         assert stats["verified"] is True
     (r1, t1) = snapshot()
-    assert {k: v for k, v in cluster.verify().items() if v} == {}
+    assert mismatches(cluster) == {}
     growth = [(b["rss"] - a["rss"]) / a["rss"] for a, b in zip(r0, r1)]
     print("RSS growth per process over 20 verified syncs:", [f"{g:+.2%}" for g in growth],
           "fds", [(a["fds"], b["fds"]) for a, b in zip(r0, r1)], "threads", list(zip(t0, t1)))

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
+from helpers import init_info, mismatches
 from weightsync import HTTPVLLMWeightSyncClient, RemoteCallError
 from weightsync.clients import paused
-from weightsync.local.actors import Actor
-from weightsync.local.cluster import Layout, free_port
-from weightsync.local.receiver import VLLM_CPU_ENV
-from weightsync.transport.m2n import M2NTrainerInitInfo
+from weightsync.testing.actors import Actor
+from weightsync.testing.cluster import Layout, free_port
+from weightsync.testing.receiver import VLLM_CPU_ENV
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -21,21 +21,19 @@ def http_server(cluster):
     cluster.setup(layout)
     actor = Actor("http", VLLM_CPU_ENV)
     port = free_port()
-    actor.call("vllm_http:start", [[a.address for a in cluster.active_receivers]], port)
+    actor.call("weightsync.testing.http:start", [[a.address for a in cluster.active_receivers]], port)
     yield f"http://127.0.0.1:{port}", actor, layout
     actor.close()
 
 
 def test_sync_through_vllm_http_routes_is_bit_exact(cluster, http_server):
     url, actor, layout = http_server
-    info = M2NTrainerInitInfo(master_address="127.0.0.1", master_port=free_port(), num_trainer_ranks=2,
-                              world_size=4, dst_mesh_dims=(1, 2), device="cpu", timeout_s=60, rank=0)
-    cluster.make_engines(info, source="dtensor", client=HTTPVLLMWeightSyncClient(url))
+    cluster.make_engines(init_info("weightsync_m2n", layout), source="local", client=HTTPVLLMWeightSyncClient(url))
     cluster.train_step(3)
     cluster.sync(weight_version="http-v1")
-    assert {k: v for k, v in cluster.verify().items() if v} == {}
+    assert mismatches(cluster) == {}
     assert cluster.client().weight_versions() == ["http-v1", "http-v1"]
-    calls = actor.call("vllm_http:calls")
+    calls = actor.call("weightsync.testing.http:calls")
     assert calls[0] == ("init", "WeightTransferInitRequest")
     assert calls[-3:] == [("start",), ("update", "WeightTransferUpdateRequest"), ("finish", "http-v1")]
 
@@ -47,7 +45,7 @@ def test_http_errors_carry_status_and_pause_modes_reach_vllm(http_server):
         client._post("update_weights", {"wrong": 1})  # vLLM's own validation rejects the body
     with paused(client, mode="wait", clear_cache=False):
         pass
-    assert actor.call("vllm_http:calls")[-2:] == [("pause", "wait", False), ("resume",)]
+    assert actor.call("weightsync.testing.http:calls")[-2:] == [("pause", "wait", False), ("resume",)]
     with pytest.raises(ValueError, match=r"mode must be one of \('abort', 'wait', 'keep'\), got 'drain'"):
         client.pause_generation(mode="drain")
     with pytest.raises(ValueError, match="base_url must be http"):

@@ -9,7 +9,7 @@ import torch
 
 from weightsync.layout import build_plan
 from weightsync.layout.reference import execute_reference
-from weightsync.local.cluster import Layout
+from weightsync.testing.cluster import Layout
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -31,7 +31,7 @@ def plan_and_check(cluster, layout: Layout) -> dict:
               for w, d in enumerate(dests)}
     execute_reference(plan, shards, params)
     full = cluster.on_trainers("full_state_dict")[0]
-    bad = [a.call("weightsync.local.receiver:compare_tensors_with_oracle", params[w], full)
+    bad = [a.call("weightsync.testing.receiver:compare_tensors_with_oracle", params[w], full)
            for w, a in enumerate(cluster.active_receivers)]
     assert bad == [[]] * layout.num_workers
     return {"dests": dests, "plan": plan, "full": full}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from weightsync.local.cluster import Layout, free_port
+from weightsync.testing.cluster import Layout, free_port
 from weightsync.transport.m2n import M2NTrainerInitInfo
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -43,7 +43,7 @@ def m2n_info() -> M2NTrainerInitInfo:
 
 def test_a_duplicated_piece_shows_in_bytes_received_not_in_the_lower_bound(cluster):
     cluster.setup(LAYOUT, fresh=True)
-    cluster.make_engines(m2n_info(), source="dtensor")
+    cluster.make_engines(m2n_info())
     honest = cluster.sync(weight_version="honest")
     assert honest["bytes_received_per_worker"] == honest["lower_bound_per_worker"]
 
@@ -51,7 +51,7 @@ def test_a_duplicated_piece_shows_in_bytes_received_not_in_the_lower_bound(clust
     for a in procs:
         a.call("test_wire_bytes:duplicate_one_piece", True)
     try:
-        cluster.make_engines(m2n_info(), source="dtensor")
+        cluster.make_engines(m2n_info())
         doubled = cluster.sync(weight_version="doubled")
     finally:
         for a in procs:

@@ -16,7 +16,7 @@ from .sources import DTensorModuleSource, FullTensorSource
 
 __version__ = "0.1.0"
 
-_LAZY = {"LocalWeightSyncClient": "weightsync.local.client"}
+_LAZY = {"LocalWeightSyncClient": "weightsync.testing.client"}
 """Exports loaded on first use; every name a transport module exports (its init infos) is one too."""
 
 __all__ = [

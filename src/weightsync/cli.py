@@ -9,10 +9,11 @@ __all__ = ["main"]
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .local.cluster import Layout
-    from .local.demo import TRANSPORTS, format_table, run_demo
+    from .registry import transport_names
+    from .testing.cluster import Layout
+    from .testing.demo import format_table, run_demo
 
-    transports = list(TRANSPORTS) if args.transport == "all" else [args.transport]
+    transports = transport_names() if args.transport == "all" else [args.transport]
     layout = Layout(trainers=args.trainers, tp=args.tp, replicas=args.replicas, dtype=args.dtype,
                     model=args.model_config)
     print(f"weightsync demo: {args.trainers} FSDP2 trainer rank(s) -> vLLM {layout.model} "
@@ -26,10 +27,13 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .registry import transport_names
+
     parser = argparse.ArgumentParser(prog="weightsync")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="FSDP2 trainer ranks -> vLLM TP ranks on CPU, verified, with throughput")
-    demo.add_argument("--transport", default="all", help="nccl, ipc, nccl_m2n, or all (default)")
+    demo.add_argument("--transport", default="all", choices=[*transport_names(), "all"],
+                      help="a registered transport (weightsync.registry), or all of them (default)")
     demo.add_argument("--trainers", type=int, default=2, help="FSDP2 trainer ranks (default 2)")
     demo.add_argument("--tp", type=int, default=2, help="vLLM tensor-parallel size (default 2)")
     demo.add_argument("--replicas", type=int, default=1, help="vLLM replicas (default 1)")

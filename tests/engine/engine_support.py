@@ -47,7 +47,7 @@ def free_port() -> int:
 
 
 def config_dir(model: str) -> str:
-    from weightsync.local.cluster import model_config_dir
+    from weightsync.testing.cluster import model_config_dir
 
     return model_config_dir(model)
 
@@ -69,7 +69,7 @@ class EngineConfig:
 # --- Ray actors ------------------------------------------------------------------------------------
 
 class TrainerActor:
-    """One FSDP2 trainer rank (gloo): ``weightsync.local.trainer`` functions run in this process."""
+    """One FSDP2 trainer rank (gloo): ``weightsync.testing.trainer`` functions run in this process."""
 
     def ready(self) -> int:
         import torch
@@ -87,7 +87,7 @@ class TrainerActor:
         """``WeightTransferTrainerFactory.trainer_init(init_info, client=RayVLLMWeightSyncClient(handles),
         source=DTensorModuleSource(...) | FullTensorSource(...))`` on this rank."""
         from weightsync import RayVLLMWeightSyncClient
-        from weightsync.local import trainer
+        from weightsync.testing import trainer
 
         trainer.make_engine(init_info, RayVLLMWeightSyncClient(handles if len(handles) > 1 else handles[0]),
                             source=source)
@@ -202,15 +202,15 @@ class Trainers:
                         for r, a in enumerate(self.actors)], timeout=600)
 
     def setup(self, model: str, dtype: str, seed: int = 0) -> None:
-        self._all("weightsync.local.trainer:setup", config_dir(model), world=self.n, port=free_port(), dtype=dtype,
+        self._all("weightsync.testing.trainer:setup", config_dir(model), world=self.n, port=free_port(), dtype=dtype,
                   seed=seed, per_rank=True)
         self.model, self.dtype = model, dtype
 
     def train_step(self, seed: int) -> None:
-        self._all("weightsync.local.trainer:train_step", seed)
+        self._all("weightsync.testing.trainer:train_step", seed)
 
     def full_state_dict(self) -> dict[str, Any]:
-        return self._all("weightsync.local.trainer:full_state_dict")[0]
+        return self._all("weightsync.testing.trainer:full_state_dict")[0]
 
     def make_engines(self, init_info: Any, handles: list[Any], source: str) -> None:
         import ray
@@ -219,7 +219,7 @@ class Trainers:
                  for r, a in enumerate(self.actors)], timeout=600)
 
     def send_weights(self, version: str) -> list[dict[str, Any]]:
-        return self._all("weightsync.local.trainer:send_weights", version)
+        return self._all("weightsync.testing.trainer:send_weights", version)
 
     def hf_greedy(self, state_dict: dict[str, Any], token_prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         import ray
@@ -229,7 +229,7 @@ class Trainers:
 
     def teardown(self) -> None:
         try:
-            self._all("weightsync.local.trainer:teardown")
+            self._all("weightsync.testing.trainer:teardown")
         except Exception:  # a rank stuck after a failed test: the session kills the actors at the end
             pass
 

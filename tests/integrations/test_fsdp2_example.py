@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import HAS_VLLM
+from helpers import HAS_VLLM
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600),
               pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")]

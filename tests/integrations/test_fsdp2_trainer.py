@@ -1,6 +1,6 @@
 """The FSDP2 trainer on two gloo ranks (tiny random Qwen3) against plain, unsharded fp32 computations.
 
-Two rank processes are started once (``fsdp2_procs.ranks()``) and reused; each test re-forms the
+Two rank processes are started once (``helpers.ranks()``) and reused; each test re-forms the
 process group and builds the trainers it needs. Checkpoints are seeded random models written with
 ``save_pretrained`` (``actor``: seed 0, ``other``: seed 1)."""
 
@@ -13,9 +13,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from fsdp2_procs import checkpoints, config, make_samples, ranks, write_checkpoint
+from helpers import checkpoints, config, make_samples, ranks, write_checkpoint
 from weightsync.integrations.fsdp2 import LossConfig, ModelConfig, OptimConfig, TrainerConfig, dp_schedule
-from weightsync.local.actors import RemoteError
+from weightsync.testing.actors import RemoteError
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -73,8 +73,8 @@ def plain_grads(ckpts, samples, *, ref: str | None, kl_coef=0.0, kl_type="k1", e
 
 def test_rank0_alone_reads_the_checkpoint_and_every_rank_gets_its_weights(procs, ckpts):
     procs.init(2)
-    assert procs.run("build_counting_checkpoint_reads", config(ckpts)) == [1, 0]
-    assert procs.run("build_counting_checkpoint_reads", config(ckpts, ref="other", kl_coef=0.1)) == [2, 0]
+    assert procs.run("helpers:build_counting_checkpoint_reads", config(ckpts)) == [1, 0]
+    assert procs.run("helpers:build_counting_checkpoint_reads", config(ckpts, ref="other", kl_coef=0.1)) == [2, 0]
     weights = procs.run("call", "full_state_dict")[0]
     expected = load_plain(ckpts["actor"]).state_dict()
     assert weights.keys() == {n for n, _ in load_plain(ckpts["actor"]).named_parameters()}
@@ -89,7 +89,7 @@ def test_a_bad_reference_checkpoint_fails_on_every_rank(procs, ckpts, tmp_path):
                         (str(tmp_path / "missing"), r"rank 0 could not read checkpoint .*missing")]:
         cfg = TrainerConfig(model=ModelConfig(path=ckpts["actor"], reference_path=path), device="cpu",
                             loss=LossConfig(kl_coef=0.1))
-        futures = [a.submit("fsdp2_procs:build", cfg) for a in procs.actors[:2]]
+        futures = [a.submit("weightsync.testing.fsdp2:build", cfg) for a in procs.actors[:2]]
         for f in futures:
             with pytest.raises(RemoteError, match=match):
                 f.result()
@@ -168,7 +168,7 @@ def trainer_step0_grads(procs, ckpts, case: dict, samples, *, break_swap_back=Fa
     loss = {k: v for k, v in case.items() if k != "ref"}
     procs.build(config(ckpts, ref=case["ref"], max_tokens=25, **loss))
     if break_swap_back:
-        procs.run("break_reference_swap_back")
+        procs.run("helpers:break_reference_swap_back")
     procs.run("call", "forward_backward", samples)
     return procs.run("full_grads")[0]
 
@@ -209,7 +209,7 @@ def test_sleep_wake_keeps_params_and_optimizer_state_bit_identical(procs, ckpts)
     procs.init(2)
     procs.build(config(ckpts, ref="other", kl_coef=0.1))
     procs.run("call", "train_step", make_samples(2, 4, seed=5))  # optimizer state exists
-    for r in procs.run("sleep_wake_round_trip"):
+    for r in procs.run("helpers:sleep_wake_round_trip"):
         assert r["differ"] == [] and r["tensors"] > 48, r  # params + exp_avg, exp_avg_sq, step
         assert r["moved"] > 0 and r["allocated_while_asleep"] == 0, r
         assert "asleep" in r["refused"]
@@ -268,6 +268,6 @@ def test_hf_export_reloads_in_transformers_with_equal_tensors(procs, ckpts, tmp_
 def test_sync_weights_pauses_the_memory_saver_only_for_ipc(procs, ckpts):
     procs.init(2)
     procs.build(config(ckpts))
-    assert procs.run("memory_saver_use", "weightsync_ipc") == [[True], [True]]
+    assert procs.run("helpers:memory_saver_use", "weightsync_ipc") == [[True], [True]]
     for backend in ("weightsync_m2n", "weightsync_nccl"):
-        assert procs.run("memory_saver_use", backend) == [[False], [False]]
+        assert procs.run("helpers:memory_saver_use", backend) == [[False], [False]]

@@ -4,6 +4,7 @@ functions and the learning-rate schedule."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -152,7 +153,7 @@ def test_adamw_groups_leave_biases_and_norms_undecayed():
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from weightsync.integrations.fsdp2.optim import build_optimizer
-    from weightsync.local.cluster import model_config_dir
+    from weightsync.testing.cluster import model_config_dir
 
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_config_dir("tiny_qwen2")))
     opt = build_optimizer(model, OptimConfig(weight_decay=0.1))
@@ -163,3 +164,13 @@ def test_adamw_groups_leave_biases_and_norms_undecayed():
     assert "model.layers.0.self_attn.q_proj.bias" in undecayed  # Qwen2 has qkv biases
     assert "model.layers.0.input_layernorm.weight" in undecayed and "model.norm.weight" in undecayed
     assert "model.layers.0.mlp.down_proj.weight" in decayed and "model.embed_tokens.weight" in decayed
+
+
+@pytest.mark.parametrize("name", ["nccl", "m2n", "nccl_m2n", "ipc", "weightsync_bogus"])
+def test_weight_source_accepts_only_registered_transport_names(name):
+    from weightsync.integrations.fsdp2 import FSDP2Trainer
+    from weightsync.registry import transport_names
+
+    with pytest.raises(ValueError, match=re.escape(f"backend {name!r} is not a registered transport; choose one of "
+                                                   f"{transport_names()}")):
+        FSDP2Trainer.weight_source(object(), name)  # raises before it touches the trainer

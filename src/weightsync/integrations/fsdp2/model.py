@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from .config import ModelConfig
 
-__all__ = ["build_model", "load_checkpoint_weights", "decoder_layers", "full_state_dict"]
+__all__ = ["build_model", "load_hf_config", "apply_fsdp", "load_checkpoint_weights", "decoder_layers",
+           "full_state_dict"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -45,19 +46,20 @@ def _check_hf_config(hf_config: Any, path: str) -> None:
             raise ValueError(f"model {path!r}: config.{name}={p}; RL log-probs must be deterministic, set it to 0")
 
 
-def build_model(cfg: ModelConfig, *, device: torch.device, mesh: Any) -> tuple[torch.nn.Module, Any]:
-    """The FSDP2-sharded model with *uninitialized* shards on ``device``, and its Hugging Face config.
-    Collective-free; call ``load_checkpoint_weights`` next on every rank."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from transformers import AutoConfig, AutoModelForCausalLM
+def load_hf_config(path: str) -> Any:
+    """The Hugging Face config at ``path``, checked to be a causal LM without dropout."""
+    from transformers import AutoConfig
 
-    hf_config = AutoConfig.from_pretrained(cfg.path)
-    _check_hf_config(hf_config, cfg.path)
-    kwargs = {"attn_implementation": cfg.attn_implementation} if cfg.attn_implementation else {}
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, **kwargs)
-    if cfg.activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    hf_config = AutoConfig.from_pretrained(path)
+    _check_hf_config(hf_config, path)
+    return hf_config
+
+
+def apply_fsdp(model: torch.nn.Module, cfg: ModelConfig, *, mesh: Any) -> None:
+    """``fully_shard`` each decoder layer, then the root, with ``cfg``'s resharding and mixed-precision
+    policy (in place; ``mesh=None`` = FSDP2's default mesh over the default group). Collective-free."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     fsdp: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": cfg.reshard_after_forward}
     if cfg.param_dtype is not None:
         fsdp["mp_policy"] = MixedPrecisionPolicy(param_dtype=_DTYPES[cfg.param_dtype],
@@ -65,6 +67,20 @@ def build_model(cfg: ModelConfig, *, device: torch.device, mesh: Any) -> tuple[t
     for layer in decoder_layers(model):
         fully_shard(layer, **fsdp)
     fully_shard(model, **fsdp)
+
+
+def build_model(cfg: ModelConfig, *, device: torch.device, mesh: Any) -> tuple[torch.nn.Module, Any]:
+    """The FSDP2-sharded model with *uninitialized* shards on ``device``, and its Hugging Face config.
+    Collective-free; call ``load_checkpoint_weights`` next on every rank."""
+    from transformers import AutoModelForCausalLM
+
+    hf_config = load_hf_config(cfg.path)
+    kwargs = {"attn_implementation": cfg.attn_implementation} if cfg.attn_implementation else {}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, **kwargs)
+    if cfg.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    apply_fsdp(model, cfg, mesh=mesh)
     model.to_empty(device=device)
     return model, hf_config
 

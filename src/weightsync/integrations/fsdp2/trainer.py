@@ -210,20 +210,20 @@ class FSDP2Trainer:
     # --- weight sync --------------------------------------------------------------------------
     def weight_source(self, backend: str, *, dtype: torch.dtype | None = None,
                       bucket_bytes: int | None = None) -> WeightSource:
-        """The source a transport reads: local shards (``DTensorModuleSource``) for ``weightsync_m2n``,
-        bucketed full tensors (``FullTensorSource``, optionally cast to ``dtype``) for ``weightsync_nccl``
-        and ``weightsync_ipc``."""
+        """The source the registered transport ``backend`` reads (``registry.transport(backend).source``):
+        local shards (``DTensorModuleSource``, e.g. ``weightsync_m2n``) or bucketed full tensors
+        (``FullTensorSource``, optionally cast to ``dtype``; e.g. ``weightsync_nccl``, ``weightsync_ipc``)."""
+        from ...registry import transport, transport_names
         from ...sources import DTensorModuleSource, FullTensorSource
 
-        name = backend.removeprefix("weightsync_")
-        if name in ("m2n", "nccl_m2n"):
+        if backend not in transport_names():
+            raise ValueError(f"backend {backend!r} is not a registered transport; choose one of {transport_names()}")
+        if transport(backend).source == "local":
             if dtype is not None or bucket_bytes is not None:
                 raise ValueError(f"backend {backend!r} sends local shards as they are: dtype={dtype} and "
                                  f"bucket_bytes={bucket_bytes} must be None (workers cast on receipt)")
             return DTensorModuleSource(self.model, self.world)
-        if name in ("nccl", "ipc"):
-            return FullTensorSource(self.model, dtype=dtype, **({"bucket_bytes": bucket_bytes} if bucket_bytes else {}))
-        raise ValueError(f"backend {backend!r}: choose weightsync_m2n, weightsync_nccl or weightsync_ipc")
+        return FullTensorSource(self.model, dtype=dtype, **({"bucket_bytes": bucket_bytes} if bucket_bytes else {}))
 
     def connect(self, init_info: TrainerInitInfo, client: Any, *, dtype: torch.dtype | None = None) -> TrainerEngine:
         """Build this rank's weightsync engine from this trainer's own source. Collective; rank 0's
@@ -238,15 +238,17 @@ class FSDP2Trainer:
 
     def sync_weights(self, engine: TrainerEngine, *, weight_version: str | None = None) -> SyncStats:
         """Push the current weights to every vLLM worker; returns after they applied them. Colocated
-        (``weightsync_ipc``): runs with ``torch_memory_saver``'s tracking paused, whose VMM memory CUDA
-        IPC cannot export. Collective."""
+        transports (``Transport.colocated``, e.g. ``weightsync_ipc``): runs with ``torch_memory_saver``'s
+        tracking paused, whose VMM memory CUDA IPC cannot export. Collective."""
         from ...transport.ipc_handles import memory_saver_paused
 
         self._check_awake("sync_weights")
         if getattr(getattr(engine, "source", None), "module", None) is not self.model:
             raise ValueError("engine does not read this trainer's model; build it with trainer.connect(...) "
                              "or from trainer.weight_source(...)")
-        colocated = type(engine.init_info).backend == "weightsync_ipc"
+        from ...registry import transport
+
+        colocated = transport(type(engine.init_info).backend).colocated
         with memory_saver_paused() if colocated else nullcontext():
             return engine.send_weights(weight_version=weight_version)
 

@@ -1,7 +1,8 @@
-"""What runs inside a local vLLM receiver process: vLLM's real model class with TP over gloo,
-plus the worker-side weight-transfer methods exactly as vLLM's ``Worker`` exposes them.
+"""What runs inside a harness vLLM receiver process: vLLM's real model class with TP over gloo, built
+and post-processed as vLLM's loader does, plus the worker-side weight-transfer methods exactly as
+vLLM's ``Worker`` exposes them.
 
-Every function here is called through ``weightsync.local.actors``; state lives in ``STATE``.
+Every function here is called through ``weightsync.testing.actors``; state lives in ``STATE``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from .actors import STATE
 
 __all__ = ["VLLM_CPU_ENV", "setup", "teardown", "init_weight_transfer_engine", "start_weight_update",
            "update_weights", "finish_weight_update", "shutdown_weight_transfer_engine", "checksum",
-           "compare_with_oracle", "compare_tensors_with_oracle", "destinations", "params", "weight_version"]
+           "compare_with_oracle", "compare_tensors_with_oracle", "destinations", "params", "weight_version",
+           "repacked"]
 
 _CACHE = os.path.join(tempfile.gettempdir(), "weightsync-vllm-cache")
 VLLM_CPU_ENV = {
@@ -29,12 +31,32 @@ VLLM_CPU_ENV = {
 """Environment a receiver process needs before vLLM is imported."""
 
 
-def _build_model(vc: Any, device: str = "cpu") -> torch.nn.Module:
-    from vllm.model_executor.model_loader.utils import initialize_model
+def _build_model(vc: Any, device: str = "cpu", weights: Any = None) -> tuple[torch.nn.Module, list[str]]:
+    """vLLM's model as ``BaseModelLoader.load_model`` (vLLM 0.33) makes it: ``initialize_model`` under
+    the model dtype on the target device (which records layerwise-reload metadata too), then
+    ``load_weights`` of ``weights`` (None: the initial values stay, as with a dummy load), then the
+    post-load processing into kernel format (``process_weights_after_loading``), then ``eval()``.
+    Also returns the parameters that processing removed, reshaped, recast or replaced (e.g. linear
+    weights repacked for oneDNN / AMX kernels): comparing those would no longer check the weights."""
+    from vllm.model_executor.model_loader.base_loader import _has_online_quant
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_processing
+    from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    with set_default_torch_dtype(vc.model_config.dtype), torch.device(device):
-        return initialize_model(vllm_config=vc)  # records reload metadata too
+    mc, target = vc.model_config, torch.device(device)
+    with set_default_torch_dtype(mc.dtype):
+        with target:
+            model = initialize_model(vllm_config=vc)
+        if weights is not None:
+            model.load_weights(weights)
+        before = dict(model.named_parameters())
+        if _has_online_quant(model):
+            finalize_layerwise_processing(model, mc)
+        process_weights_after_loading(model, mc, target)
+    after = dict(model.named_parameters())
+    repacked = sorted(n for n, p in before.items() if n not in after or after[n] is not p
+                      or after[n].shape != p.shape or after[n].dtype != p.dtype)
+    return model.eval(), repacked
 
 
 def setup(model_dir: str, *, tp: int, rank: int, replica: int, port: int, dtype: str, backend: str,
@@ -63,9 +85,9 @@ def setup(model_dir: str, *, tp: int, rank: int, replica: int, port: int, dtype:
         init_distributed_environment(world_size=tp, rank=rank, local_rank=rank, backend="gloo",
                                      distributed_init_method=f"tcp://127.0.0.1:{port}")
         initialize_model_parallel(tensor_model_parallel_size=tp)
-        model = _build_model(vc, device)
+        model, repacked = _build_model(vc, device)
         engine = WeightTransferEngineFactory.create_engine(vc.weight_transfer_config, vc, torch.device("cpu"), model)
-    STATE.update(vllm_config=vc, model=model, engine=engine, active=False, weight_version=None, oracle=None)
+    STATE.update(vllm_config=vc, model=model, engine=engine, active=False, weight_version=None, repacked=repacked)
 
 
 def teardown() -> None:
@@ -78,7 +100,7 @@ def teardown() -> None:
 
         destroy_model_parallel()
         destroy_distributed_environment()
-    for k in ("model", "oracle", "active", "weight_version"):
+    for k in ("model", "repacked", "active", "weight_version"):
         STATE.pop(k, None)
 
 
@@ -136,6 +158,11 @@ def weight_version() -> str | None:
     return STATE.get("weight_version")
 
 
+def repacked() -> list[str]:
+    """Live parameters vLLM's post-load processing repacked on this worker (none on plain CPUs)."""
+    return list(STATE.get("repacked", []))
+
+
 # --- verification helpers ---------------------------------------------------------------
 def params() -> dict[str, torch.Tensor]:
     """A copy of every vLLM parameter on this rank."""
@@ -158,18 +185,22 @@ def destinations(metas: list[tuple[str, str, list[int]]]) -> Any:
 
 
 def _oracle(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """vLLM's own ``load_weights`` of ``state_dict`` into a second instance of the model."""
+    """What vLLM's loader makes of ``state_dict``: a fresh instance of the model, ``load_weights``,
+    then the same post-load processing as the live model."""
     with _ctx():
-        if STATE.get("oracle") is None:
-            cc = STATE["vllm_config"].compilation_config
-            live, cc.static_forward_context = cc.static_forward_context, {}  # attention layers register by name
-            try:
-                STATE["oracle"] = _build_model(STATE["vllm_config"])
-            finally:
-                cc.static_forward_context = live
-        oracle = STATE["oracle"]
-        oracle.load_weights(iter(state_dict.items()))
+        cc = STATE["vllm_config"].compilation_config
+        live, cc.static_forward_context = cc.static_forward_context, {}  # attention layers register by name
+        try:
+            oracle, _ = _build_model(STATE["vllm_config"], weights=iter(state_dict.items()))
+        finally:
+            cc.static_forward_context = live
     return {n: p.detach() for n, p in oracle.named_parameters()}
+
+
+def _check_not_repacked() -> None:
+    if STATE.get("repacked"):
+        raise RuntimeError(f"vLLM's post-load processing repacked {STATE['repacked']} (e.g. for oneDNN / AMX "
+                           f"kernels); comparing parameters would not check those weights")
 
 
 def _differences(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> list[str]:
@@ -179,11 +210,13 @@ def _differences(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]
 
 
 def compare_with_oracle(state_dict: dict[str, torch.Tensor]) -> list[str]:
-    """Names of live parameters not ``torch.equal`` to vLLM's ``load_weights`` of ``state_dict``."""
+    """Names of live parameters not ``torch.equal`` to what vLLM's loader makes of ``state_dict``."""
+    _check_not_repacked()
     live = {n: p.detach() for n, p in STATE["model"].named_parameters()}
     return _differences(live, _oracle(state_dict))
 
 
 def compare_tensors_with_oracle(params: dict[str, torch.Tensor], state_dict: dict[str, torch.Tensor]) -> list[str]:
     """Names in ``params`` (tensors shaped like this worker's parameters) that differ from the oracle."""
+    _check_not_repacked()
     return _differences(params, _oracle(state_dict))

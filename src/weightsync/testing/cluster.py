@@ -1,7 +1,8 @@
 """A local CPU cluster: FSDP2 trainer processes and vLLM receiver processes (TP over gloo).
 
-Used by ``weightsync demo`` and the test suite. Processes are started once and re-laid-out for
-each scenario (trainer count, TP, replicas, dtype, model), since each vLLM process costs seconds.
+Used by ``weightsync demo``, the examples' ``--cpu`` modes, the benchmarks and the tests. Processes
+are started once and re-laid-out for each scenario (trainer count, TP, replicas, dtype, model),
+since each vLLM process costs seconds.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from .actors import Actor, gather
 from .client import LocalWeightSyncClient
 from .receiver import VLLM_CPU_ENV
 
-__all__ = ["Layout", "LocalCluster", "model_config_dir", "free_port"]
+__all__ = ["Layout", "LocalCluster", "model_config_dir", "free_port", "init_info"]
 
-_T = "weightsync.local.trainer:"
-_R = "weightsync.local.receiver:"
+_T = "weightsync.testing.trainer:"
+_R = "weightsync.testing.receiver:"
 
 
 def model_config_dir(name: str) -> str:
@@ -58,6 +59,17 @@ class Layout:
     @property
     def num_workers(self) -> int:
         return self.tp * self.replicas
+
+
+def init_info(layout: Layout, *, buffer_bytes: int | None = None, **fields: Any) -> Any:
+    """The init info of ``layout.backend`` for ``layout``'s deployment on this machine, from the
+    registry (``Transport.init_info.for_deployment``): loopback address, a free port, CPU; ``fields``
+    (``timeout_s``, ``rollback``, ...) are passed through and override those."""
+    from ..registry import transport
+
+    fields = {"master_address": "127.0.0.1", "master_port": free_port(), "device": "cpu", **fields}
+    return transport(layout.backend).init_info.for_deployment(
+        num_trainer_ranks=layout.trainers, replicas=layout.replicas, tp=layout.tp, buffer_bytes=buffer_bytes, **fields)
 
 
 class LocalCluster:
@@ -139,19 +151,30 @@ class LocalCluster:
         return LocalWeightSyncClient([addrs[i : i + tp] for i in range(0, len(addrs), tp)], timeout_s=timeout_s)
 
     def on_trainers(self, fn: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """``fn`` (a ``weightsync.local.trainer`` function, or any ``"module:function"``) on every trainer."""
+        """``fn`` (a ``weightsync.testing.trainer`` function, or any ``"module:function"``) on every trainer."""
         fn = fn if ":" in fn else _T + fn
         return gather([a.submit(fn, *args, **kwargs) for a in self.active_trainers])
 
     def on_receivers(self, fn: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """``fn`` (a ``weightsync.local.receiver`` function, or any ``"module:function"``) on every receiver."""
+        """``fn`` (a ``weightsync.testing.receiver`` function, or any ``"module:function"``) on every receiver."""
         fn = fn if ":" in fn else _R + fn
         return gather([a.submit(fn, *args, **kwargs) for a in self.active_receivers])
 
-    def make_engines(self, init_info: Any, *, source: str = "full", bucket_bytes: int | None = None,
-                     client: Any = None, factory: str = "weightsync") -> None:
-        self.on_trainers("make_engine", init_info, client or self.client(), source=source, bucket_bytes=bucket_bytes,
-                         factory=factory)
+    def init_info(self, *, buffer_bytes: int | None = None, **fields: Any) -> Any:
+        """``init_info(layout, ...)`` for the current layout."""
+        assert self.layout is not None, "setup() first"
+        return init_info(self.layout, buffer_bytes=buffer_bytes, **fields)
+
+    def make_engines(self, init_info: Any, *, source: str | None = None, fault: str | None = None,
+                     bucket_bytes: int | None = None, client: Any = None, factory: str = "weightsync") -> None:
+        """``trainer.make_engine`` on every trainer rank (see there for ``source`` and ``fault``); the
+        source kind defaults to the one the init info's transport reads (``Transport.source``)."""
+        if source is None:
+            from ..registry import transport
+
+            source = transport(type(init_info).backend).source
+        self.on_trainers("make_engine", init_info, client or self.client(), source=source, fault=fault,
+                         bucket_bytes=bucket_bytes, factory=factory)
 
     def sync(self, weight_version: str | None = None, *, verify: bool = False) -> dict[str, Any]:
         """``send_weights`` on every trainer rank; returns rank 0's stats."""

@@ -1,5 +1,6 @@
-"""What runs inside a local trainer process: a tiny HF causal LM under FSDP2 over gloo, an
-optimizer step, and a weightsync trainer engine. Called through ``weightsync.local.actors``.
+"""What runs inside a harness trainer process: a tiny HF causal LM under FSDP2 over gloo (built and
+sharded by ``weightsync.integrations.fsdp2.model``), an optimizer step, and a weightsync trainer engine.
+Called through ``weightsync.testing.actors``.
 """
 
 from __future__ import annotations
@@ -19,22 +20,22 @@ __all__ = ["setup", "teardown", "train_step", "full_state_dict", "make_engine", 
 
 def setup(model_dir: str, *, world: int, rank: int, port: int, dtype: str, seed: int = 0, fsdp: bool = True) -> None:
     """Init the trainer's own default group (gloo), build the model from ``model_dir/config.json``
-    with seeded random weights (same on every rank), shard it with FSDP2, make AdamW."""
+    with seeded random weights (same on every rank), shard it the way ``FSDP2Trainer`` does
+    (``weightsync.integrations.fsdp2.model.apply_fsdp``), make AdamW."""
     teardown()
     torch.set_num_threads(1)
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    from ..integrations.fsdp2.config import ModelConfig
+    from ..integrations.fsdp2.model import apply_fsdp, load_hf_config
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=300))
+    cfg = load_hf_config(model_dir)
     torch.manual_seed(seed)
-    cfg = AutoConfig.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
     if fsdp:
-        from torch.distributed.fsdp import fully_shard
-
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
+        apply_fsdp(model, ModelConfig(path=model_dir), mesh=None)
     STATE.update(model=model, optim=torch.optim.AdamW(model.parameters(), lr=1e-2), rank=rank, world=world,
                  vocab=cfg.vocab_size)
 
@@ -61,12 +62,9 @@ def train_step(seed: int) -> float:
 
 def full_state_dict() -> dict[str, torch.Tensor] | None:
     """Every parameter gathered under its HF name; returned on rank 0 (collective)."""
-    out = {}
-    for name, p in STATE["model"].named_parameters():
-        t = p.detach()
-        t = t.full_tensor() if hasattr(t, "full_tensor") else t
-        out[name] = t.clone()
-    return out if STATE["rank"] == 0 else None
+    from ..integrations.fsdp2.model import full_state_dict as gather
+
+    return gather(STATE["model"])
 
 
 def local_shards() -> tuple[list[Any], dict[str, torch.Tensor]]:
@@ -77,12 +75,17 @@ def local_shards() -> tuple[list[Any], dict[str, torch.Tensor]]:
     return tensor_sources(src.metadata), {n: t.clone() for n, t in src.iter_local()}
 
 
-def make_engine(init_info: Any, client: Any, *, source: str = "full", bucket_bytes: int | None = None,
-                factory: str = "weightsync") -> None:
-    """Build the source and ``trainer_init`` the engine (every rank, collective). ``factory="vllm"``
-    dispatches through vLLM's own ``WeightTransferTrainerFactory`` (after loading vLLM's plugins)."""
+def make_engine(init_info: Any, client: Any, *, source: str = "full", fault: str | None = None,
+                bucket_bytes: int | None = None, factory: str = "weightsync") -> None:
+    """Build the source (``"full"``: ``FullTensorSource``, gathering ``bucket_bytes`` at a time;
+    ``"local"``: ``DTensorModuleSource``), wrap it in ``weightsync.testing.faults.faulty(source, fault)``
+    when ``fault`` is given, and ``trainer_init`` the engine (every rank, collective).
+    ``factory="vllm"`` dispatches through vLLM's own ``WeightTransferTrainerFactory`` (after loading
+    vLLM's plugins)."""
     from .. import DTensorModuleSource, FullTensorSource, WeightTransferTrainerFactory
 
+    if source not in ("full", "local"):
+        raise ValueError(f"source must be 'full' or 'local', got {source!r}")
     if factory == "vllm":
         from .receiver import VLLM_CPU_ENV
 
@@ -95,20 +98,14 @@ def make_engine(init_info: Any, client: Any, *, source: str = "full", bucket_byt
     model = STATE["model"]
     if source == "full":
         src = FullTensorSource(model, **({"bucket_bytes": bucket_bytes} if bucket_bytes else {}))
-    elif source == "dtensor":
-        src = DTensorModuleSource(model, STATE["world"])
     else:
-        src = source_factory(source)(model)
+        src = DTensorModuleSource(model, STATE["world"])
+    if fault is not None:
+        from .faults import faulty
+
+        src = faulty(src, fault)
     init_info = dataclasses.replace(init_info, rank=STATE["rank"], num_trainer_ranks=STATE["world"])
     STATE["engine"] = WeightTransferTrainerFactory.trainer_init(init_info, client=client, source=src)
-
-
-def source_factory(path: str) -> Any:
-    """``"module:callable"`` that builds a source from the model (tests use it for faulty sources)."""
-    import importlib
-
-    module, _, attr = path.partition(":")
-    return getattr(importlib.import_module(module), attr)
 
 
 def send_weights(weight_version: str | None = None, verify: bool = False) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from .actors import ActorAddress, RemoteError, call
 
 __all__ = ["LocalWeightSyncClient"]
 
-_RECEIVER = "weightsync.local.receiver:"
+_RECEIVER = "weightsync.testing.receiver:"
 
 
 class LocalWeightSyncClient:

@@ -1,15 +1,22 @@
-"""Runs inside an actor process: vLLM's own RL HTTP router (FastAPI) on loopback, whose engine
-client forwards to local vLLM receiver processes. So requests are parsed by vLLM's own route
-signatures and request types, and land on real worker engines."""
+"""vLLM's own RL HTTP router (FastAPI) on loopback, inside an actor process, whose engine client
+forwards to harness receiver processes: requests are parsed by vLLM's own route signatures and
+request types, and land on real worker engines.
+
+``actor.call("weightsync.testing.http:start", replicas, port)`` (an actor with ``VLLM_CPU_ENV``),
+then ``HTTPVLLMWeightSyncClient(f"http://127.0.0.1:{port}")``; ``calls`` lists what arrived.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 import time
+from typing import Any
 
-from weightsync.local.actors import STATE
-from weightsync.local.client import LocalWeightSyncClient
+from .actors import STATE, ActorAddress
+from .client import LocalWeightSyncClient
+
+__all__ = ["start", "calls", "stop"]
 
 
 class _EngineClient:
@@ -46,7 +53,8 @@ class _EngineClient:
         self.calls.append(("resume",))
 
 
-def start(replicas, port: int) -> None:
+def start(replicas: list[list[ActorAddress]], port: int) -> None:
+    """Serve vLLM's RL routes on ``127.0.0.1:port`` in front of ``replicas`` (receiver addresses)."""
     import uvicorn
     from fastapi import FastAPI
     from vllm.entrypoints.rl.online.api_router import router
@@ -64,7 +72,8 @@ def start(replicas, port: int) -> None:
     STATE["http"] = (server, app.state.engine_client)
 
 
-def calls() -> list:
+def calls() -> list[tuple[Any, ...]]:
+    """The engine-client calls the routes made so far, in order."""
     return STATE["http"][1].calls
 
 

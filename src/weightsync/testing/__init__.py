@@ -1,0 +1,14 @@
+"""The CPU multi-process harness that ``weightsync demo``, the examples' ``--cpu`` modes, the
+benchmarks and the tests share. Not API: it may change without notice.
+
+* ``actors``: long-lived spawned processes that run ``"module:function"`` calls (state in ``STATE``);
+* ``trainer`` / ``receiver``: what runs in a trainer process (FSDP2 over gloo) and in a vLLM receiver
+  process (vLLM's real model classes, TP over gloo, built and post-processed as vLLM's loader does);
+* ``cluster``: ``LocalCluster`` lays trainers and receivers out per scenario (``Layout``);
+* ``client``: ``LocalWeightSyncClient``, the one public name here (``weightsync.LocalWeightSyncClient``);
+* ``fsdp2``: ``FSDP2Trainer`` rank processes; ``http``: vLLM's RL HTTP router in front of receivers;
+* ``faults`` / ``probes``: what tests inject into the processes and read out of them;
+* ``demo``: ``weightsync demo``.
+"""
+
+__all__: list[str] = []

@@ -1,0 +1,150 @@
+"""Faults the tests inject into harness processes: sources that disagree with their metadata,
+clients that corrupt requests, a slowed data plane.
+
+Sources: ``make_engine(..., fault=NAME)`` (``weightsync.testing.trainer``) wraps the source it built
+(``FullTensorSource`` or ``DTensorModuleSource``) in ``faulty(source, NAME)``; the fault hits
+``BAD_NAME``, after earlier tensors moved:
+
+* ``shape`` / ``dtype``: the tensor loses its last row / becomes float16;
+* ``name``: it is yielded as ``BAD_NAME + ".typo"``;
+* ``stops_early``: iteration ends before it; ``missing``: it alone is skipped;
+* ``duplicate`` (the first tensor listed twice), ``rank1_differs`` (rank 1 omits ``BAD_NAME``),
+  ``complex`` (``BAD_NAME`` declared complex64): the metadata is wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from functools import cached_property
+from typing import Any
+
+import torch
+
+from ..protocol import ParamMeta, WeightSource
+
+__all__ = ["BAD_NAME", "FAULTS", "faulty", "JsonRoundTripClient", "CorruptingClient", "slow_data_plane"]
+
+BAD_NAME = "model.layers.1.mlp.up_proj.weight"
+FAULTS = ("shape", "dtype", "name", "stops_early", "missing", "duplicate", "rank1_differs", "complex")
+
+
+class _Faulty(WeightSource):
+    def __init__(self, inner: WeightSource, fault: str, rank: int) -> None:
+        if fault not in FAULTS:
+            raise ValueError(f"fault must be one of {FAULTS}, got {fault!r}")
+        self.inner, self.fault, self.rank = inner, fault, rank
+
+    @cached_property
+    def metadata(self) -> list[ParamMeta]:
+        metas = list(self.inner.metadata)
+        if self.fault == "duplicate":
+            metas.append(metas[0])
+        elif self.fault == "rank1_differs" and self.rank == 1:
+            metas = [m for m in metas if m.name != BAD_NAME]
+        elif self.fault == "complex":
+            metas = [dataclasses.replace(m, dtype=torch.complex64) if m.name == BAD_NAME else m for m in metas]
+        return metas
+
+    def _corrupt(self, it: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in it:
+            if name == BAD_NAME:
+                if self.fault == "shape":
+                    t = t[:-1]
+                elif self.fault == "dtype":
+                    t = t.to(torch.float16)
+                elif self.fault == "name":
+                    name = name + ".typo"
+                elif self.fault == "stops_early":
+                    return
+                elif self.fault == "missing":
+                    continue
+            yield name, t
+
+
+class _FaultyFull(_Faulty):
+    def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self._corrupt(self.inner.iter_full())
+
+
+class _FaultyLocal(_Faulty):
+    def iter_local(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self._corrupt(self.inner.iter_local())
+
+
+def faulty(source: WeightSource, fault: str) -> WeightSource:
+    """``source`` (full tensors or local shards) with ``fault`` (one of ``FAULTS``) at ``BAD_NAME``."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    full = type(source).iter_full is not WeightSource.iter_full
+    return (_FaultyFull if full else _FaultyLocal)(source, fault, rank)
+
+
+class JsonRoundTripClient:
+    """Wraps a weight-sync client; every payload must survive ``json.dumps``/``loads`` (as over HTTP)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    @staticmethod
+    def _json(payload: Any) -> Any:
+        import json
+
+        return json.loads(json.dumps(payload, allow_nan=False))
+
+    def init_weight_transfer_engine(self, init_info: Any) -> None:
+        self.inner.init_weight_transfer_engine(self._json(init_info))
+
+    def start_weight_update(self) -> None:
+        self.inner.start_weight_update()
+
+    def update_weights(self, update_info: Any) -> None:
+        self.inner.update_weights(self._json(update_info))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.inner.finish_weight_update(weight_version)
+
+
+class CorruptingClient(JsonRoundTripClient):
+    """Sets ``update_info["handles"][worker][field] = value`` (what one worker gets) in the ``chunk``-th
+    ``update_weights`` call of each sync."""
+
+    def __init__(self, inner: Any, *, chunk: int, worker: int, field: str, value: Any) -> None:
+        super().__init__(inner)
+        self.chunk, self.worker, self.field, self.value = chunk, worker, field, value
+        self._calls = 0
+
+    def start_weight_update(self) -> None:
+        self._calls = 0
+        super().start_weight_update()
+
+    def update_weights(self, update_info: Any) -> None:
+        update_info = self._json(update_info)
+        if self._calls == self.chunk:
+            update_info["handles"][str(self.worker)][self.field] = self.value
+        self._calls += 1
+        self.inner.update_weights(update_info)
+
+
+_ORIGINALS: dict[str, Any] = {}
+
+
+def slow_data_plane(seconds: float) -> None:
+    """Inside a process: every data-plane round/broadcast first sleeps ``seconds`` (0 restores)."""
+    import time
+
+    from ..comm import Communicator
+
+    originals = _ORIGINALS.setdefault("comm", (Communicator.exchange, Communicator.broadcast))
+    if not seconds:
+        Communicator.exchange, Communicator.broadcast = originals
+        return
+
+    def slow(fn: Any) -> Any:
+        def wrapper(*a: Any, **k: Any) -> Any:
+            time.sleep(seconds)
+            return fn(*a, **k)
+        return wrapper
+
+    Communicator.exchange, Communicator.broadcast = slow(originals[0]), slow(originals[1])
