@@ -193,25 +193,30 @@ def recover_and_verify(cluster, layout, make_info, source) -> None:
     assert cluster.client().weight_versions() == ["recovered"] * layout.num_workers
 
 
+KILLS = {name: (Layout(trainers=2, tp=2, backend=name), lambda name=name: info(name)) for name in TRANSPORTS}
+
+
 @vllm
-@pytest.mark.parametrize("layout, make_info, source", [(M2N, m2n_info, "local"), (NCCL, nccl_info, "full")],
-                         ids=["weightsync_m2n", "weightsync_nccl"])
-def test_killing_a_receiver_mid_sync(cluster, layout, make_info, source):
-    elapsed = kill_mid_sync(cluster, layout, make_info(), source, pick=lambda c: c.receivers[1])
+@pytest.mark.parametrize("backend", TRANSPORTS)
+def test_killing_a_receiver_mid_sync(cluster, backend):
+    layout, make_info = KILLS[backend]
+    elapsed = kill_mid_sync(cluster, layout, make_info(), SOURCES[backend], pick=lambda c: c.receivers[1])
     assert elapsed < 2 * TIMEOUT
     assert cluster.receivers[0].call("weightsync.testing.receiver:weight_version") == "good"
     # it raised, rolled back, refuses updates
     assert cluster.receivers[0].call("weightsync.testing.probes:engine_poisoned")
-    recover_and_verify(cluster, layout, make_info, source)
+    recover_and_verify(cluster, layout, make_info, SOURCES[backend])
 
 
 @vllm
-def test_killing_a_trainer_rank_mid_m2n_sync(cluster):
-    elapsed = kill_mid_sync(cluster, M2N, m2n_info(), "local", pick=lambda c: c.trainers[1])
+@pytest.mark.parametrize("backend", TRANSPORTS)
+def test_killing_a_trainer_rank_mid_sync(cluster, backend):
+    layout, make_info = KILLS[backend]
+    elapsed = kill_mid_sync(cluster, layout, make_info(), SOURCES[backend], pick=lambda c: c.trainers[1])
     assert elapsed < 2 * TIMEOUT
     assert [a.call("weightsync.testing.receiver:weight_version") for a in cluster.receivers[:2]] == ["good", "good"]
     assert all(a.call("weightsync.testing.probes:engine_poisoned") for a in cluster.receivers[:2])  # both raised
-    recover_and_verify(cluster, M2N, m2n_info, "local")
+    recover_and_verify(cluster, layout, make_info, SOURCES[backend])
 
 
 @vllm

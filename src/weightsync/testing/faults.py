@@ -131,14 +131,17 @@ _ORIGINALS: dict[str, Any] = {}
 
 
 def slow_data_plane(seconds: float) -> None:
-    """Inside a process: every data-plane round/broadcast first sleeps ``seconds`` (0 restores)."""
+    """Inside a process: every data-plane round/broadcast and every control-channel publish (the
+    colocated transport's chunk hand-off) first sleeps ``seconds`` (0 restores)."""
     import time
 
     from ..comm import Communicator
 
-    originals = _ORIGINALS.setdefault("comm", (Communicator.exchange, Communicator.broadcast))
+    names = ("exchange", "broadcast", "publish")
+    originals = _ORIGINALS.setdefault("comm", tuple(getattr(Communicator, n) for n in names))
     if not seconds:
-        Communicator.exchange, Communicator.broadcast = originals
+        for n, fn in zip(names, originals):
+            setattr(Communicator, n, fn)
         return
 
     def slow(fn: Any) -> Any:
@@ -147,4 +150,5 @@ def slow_data_plane(seconds: float) -> None:
             return fn(*a, **k)
         return wrapper
 
-    Communicator.exchange, Communicator.broadcast = slow(originals[0]), slow(originals[1])
+    for n, fn in zip(names, originals):
+        setattr(Communicator, n, slow(fn))

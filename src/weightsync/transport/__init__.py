@@ -1,3 +1,4 @@
-"""Transports: one file each (``nccl`` broadcast today; ``ipc`` and ``nccl_m2n`` plug in the same way)."""
+"""Transports, one file each (``m2n``, ``nccl``, ``ipc``), on the shared core in ``base`` / ``worker_base``;
+each declares itself as ``TRANSPORT`` and is listed in ``weightsync.registry.TRANSPORTS``."""
 
 __all__: list[str] = []
