@@ -108,3 +108,39 @@ def test_model_mismatch_still_fails_init_naming_the_parameter(cluster):
                                               r"the trainer's shape \(32, 64\) does not match vLLM's "
                                               r"model.layers.0.self_attn.qkv_proj.weight \(\d+, 64\)"):
             f.result()
+
+
+def applier_open_abort_finish() -> dict:
+    """Inside a receiver with repacked linears: ``open_modules`` gives checkpoint-layout staging;
+    ``abort`` puts the old tensors and kernel back untouched; ``finish`` re-runs the processing
+    on what was written and keeps the parameter objects (storage) the model had."""
+    import torch
+
+    from weightsync.local.receiver import STATE
+    from weightsync.worker import LayerwiseApplier
+
+    model, path = STATE["model"], "model.layers.0.mlp.down_proj"
+    layer = model.get_submodule(path)
+    weight, packed = layer.weight, layer._packed.clone()
+    out = {}
+    for how in ("abort", "finish"):
+        applier = LayerwiseApplier(model, STATE["vllm_config"].model_config)
+        applier.start(layerwise=False)
+        staging = applier.open_modules([path])
+        out[f"{how}_staging_shape"] = tuple(staging[f"{path}.weight"].shape)
+        staging[f"{path}.weight"].copy_(torch.arange(packed.numel(), dtype=packed.dtype).view(packed.shape))
+        getattr(applier, how)()
+        out[f"{how}_same_param"] = layer.weight is weight and layer.weight.numel() == 0
+        out[f"{how}_packed_is_old"] = torch.equal(layer._packed, packed)
+        out[f"{how}_packed_is_new"] = torch.equal(layer._packed.flatten(), torch.arange(packed.numel(), dtype=packed.dtype))
+    out["packed_shape"] = tuple(packed.shape)
+    return out
+
+
+def test_applier_abort_keeps_old_kernels_finish_reprocesses(cluster):
+    cluster.setup(Layout(trainers=1, tp=1, backend="weightsync_m2n"))
+    cluster.on_receivers(_ME + "repack_linears")
+    got = cluster.on_receivers(_ME + "applier_open_abort_finish")[0]
+    assert got["abort_staging_shape"] == got["finish_staging_shape"] == got["packed_shape"]
+    assert got["abort_same_param"] and got["abort_packed_is_old"] and not got["abort_packed_is_new"]
+    assert got["finish_same_param"] and got["finish_packed_is_new"]
