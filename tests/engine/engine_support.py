@@ -291,7 +291,8 @@ def init_info(case: Case, timeout_s: float = 120.0) -> Any:
     if case.transport == "nccl":
         from weightsync.transport.nccl import NCCLTrainerInitInfo
 
-        return NCCLTrainerInitInfo(world_size=1 + workers, bucket_bytes=64 << 10, **common)
+        return NCCLTrainerInitInfo(num_trainer_ranks=case.trainers, world_size=1 + workers, bucket_bytes=64 << 10,
+                                   **common)
     from weightsync.transport.ipc import IPCTrainerInitInfo
 
     return IPCTrainerInitInfo(num_trainer_ranks=case.trainers, num_workers=workers, bucket_bytes=64 << 10, **common)

