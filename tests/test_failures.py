@@ -132,7 +132,7 @@ BAD_INPUTS = {
     "m2n: trainer model differs from vLLM's": (
         Layout(trainers=2, tp=2, backend="weightsync_m2n", trainer_model="tiny_qwen3_kv1"),
         make(m2n_info, "local"), r"ValueError: parameter 'model.layers.0.self_attn.k_proj.weight': the trainer's "
-                                 r"shape \(16, 64\) does not match vLLM's model.layers.0.self_attn.qkv_proj.weight"),
+                                 r"shape \(32, 64\) does not match vLLM's model.layers.0.self_attn.qkv_proj.weight"),
     "m2n: dst_mesh_dims smaller than the deployment": (
         M2N, make(lambda: m2n_info(dst_mesh_dims=(1, 1), world_size=3), "local"),
         r"the trainer's dst_mesh_dims=\(1, 1\) describes 1 worker\(s\), but the client drives 1 engine\(s\) of 2 "

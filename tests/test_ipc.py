@@ -176,7 +176,7 @@ def test_50_syncs_leak_no_shared_memory_fds_or_rss(cluster):
     def resources(collect: bool = False) -> list[dict]:
         return gather([a.submit("weightsync.testing.probes:process_resources", collect) for a in procs])
 
-    assert cluster.sync()["num_steps"] == 2  # the first sync creates each buffer and each import
+    assert cluster.sync()["num_steps"] == 3  # the first sync creates each buffer and each import
     start = resources(collect=True)
     for i in range(50):
         cluster.sync(weight_version=f"s{i}")
@@ -188,7 +188,7 @@ def test_50_syncs_leak_no_shared_memory_fds_or_rss(cluster):
     assert mismatches(cluster) == {}
     assert imports(cluster) == [1, 1], "one import per export"
     assert [s["own_buffers"] for s in start] == [0, 0, 0, 0], "buffer files are removed once mapped"
-    print("\n50 ipc syncs (2 FSDP2 trainer ranks, vLLM TP=2, CPU shared memory, 2 chunks each):")
+    print("\n50 ipc syncs (2 FSDP2 trainer ranks, vLLM TP=2, CPU shared memory, 3 chunks each):")
     for a, s, n in zip(procs, start, end):
         growth = (n["rss"] - s["rss"]) / s["rss"]
         print(f"  {a.name}: fds {s['fds']}->{n['fds']}, /dev/shm mappings {s['shm']}->{n['shm']}, "

@@ -14,8 +14,8 @@ import types
 
 import pytest
 
-from weightsync.local.actors import RemoteError
-from weightsync.local.cluster import Layout, free_port
+from weightsync.testing.actors import RemoteError
+from weightsync.testing.cluster import Layout, free_port
 from weightsync.transport.m2n import M2NTrainerInitInfo
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -39,7 +39,7 @@ def repack_linears() -> int:
     with this model); returns how many layers were repacked."""
     from vllm.model_executor.layers.linear import LinearBase
 
-    from weightsync.local.receiver import STATE
+    from weightsync.testing.receiver import STATE
 
     n = 0
     for m in STATE["model"].modules():
@@ -53,7 +53,7 @@ def repack_linears() -> int:
 def effective_differences(state_dict) -> dict:
     """Names whose effective tensor (the packed copy where a layer is packed) differs from the
     oracle's, and how many layers hold an empty ``weight`` (processing ran again)."""
-    from weightsync.local import receiver
+    from weightsync.testing import receiver
 
     model = receiver.STATE["model"]
     live = {n: p.detach() for n, p in model.named_parameters() if p.numel()}
@@ -81,7 +81,7 @@ def test_post_processed_modules_get_shard_bytes_and_are_reprocessed(cluster, lay
     cluster.setup(layout)
     repacked = cluster.on_receivers(_ME + "repack_linears")
     assert min(repacked) > 0
-    cluster.make_engines(m2n_info(layout), source="dtensor")
+    cluster.make_engines(m2n_info(layout), source="local")
     for step in range(2):
         cluster.train_step(11 + step)
         stats = cluster.sync(f"v{step}")
@@ -101,7 +101,7 @@ def test_model_mismatch_still_fails_init_naming_the_parameter(cluster):
     cluster.setup(layout)
     cluster.on_receivers(_ME + "repack_linears")
     info = m2n_info(layout)
-    futs = [a.submit("weightsync.local.trainer:make_engine", info, cluster.client(), source="dtensor")
+    futs = [a.submit("weightsync.testing.trainer:make_engine", info, cluster.client(), source="local")
             for a in cluster.active_trainers]
     for f in futs:
         with pytest.raises(RemoteError, match=r"ValueError: parameter 'model.layers.0.self_attn.k_proj.weight': "
@@ -116,7 +116,7 @@ def applier_open_abort_finish() -> dict:
     on what was written and keeps the parameter objects (storage) the model had."""
     import torch
 
-    from weightsync.local.receiver import STATE
+    from weightsync.testing.receiver import STATE
     from weightsync.worker import LayerwiseApplier
 
     model, path = STATE["model"], "model.layers.0.mlp.down_proj"

@@ -199,6 +199,19 @@ class Communicator:
                 raise DataPlaneError(f"timed out after {limit}s on {self.name} waiting for {key!r}")
             time.sleep(_STORE_POLL_S)
 
+    def wait_for(self, keys: list[str], timeout_s: float) -> bool:
+        """Wait until every key is set, ignoring reported failures (e.g. a store host that lingers
+        until its peers have read a failure); False when the time ran out or the store is gone."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not self.store.check(keys):
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(_STORE_POLL_S)
+        except Exception:  # noqa: BLE001 - the store is gone: nothing left to wait for
+            return False
+        return True
+
     def peek(self, key: str) -> Any | None:
         """The JSON value under ``key`` if set, else None (never blocks)."""
         return json.loads(self.store.get(key)) if self.store.check([key]) else None

@@ -275,31 +275,20 @@ class Case:
         return f"{self.transport}{r}-tp{self.tp}-{self.dtype}-{self.model}-{self.trainers}tr"
 
     def engine(self) -> EngineConfig:
-        return EngineConfig(self.backend, self.tp, self.dtype, self.model)
+        """The engine(s) this cell syncs into: vLLM's ``weightsync`` backend serves every transport, so
+        the cells of one (TP, dtype, model, replicas) share one engine start."""
+        return EngineConfig("weightsync", self.tp, self.dtype, self.model)
 
 
 def init_info(case: Case, timeout_s: float = 120.0) -> Any:
-    """The trainer init info for ``case`` (rank filled per trainer rank)."""
-    workers = case.replicas * case.tp
-    common = {"master_address": "127.0.0.1", "master_port": free_port(), "device": "cpu", "timeout_s": timeout_s,
-              "rank": 0}
-    if case.transport == "m2n":
-        from weightsync.transport.m2n import M2NTrainerInitInfo
+    """The trainer init info for ``case`` from the registry (rank filled per trainer rank)."""
+    from weightsync.registry import transport
 
-        return M2NTrainerInitInfo(num_trainer_ranks=case.trainers, world_size=case.trainers + workers,
-                                  dst_mesh_dims=(case.replicas, case.tp), **common)
-    if case.transport == "nccl":
-        from weightsync.transport.nccl import NCCLTrainerInitInfo
+    return transport(case.backend).init_info.for_deployment(
+        num_trainer_ranks=case.trainers, replicas=case.replicas, tp=case.tp,
+        buffer_bytes=None if case.transport == "m2n" else 64 << 10, master_address="127.0.0.1",
+        master_port=free_port(), device="cpu", timeout_s=timeout_s)
 
-        return NCCLTrainerInitInfo(num_trainer_ranks=case.trainers, world_size=1 + workers, bucket_bytes=64 << 10,
-                                   **common)
-    from weightsync.transport.ipc import IPCTrainerInitInfo
-
-    return IPCTrainerInitInfo(num_trainer_ranks=case.trainers, num_workers=workers, bucket_bytes=64 << 10, **common)
-
-
-SOURCES = {"m2n": "dtensor", "nccl": "full", "ipc": "full"}
-"""M2N sends local FSDP2 shards (``DTensorModuleSource``); the others full tensors (``FullTensorSource``)."""
 
 MAX_TOKENS = 8
 
@@ -308,8 +297,8 @@ MAX_TOKENS = 8
 class Observed:
     """What one engine showed over a scenario (per worker lists for tensors)."""
 
-    dummy: list[dict[str, Any]]
-    dummy_tokens: list[list[int]]
+    before: list[dict[str, Any]]              # before the case's first sync (vLLM's dummy weights, or a prior case's)
+    before_tokens: list[list[int]]
     versions: list[Any]
     synced: list[list[dict[str, Any]]]        # after sync v1, v2
     tokens: list[list[list[int]]]             # after sync v1, v2
@@ -331,34 +320,49 @@ class Outcome:
             raise self.error
 
 
-def run_scenario(session: RaySession, trainer_actors: list[Any], case: Case, *, timeout_s: float = 120.0) -> Outcome:
-    """Start ``case``'s engine(s), sync the trainer's weights twice (an optimizer step between), and
-    read back everything the checks need. Errors are captured in the outcome."""
+def run_cases(session: RaySession, trainer_actors: list[Any], cases: list[Case], *,
+              timeout_s: float = 120.0) -> dict[Case, Outcome]:
+    """Start the engine(s) the ``cases`` share once, run each case on them in turn, stop them."""
+    t0 = time.perf_counter()
+    try:
+        handles = session.start_engines(cases[0].engine(), count=cases[0].replicas)
+    except BaseException as e:  # noqa: BLE001 - reported by every test of every case
+        return {c: Outcome(c, [], [], [], {}, error=e) for c in cases}
+    start_s = time.perf_counter() - t0
+    try:
+        return {c: run_scenario(handles, trainer_actors, c, seed=i, start_s=start_s, timeout_s=timeout_s)
+                for i, c in enumerate(cases)}
+    finally:
+        session.stop_engines()
+
+
+def run_scenario(handles: list[Any], trainer_actors: list[Any], case: Case, *, seed: int, start_s: float,
+                 timeout_s: float = 120.0) -> Outcome:
+    """Sync the trainer's weights (seeded ``seed``, unlike whatever the engine holds) into the engines
+    twice, an optimizer step between, and read back everything the checks need. Errors are captured."""
     import ray
 
-    out = Outcome(case, [], [], [], {})
+    out = Outcome(case, [], [], [], {"engine_start": start_s})
     t0 = time.perf_counter()
     trainers = Trainers(trainer_actors[:case.trainers])
     try:
-        handles = session.start_engines(case.engine(), count=case.replicas)
-        out.seconds["engine_start"] = time.perf_counter() - t0
-        trainers.setup(case.model, case.dtype)
+        trainers.setup(case.model, case.dtype, seed=seed)
         vocab = 151
         P = prompts(vocab)
         for h in handles:
-            dummy, toks, ver = ray.get([h.effective.remote(), h.greedy.remote(P, MAX_TOKENS),
-                                        h.get_weight_version.remote()])
-            out.engines.append(Observed(dummy, toks, [ver], [], [], []))
+            before, toks, ver = ray.get([h.effective.remote(), h.greedy.remote(P, MAX_TOKENS),
+                                         h.get_weight_version.remote()])
+            out.engines.append(Observed(before, toks, [ver], [], [], []))
         t1 = time.perf_counter()
         trainers.make_engines(init_info(case, timeout_s), handles, SOURCES[case.transport])
         out.seconds["trainer_init"] = time.perf_counter() - t1
         states = []
-        for step, version in enumerate(("v1", "v2")):
+        for step, version in enumerate((f"{case.transport}-v1", f"{case.transport}-v2")):
             if step:
                 trainers.train_step(step)
             t1 = time.perf_counter()
             out.stats.append(trainers.send_weights(version))
-            out.seconds[f"sync_{version}"] = time.perf_counter() - t1
+            out.seconds[f"sync_v{step + 1}"] = time.perf_counter() - t1
             for h, obs in zip(handles, out.engines):
                 eff, toks, ver = ray.get([h.effective.remote(), h.greedy.remote(P, MAX_TOKENS),
                                           h.get_weight_version.remote()])

@@ -120,9 +120,22 @@ class BaseTrainerEngine(TrainerEngine):
         except BaseException as e:
             if self.comm is not None:
                 self.comm.fail(describe(e), e)
+                self._acknowledge("init")  # rank 0 (the store's host) lingers until every rank saw it
             self._pool.shutdown(wait=False)
             raise
         return self
+
+    def _acknowledge(self, step: str) -> None:
+        """Ranks > 0 say they read ``step``'s outcome; rank 0, which hosts the store, waits for them
+        (at most ``timeout_s``) so that no rank reads "store unreachable" instead of the outcome."""
+        keys = [f"{step}/ack/{r}" for r in range(1, self.init_info.num_trainer_ranks)]
+        if not self.is_sender:
+            try:
+                self.comm.publish(keys[self.rank - 1], True)
+            except Exception:  # noqa: BLE001 - the store is gone: rank 0 gave up waiting
+                pass
+        elif keys:
+            self.comm.wait_for(keys, self.init_info.timeout_s)
 
     def _start_update(self) -> None:
         """Rank 0: start the update on every engine. vLLM's worker refuses while an update is active,
@@ -211,6 +224,7 @@ class BaseTrainerEngine(TrainerEngine):
                 self.comm.publish(self._key("verdict"), _OK)
             else:
                 self.comm.read(self._key("verdict"))
+                self._acknowledge(f"sync{self.sync_id}")
         except BaseException as e:
             raise self._failed_sync(e, fut) from e
         stats.verified = True if verify else None
@@ -229,11 +243,16 @@ class BaseTrainerEngine(TrainerEngine):
                     pass
             self._abort_workers(reason)
         self.failed = reason
+        if not self.is_sender:
+            self._acknowledge(f"sync{self.sync_id}")
         return SyncFailed(f"weight sync {self.sync_id} failed: {reason}")
 
     def shutdown(self) -> None:
-        """Release the group (and the store, on rank 0). Call on every trainer rank."""
+        """Release the group (and the store, on rank 0, once every rank read the last outcome).
+        Call on every trainer rank."""
         if self.comm is not None:
+            if self.is_sender and self.sync_id:
+                self._acknowledge(f"sync{self.sync_id}")
             self.comm.shutdown()
         self.comm = None
         self._pool.shutdown(wait=False)
