@@ -137,6 +137,16 @@ def checkpoint_layout(module: Any) -> dict[str, torch.Tensor]:
     return dict(info.restore_metadata[0]) if info is not None else {}
 
 
+def _layout_buffers(module: Any) -> list[str]:
+    """Buffers vLLM recorded in ``module``'s checkpoint layout (restored, not written, on reload)."""
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    except ImportError:  # pragma: no cover
+        return []
+    info = LAYERWISE_INFO.get(module)
+    return list(info.restore_metadata[1]) if info is not None else []
+
+
 def _processed(live: torch.Tensor, layout: torch.Tensor | None) -> bool:
     """Whether vLLM's post-load processing changed ``live`` away from the checkpoint layout."""
     return layout is not None and (tuple(live.shape) != tuple(layout.shape) or live.dtype != layout.dtype)
@@ -214,8 +224,8 @@ def resolve_destinations(model: torch.nn.Module, metas: Sequence[tuple[str, str,
                 getattr(module, a, None), torch.Tensor)):
             continue
         names = [f"{path}.{a}" for a in layout]
-        missing = [n for n in names if n not in covered]
-        if missing:  # processing would run on a parameter no trainer tensor fills
+        missing = [n for n in names if n not in covered] + [f"{path}.{b} (a buffer)" for b in _layout_buffers(module)]
+        if missing:  # processing would run on a tensor no trainer tensor fills
             moved = [p for p in pieces if p.param.rpartition(".")[0] == path]
             fallbacks.extend(Fallback(n, f"module {path} is post-processed and no trainer tensor writes "
                                          f"{missing[0]}", sizes[n]) for n in dict.fromkeys(p.name for p in moved))
