@@ -100,12 +100,13 @@ class BaseTrainerEngine(TrainerEngine):
         _check_source(init_info.backend, transport(init_info.backend).source, source)
         self = cls(init_info, client=client, source=source)
         self.sync_id, self.failed, self.comm = 0, None, None
+        self._outcome_step: str | None = None  # rank 0: the last sync whose outcome the other ranks acknowledge
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="weightsync-client")
         i = init_info
+        fut = None
         try:
             self.comm = Communicator.connect(i.master_address, i.master_port or 0, name=f"trainer rank {i.rank}",
                                              timeout_s=i.timeout_s, host_store=self.is_sender)
-            fut = None
             if self.is_sender:
                 payload = {**asdict(self._worker_init_info(self.comm.port)), "transport": self.init_info.backend}
                 fut = self._watched(self._pool.submit(self.client.init_weight_transfer_engine, payload), "init_weight_transfer_engine")
@@ -120,6 +121,11 @@ class BaseTrainerEngine(TrainerEngine):
         except BaseException as e:
             if self.comm is not None:
                 self.comm.fail(describe(e), e)
+                if fut is not None:  # the workers learn it from the store too: they are not left connecting
+                    try:
+                        client_result(fut, i.timeout_s, "init_weight_transfer_engine")
+                    except BaseException:  # noqa: BLE001 - they failed, as they should
+                        pass
                 self._acknowledge("init")  # rank 0 (the store's host) lingers until every rank saw it
             self._pool.shutdown(wait=False)
             raise
@@ -222,6 +228,7 @@ class BaseTrainerEngine(TrainerEngine):
                                                    for w in sorted(self._lower_bound())}
                 stats.lower_bound_per_worker = self._lower_bound()
                 self.comm.publish(self._key("verdict"), _OK)
+                self._outcome_step = f"sync{self.sync_id}"
             else:
                 self.comm.read(self._key("verdict"))
                 self._acknowledge(f"sync{self.sync_id}")
@@ -245,14 +252,16 @@ class BaseTrainerEngine(TrainerEngine):
         self.failed = reason
         if not self.is_sender:
             self._acknowledge(f"sync{self.sync_id}")
+        else:
+            self._outcome_step = f"sync{self.sync_id}"
         return SyncFailed(f"weight sync {self.sync_id} failed: {reason}")
 
     def shutdown(self) -> None:
         """Release the group (and the store, on rank 0, once every rank read the last outcome).
         Call on every trainer rank."""
         if self.comm is not None:
-            if self.is_sender and self.sync_id:
-                self._acknowledge(f"sync{self.sync_id}")
+            if self.is_sender and self._outcome_step:
+                self._acknowledge(self._outcome_step)
             self.comm.shutdown()
         self.comm = None
         self._pool.shutdown(wait=False)
