@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine_support import Case, diff, run_scenario
+from engine_support import Case, diff, run_cases
 
 pytestmark = pytest.mark.timeout(900)
 
