@@ -354,7 +354,9 @@ def run_scenario(handles: list[Any], trainer_actors: list[Any], case: Case, *, s
                                          h.get_weight_version.remote()])
             out.engines.append(Observed(before, toks, [ver], [], [], []))
         t1 = time.perf_counter()
-        trainers.make_engines(init_info(case, timeout_s), handles, SOURCES[case.transport])
+        from weightsync.registry import transport
+
+        trainers.make_engines(init_info(case, timeout_s), handles, transport(case.backend).source)
         out.seconds["trainer_init"] = time.perf_counter() - t1
         states = []
         for step, version in enumerate((f"{case.transport}-v1", f"{case.transport}-v2")):
