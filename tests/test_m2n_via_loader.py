@@ -138,7 +138,7 @@ def applier_open_abort_finish() -> dict:
 
 
 def test_applier_abort_keeps_old_kernels_finish_reprocesses(cluster):
-    cluster.setup(Layout(trainers=1, tp=1, backend="weightsync_m2n"))
+    cluster.setup(Layout(trainers=1, tp=1, backend="weightsync_m2n"), fresh=True)
     cluster.on_receivers(_ME + "repack_linears")
     got = cluster.on_receivers(_ME + "applier_open_abort_finish")[0]
     assert got["abort_staging_shape"] == got["finish_staging_shape"] == got["packed_shape"]
