@@ -67,26 +67,19 @@ def _run(device: str, how: str) -> dict[int, tuple[str, float]]:
     return results
 
 
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                        reason="needs CUDA")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA], ids=["gloo", "nccl"])
 @pytest.mark.parametrize("how", ["broadcast", "recv"])
-def test_a_failing_party_wakes_every_blocked_peer_with_its_reason_gloo(how):
-    results = _run("cpu", how)
+def test_a_failing_party_wakes_every_blocked_peer_with_its_reason(device, how):
+    results = _run(device, how)
     assert results[0][0] == "failed"
     for rank in (1, 2):
         what, seconds = results[rank]
         assert "party 0: ValueError: the source yielded a wrong shape" in what, what
         assert 0 < seconds < 5, (rank, seconds)  # well before the 30 s timeout and before rank 0 exits
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("how", ["broadcast", "recv"])
-def test_a_failing_party_wakes_every_blocked_peer_with_its_reason_nccl(how):
-    results = _run("cuda", how)
-    assert results[0][0] == "failed"
-    for rank in (1, 2):
-        what, seconds = results[rank]
-        assert "party 0: ValueError: the source yielded a wrong shape" in what, what
-        assert 0 < seconds < 5, (rank, seconds)
 
 
 def test_store_reads_raise_a_reported_failure_at_once_and_name_the_key_on_timeout():
