@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..engine import MetadataUpdateInfo, SyncStats, TrainerInitInfo, WorkerInitInfo
-from ..layout.buckets import ALIGN, Bucket, check_bucket_bytes, metadata_digest, plan_buckets
+from ..layout.buckets import Bucket, check_bucket_bytes, metadata_digest, plan_buckets
 from ..protocol import ParamMeta, check_metadata, checked
 from ..registry import Transport
 from ..worker import LayerwiseApplier
