@@ -109,7 +109,8 @@ class BaseTrainerEngine(TrainerEngine):
                                              timeout_s=i.timeout_s, host_store=self.is_sender)
             if self.is_sender:
                 payload = {**asdict(self._worker_init_info(self.comm.port)), "transport": self.init_info.backend}
-                fut = self._watched(self._pool.submit(self.client.init_weight_transfer_engine, payload), "init_weight_transfer_engine")
+                fut = self._watched(self._pool.submit(self.client.init_weight_transfer_engine, payload),
+                                    "init_weight_transfer_engine")
             if (data := self._data_rank()) is not None:
                 self.comm.join(*data, device=i.device)
             self._handshake()
