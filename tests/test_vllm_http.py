@@ -147,6 +147,26 @@ def test_out_of_order_worker_refusal_is_409_with_the_workers_words():
     assert post(app, "/start_weight_update", {})[0] == 409
 
 
+class Raising(FakeApp):
+    """A route that lets the engine's error propagate, as vLLM's RL routes do."""
+
+    def __init__(self, error: str) -> None:
+        super().__init__()
+        self.error = error
+
+    async def __call__(self, scope, receive, send):
+        raise RuntimeError(self.error)
+
+
+def test_out_of_order_worker_error_raised_through_the_route_is_409():
+    """vLLM's RL routes let the engine's ``RuntimeError`` propagate (Starlette's outermost handler, outside
+    every middleware, makes it a 500): the middleware answers 409 for an out-of-order one, re-raises the rest."""
+    status, body = post(Raising(OUT_OF_ORDER_500["error"]["message"]), "/finish_weight_update", {"weight_version": "v"})
+    assert (status, body["error"]["message"]) == (409, "start_weight_update must be called before update_weights.")
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        post(Raising("disk on fire"), "/start_weight_update", {})
+
+
 def test_other_failures_and_other_backends_pass_through():
     app = FakeApp(reply=(500, {"error": {"message": "disk on fire", "code": 500}}))
     assert post(app, "/start_weight_update", {}) == (500, {"error": {"message": "disk on fire", "code": 500}})

@@ -16,7 +16,8 @@ has already swapped the worker's transport engine by then. With it:
   class of the transport this server was last initialized for (any weightsync transport's when
   unknown here, e.g. with several API server processes) -> 400 naming the field.
 * A worker refusing a call out of order (update or finish without start, start during an update,
-  any call before init) -> 409 Conflict with the worker's own words, instead of 500.
+  any call before init) -> 409 Conflict with the worker's own words, instead of 500 (vLLM raises
+  those as ``RuntimeError`` through the route, answered by Starlette's outermost error handler).
 
 Servers whose backend is not weightsync's pass every body through unchanged (only the 409 mapping
 applies). Pure ASGI: no vLLM, FastAPI or Starlette import (``import weightsync`` stays free of them).
@@ -212,7 +213,8 @@ async def _respond(send: Callable[[Message], Awaitable[None]], status: int, body
 
 async def _forward_mapping_conflicts(app: ASGIApp, scope: Scope, receive: Callable[[], Awaitable[Message]],
                                      send: Callable[[Message], Awaitable[None]]) -> int:
-    """Run ``app``; a 5xx whose text is an out-of-order refusal goes out as 409. Returns the status sent."""
+    """Run ``app``; a 5xx or an exception whose text is an out-of-order refusal goes out as 409.
+    Returns the status sent."""
     start: Message | None = None
     held: list[bytes] = []
     sent = 0
@@ -247,5 +249,13 @@ async def _forward_mapping_conflicts(app: ASGIApp, scope: Scope, receive: Callab
             await send(start)
             await send({"type": "http.response.body", "body": body, "more_body": False})
 
-    await app(scope, receive, watch)
+    try:
+        await app(scope, receive, watch)
+    except Exception as e:  # vLLM leaves raw errors to Starlette's outermost handler, outside this middleware
+        text = str(e)
+        if sent or start is not None or not any(s in text for s in OUT_OF_ORDER):
+            raise
+        inner = _WORKER_ERROR.search(text)
+        await _respond(send, 409, _error_body(inner.group(1) if inner else text, 409, "ConflictError"))
+        return 409
     return sent
