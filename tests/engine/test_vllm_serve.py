@@ -40,7 +40,7 @@ from typing import Any
 import pytest
 
 from engine_support import ENGINE_ENV, Case, config_dir, free_port, init_info, prompts
-from test_engine_sync import NEAR_TIE, _first_divergence
+from weightsync.testing.vllm_cpu import NEAR_TIE, parting
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -257,9 +257,9 @@ class Flow:
         same = sorted(k for k in before if before[k] == got["checksums"][k])
         assert same == [], f"parameters the sync did not change: {same}"
         for p, ((tokens, gaps), hf) in enumerate(zip(got["tokens"], got["hf"], strict=True)):
-            i = _first_divergence(tokens, hf)
-            assert i is None or gaps[i] < NEAR_TIE[DTYPE], (
-                f"{version} prompt {p}: vLLM {tokens} vs HF {hf}, parting at {i} with logprob gap {gaps[i]:.4f}")
+            i = parting((tokens, gaps), hf, DTYPE)
+            assert i is None, (f"{version} prompt {p}: vLLM {tokens} vs HF {hf}, parting at {i} with logprob gap "
+                               f"{gaps[i]:.4f} >= {NEAR_TIE[DTYPE]}")
 
 
 @pytest.fixture(scope="module")
