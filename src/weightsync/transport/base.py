@@ -67,7 +67,7 @@ class BaseTrainerEngine(TrainerEngine):
         """The worker init info's fields every transport shares (``port``: the store's actual port)."""
         i = self.init_info
         return {"master_address": i.master_address, "master_port": port, "timeout_s": i.timeout_s,
-                "rollback": i.rollback}
+                "rollback": i.rollback, "cast_dtypes": i.cast_dtypes, "partial": list(i.partial)}
 
     def _data_rank(self) -> tuple[int, int] | None:
         """``(rank, world size)`` of this trainer rank in the data plane, or None (control only)."""
@@ -143,6 +143,22 @@ class BaseTrainerEngine(TrainerEngine):
                 pass
         elif keys:
             self.comm.wait_for(keys, self.init_info.timeout_s)
+
+    def _agree_on_metadata(self) -> None:
+        """Every trainer rank: publish this rank's metadata (names, dtypes, shapes) and compare it with
+        every rank's, so that all raise the same error; rank 0's is what the workers check their
+        model against (``model/metas/0``). For the full-tensor transports' handshake."""
+        mine = [m.wire() for m in self.source.metadata]
+        self.comm.publish(f"model/metas/{self.rank}", mine)
+        first = self.comm.read("model/metas/0") if self.rank else mine
+        for r in range(1, self.init_info.num_trainer_ranks):
+            theirs = mine if r == self.rank else self.comm.read(f"model/metas/{r}")
+            if theirs != first:
+                i = next((k for k, (a, b) in enumerate(zip(first, theirs)) if a != b), min(len(first), len(theirs)))
+                a, b = (x[i] if i < len(x) else "nothing" for x in (first, theirs))
+                what = a["name"] if isinstance(a, dict) else b["name"]
+                raise ValueError(f"parameter {what!r}: trainer rank {r}'s metadata differs from trainer rank 0's "
+                                 f"at position {i}: {_short(b)} vs {_short(a)}")
 
     def _start_update(self) -> None:
         """Rank 0: start the update on every engine. vLLM's worker refuses while an update is active,
@@ -266,6 +282,10 @@ class BaseTrainerEngine(TrainerEngine):
             self.comm.shutdown()
         self.comm = None
         self._pool.shutdown(wait=False)
+
+
+def _short(meta: Any) -> str:
+    return meta if isinstance(meta, str) else f"{meta['name']} {meta['dtype']} {tuple(meta['shape'])}"
 
 
 def _check_source(backend: str, kind: str, source: WeightSource | None) -> None:
