@@ -1,7 +1,8 @@
 """The transport core, worker side: the lifecycle every transport's worker engine shares.
 
 As vLLM's worker calls it: ``init_transfer_engine`` connects to the trainer's store, checks the
-deployment and runs ``_init``; ``start_weight_update`` opens a :class:`LayerwiseApplier`;
+deployment and runs ``_init`` (which checks the trainer's metadata against the model and for
+coverage, ``_check_model``, before any data moves); ``start_weight_update`` opens a :class:`LayerwiseApplier`;
 ``receive_weights`` runs ``_receive`` (it returns the bytes its data plane delivered, which the worker
 publishes) or, for an abort, rolls back and leaves the update; any failure poisons the engine (it
 refuses updates until re-initialized) and is reported to every party of the group.
