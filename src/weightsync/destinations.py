@@ -122,7 +122,8 @@ def _place(shape: tuple[int, ...], module: Any, param: torch.nn.Parameter,
         if dim is None:
             return f"{cls} parameter without its sharded dim"
         size = param.shape[dim]
-        return _box(shape, dim, module.tp_rank * size, size), (0,) * len(shape), _glob(param, dim, size * module.tp_size)
+        region = _box(shape, dim, module.tp_rank * size, size)
+        return region, (0,) * len(shape), _glob(param, dim, size * module.tp_size)
     if cls in ("VocabParallelEmbedding", "ParallelLMHead") and out_dim is not None:
         idx = module.shard_indices
         start, end = idx.org_vocab_start_index, idx.org_vocab_end_index
