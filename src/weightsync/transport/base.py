@@ -148,15 +148,19 @@ class BaseTrainerEngine(TrainerEngine):
             self.comm.wait_for(keys, self.init_info.timeout_s)
 
     def _agree_on_metadata(self) -> None:
-        """Every trainer rank: publish this rank's metadata (names, dtypes, shapes) and compare it with
-        every rank's, so that all raise the same error; rank 0's is what the workers check their
-        model against (``model/metas/0``). For the full-tensor transports' handshake."""
+        """Every trainer rank: publish this rank's metadata (names, dtypes, shapes) and its digest,
+        compare the digests; on a mismatch every rank reads rank 0's and the first differing rank's
+        metadata and raises the same error naming the first differing parameter. Rank 0's is what
+        the workers check their model against (``model/metas/0``). For the full-tensor transports."""
+        from ..layout.buckets import metadata_digest
+
         mine = [m.wire() for m in self.source.metadata]
-        self.comm.publish(f"model/metas/{self.rank}", mine)
-        first = self.comm.read("model/metas/0") if self.rank else mine
-        for r in range(1, self.init_info.num_trainer_ranks):
-            theirs = mine if r == self.rank else self.comm.read(f"model/metas/{r}")
-            if theirs != first:
+        self.comm.publish(f"model/metas/{self.rank}", mine)  # read in full by the workers, or on a mismatch
+        self.comm.publish(f"model/digest/{self.rank}", metadata_digest(mine))
+        digests = [self.comm.read(f"model/digest/{r}") for r in range(self.init_info.num_trainer_ranks)]
+        for r, theirs_digest in enumerate(digests):
+            if theirs_digest != digests[0]:
+                first, theirs = (mine if k == self.rank else self.comm.read(f"model/metas/{k}") for k in (0, r))
                 i = next((k for k, (a, b) in enumerate(zip(first, theirs)) if a != b), min(len(first), len(theirs)))
                 a, b = (x[i] if i < len(x) else "nothing" for x in (first, theirs))
                 what = a["name"] if isinstance(a, dict) else b["name"]
