@@ -212,6 +212,15 @@ def test_source_not_fitting_the_engine_fails_at_init_on_every_rank_then_a_good_s
 
 
 @vllm
+def test_cast_dtypes_lets_a_trainer_in_another_float_dtype_sync(cluster):
+    layout = dataclasses.replace(M2N, trainer_dtype="bfloat16")  # into the float32 engine, cast on receive
+    cluster.setup(layout)
+    cluster.make_engines(m2n_info(cast_dtypes=True), source="local")
+    assert cluster.sync(weight_version="cast", verify=True)["verified"] is True
+    assert mismatches(cluster) == {}
+
+
+@vllm
 def test_a_parameter_named_in_partial_may_be_left_unwritten(cluster):
     cluster.setup(M2N)
     cluster.make_engines(m2n_info(partial=("model.layers.1.mlp.gate_up_proj",)), source="local", fault="omitted")
