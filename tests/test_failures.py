@@ -15,6 +15,7 @@ from weightsync import RemoteCallError
 from weightsync.testing.actors import RemoteError
 from weightsync.testing.cluster import Layout
 from weightsync.testing.faults import BAD_NAME as BAD
+from weightsync.testing.faults import EXTRA_NAME as EXTRA
 
 pytestmark = [pytest.mark.timeout(900)]
 vllm = pytest.mark.vllm
@@ -156,6 +157,73 @@ def test_bad_input_rejected_on_every_rank_fast_weights_unchanged(cluster, case):
     assert elapsed < 5, f"{case}: rejected after {elapsed:.1f} s"
     assert cluster.on_receivers("checksum") == before
     assert cluster.client().weight_versions() == versions
+
+
+# --- sources that do not fit the engine's model, every transport -------------------------------
+DIFFERS = r"parameter '[\w.]+': trainer rank 1's metadata differs from trainer rank 0's"
+MODEL_MISMATCHES = {  # case: (changes to the trainer's side of the layout, source fault, message)
+    "consistent source omits one half of a fused param": (
+        {}, "omitted", r"parameter 'model.layers.1.mlp.gate_up_proj.weight': no tensor of this sync writes "
+                       r"\[64:128, 0:64\] of its \(128, 64\) on this TP rank \(the trainer's metadata has no "
+                       rf"'{BAD}'\)"),
+    "extra tensor": ({}, "extra", rf"parameter '{EXTRA}': the trainer sends it, but vLLM's Qwen3ForCausalLM has no "
+                                 r"parameter or fused layer for it"),
+    "tensor missing on one rank only": ({}, "rank1_differs", DIFFERS),
+    "order swapped on one rank": ({}, "rank1_swapped", DIFFERS),
+    "dtype of the model vs the engine": (
+        {"trainer_dtype": "bfloat16"}, None,
+        r"parameter 'model.embed_tokens.weight': the trainer sends bfloat16, vLLM's model.embed_tokens.weight "
+        r"holds float32"),
+    "vocab size": ({"trainer_model": "tiny_qwen3_vocab160"}, None,
+                   r"parameter 'model.embed_tokens.weight': the trainer's shape \(160, 64\) does not match vLLM's "
+                   r"model.embed_tokens.weight .*\(dim 0: 151, the trainer's 160\)"),
+    "larger trainer model": ({"trainer_model": "tiny_qwen3_wide"}, None,
+                             r"parameter 'model.layers.0.mlp.gate_proj.weight': the trainer's shape \(160, 64\) "
+                             r"does not match vLLM's model.layers.0.mlp.gate_up_proj.weight .*\(dim 0: 128, the "
+                             r"trainer's 160\)"),
+}
+
+
+@vllm
+@pytest.mark.parametrize("backend, case", [(b, c) for b in TRANSPORTS for c in MODEL_MISMATCHES])
+def test_source_not_fitting_the_engine_fails_at_init_on_every_rank_then_a_good_sync_verifies(cluster, backend, case):
+    changes, fault, message = MODEL_MISMATCHES[case]
+    good = Layout(trainers=2, tp=2, backend=backend)
+    cluster.setup(good)
+    before, versions = cluster.on_receivers("checksum"), cluster.client().weight_versions()
+    cluster.setup(dataclasses.replace(good, **changes))
+    cluster.on_trainers("shutdown_engine")  # the last test's group is not part of what is timed
+    cluster.on_receivers("shutdown_weight_transfer_engine")
+    t0 = time.perf_counter()
+    errors = make(lambda: info(backend), SOURCES[backend], fault)(cluster)
+    elapsed = time.perf_counter() - t0
+    assert len(errors) == good.trainers
+    for err in errors:  # every trainer rank raises, naming the parameter
+        assert re.search(message, err), (case, err)
+    print(f"{backend} {case}: rejected after {elapsed:.2f} s")
+    assert elapsed < 5, f"{case}: rejected after {elapsed:.1f} s"
+    assert cluster.on_receivers("checksum") == before
+    assert cluster.client().weight_versions() == versions
+
+    cluster.setup(good)  # the engines take a correct sync right after
+    cluster.make_engines(info(backend), source=SOURCES[backend])
+    assert cluster.sync(weight_version="after", verify=True)["verified"] is True
+    assert mismatches(cluster) == {}
+
+
+@vllm
+def test_cast_dtypes_lets_a_trainer_in_another_float_dtype_sync(cluster):
+    layout = dataclasses.replace(M2N, trainer_dtype="bfloat16")  # into the float32 engine, cast on receive
+    cluster.setup(layout)
+    cluster.make_engines(m2n_info(cast_dtypes=True), source="local")
+    assert cluster.sync(weight_version="cast", verify=True)["verified"] is True
+    assert mismatches(cluster) == {}
+
+
+@vllm
+def test_a_parameter_named_in_partial_may_be_left_unwritten(cluster):
+    cluster.setup(M2N)
+    cluster.make_engines(m2n_info(partial=("model.layers.1.mlp.gate_up_proj",)), source="local", fault="omitted")
 
 
 @vllm

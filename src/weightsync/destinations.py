@@ -28,7 +28,10 @@ import torch
 from .layout.records import DestPiece
 from .layout.regions import Region
 
-__all__ = ["Fallback", "WorkerDestinations", "resolve_destinations"]
+__all__ = ["Fallback", "WorkerDestinations", "resolve_destinations", "UNKNOWN"]
+
+UNKNOWN = "no vLLM parameter or fused layer for this name"
+"""The fallback reason of a tensor this model has no place for (the model agreement refuses it)."""
 
 _COPY_DTYPES = {torch.float32, torch.bfloat16, torch.float16, torch.float64}
 _UNQUANTIZED = {"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"}
@@ -49,6 +52,8 @@ class WorkerDestinations:
     param_shapes: dict[str, tuple[int, ...]]  # every vLLM parameter's local shape (checkpoint layout)
     param_dtypes: dict[str, str]  # every vLLM parameter's dtype name (checkpoint layout)
     via_loader: tuple[str, ...] = ()  # vLLM params (whole modules) received in checkpoint layout, then processed
+    placed: tuple[DestPiece, ...] = ()  # every region placed, fallback modules' too (for the coverage check)
+    reached: tuple[str, ...] = ()  # vLLM params a tensor reaches only whole through its loader (region unknown)
 
     @property
     def via_loader_modules(self) -> tuple[str, ...]:
@@ -84,8 +89,16 @@ def _box(shape: Sequence[int], dim: int, start: int, size: int) -> Region:
     return Region(tuple(offsets), tuple(sizes))
 
 
-def _place(shape: tuple[int, ...], module: Any, param: torch.nn.Parameter, shard: Any) -> tuple[Region, tuple[int, ...]] | str:
-    """(HF region, param offsets) for one tensor, or the reason it is not a plain block copy."""
+def _glob(param: torch.Tensor, dim: int, size: int) -> tuple[int, ...]:
+    """``param``'s shape with ``dim`` widened to the global ``size`` (the HF tensor's shape)."""
+    return tuple(size if d == dim else int(n) for d, n in enumerate(param.shape))
+
+
+def _place(shape: tuple[int, ...], module: Any, param: torch.nn.Parameter,
+           shard: Any) -> tuple[Region, tuple[int, ...], tuple[int, ...]] | str:
+    """(HF region, param offsets, the HF shape vLLM expects) for one tensor, or the reason it is not
+    a plain block copy. The expected shape is the checkpoint's global shape as this layer was built
+    (so a larger trainer tensor is refused, never truncated)."""
     cls = _cls(module)
     out_dim, in_dim = getattr(param, "output_dim", None), getattr(param, "input_dim", None)
     if getattr(param, "packed_dim", None) is not None:
@@ -94,12 +107,14 @@ def _place(shape: tuple[int, ...], module: Any, param: torch.nn.Parameter, shard
         size, offset = module._get_shard_size_mapping(shard), module._get_shard_offset_mapping(shard)
         rank = module.tp_rank if shard == "q" else module.tp_rank // module.num_kv_head_replicas
         region = _box(shape, out_dim, rank * size, size)
-        return region, tuple(offset if d == out_dim else 0 for d in range(len(shape)))
+        total = size * module.tp_size // (1 if shard == "q" else module.num_kv_head_replicas)
+        return region, tuple(offset if d == out_dim else 0 for d in range(len(shape))), _glob(param, out_dim, total)
     if cls == "MergedColumnParallelLinear" and out_dim is not None and shard is not None:
         size = module.output_sizes[shard] // module.tp_size
         offset = sum(module.output_sizes[:shard]) // module.tp_size
         region = _box(shape, out_dim, module.tp_rank * size, size)
-        return region, tuple(offset if d == out_dim else 0 for d in range(len(shape)))
+        offsets = tuple(offset if d == out_dim else 0 for d in range(len(shape)))
+        return region, offsets, _glob(param, out_dim, module.output_sizes[shard])
     if shard is not None:
         return f"fused into {cls}, which is not a known fused layer"
     if cls in ("ColumnParallelLinear", "RowParallelLinear") and (out_dim is not None or in_dim is not None):
@@ -107,13 +122,15 @@ def _place(shape: tuple[int, ...], module: Any, param: torch.nn.Parameter, shard
         if dim is None:
             return f"{cls} parameter without its sharded dim"
         size = param.shape[dim]
-        return _box(shape, dim, module.tp_rank * size, size), (0,) * len(shape)
+        region = _box(shape, dim, module.tp_rank * size, size)
+        return region, (0,) * len(shape), _glob(param, dim, size * module.tp_size)
     if cls in ("VocabParallelEmbedding", "ParallelLMHead") and out_dim is not None:
         idx = module.shard_indices
         start, end = idx.org_vocab_start_index, idx.org_vocab_end_index
         if getattr(idx, "num_added_elements", 0):
             return "vocab embedding with added (LoRA) vocabulary"
-        return _box(shape, out_dim, start, end - start), (0,) * len(shape)
+        return (_box(shape, out_dim, start, end - start), (0,) * len(shape),
+                _glob(param, out_dim, int(module.org_vocab_size)))
     if out_dim is None and in_dim is None:
         loader = getattr(param, "weight_loader", None)
         if loader is not None and getattr(loader, "__name__", "") != "default_weight_loader":
@@ -121,7 +138,7 @@ def _place(shape: tuple[int, ...], module: Any, param: torch.nn.Parameter, shard
         if tuple(param.shape) != shape:
             raise ValueError(f"parameter {param_name(module, param)!r}: vLLM holds it whole with shape "
                              f"{tuple(param.shape)}, the trainer's tensor has shape {shape}")
-        return Region((0,) * len(shape), shape), (0,) * len(shape)
+        return Region((0,) * len(shape), shape), (0,) * len(shape), tuple(param.shape)
     return f"{cls} parameter with shape {tuple(param.shape)} from HF shape {shape} is not a known layout"
 
 
@@ -165,13 +182,15 @@ def resolve_destinations(model: torch.nn.Module, metas: Sequence[tuple[str, str,
     pieces: list[DestPiece] = []
     fallbacks: list[Fallback] = []
     tied: list[str] = []
+    placed: list[DestPiece] = []  # every placed piece, also those later demoted to a fallback (coverage)
+    reached: list[str] = []  # vLLM params a tensor reaches whole through the loader (region unknown)
     sizes: dict[str, int] = {}
     for name, dtype, shape in metas:
         shape = tuple(int(s) for s in shape)
         nbytes = sizes[name] = getattr(torch, dtype).itemsize * torch.Size(shape).numel()
         found = _find(name, modules, packed)
         if found is None:
-            fallbacks.append(Fallback(name, "no vLLM parameter or fused layer for this name", nbytes))
+            fallbacks.append(Fallback(name, UNKNOWN, nbytes))
             continue
         pname, module, shard = found
         attr = pname.rpartition(".")[2]
@@ -194,8 +213,15 @@ def resolve_destinations(model: torch.nn.Module, metas: Sequence[tuple[str, str,
             result = _place(shape, module, param, shard)
         if isinstance(result, str):
             fallbacks.append(Fallback(name, result, nbytes))
+            reached.append(pname)
             continue
-        region, offsets = result
+        region, offsets, expected = result
+        if shape != expected:
+            d = next(d for d, (a, b) in enumerate(zip(shape, expected)) if a != b)
+            raise ValueError(f"parameter {name!r}: the trainer's shape {shape} does not match vLLM's {pname} "
+                             f"{tuple(param.shape)} on this TP rank: vLLM's model expects {expected} "
+                             f"(dim {d}: {expected[d]}, the trainer's {shape[d]})")
+        placed.append(DestPiece(name, region, pname, offsets))
         if any(o + s > p for o, s, p in zip(offsets, region.sizes, param.shape)) or any(
                 o + s > g for o, s, g in zip(region.offsets, region.sizes, shape)):
             raise ValueError(f"parameter {name!r}: the trainer's shape {shape} does not match vLLM's "
@@ -234,4 +260,5 @@ def resolve_destinations(model: torch.nn.Module, metas: Sequence[tuple[str, str,
         via.extend(names)
         for a, t in layout.items():
             shapes[f"{path}.{a}"], dtypes[f"{path}.{a}"] = tuple(t.shape), str(t.dtype).removeprefix("torch.")
-    return WorkerDestinations(tuple(pieces), tuple(fallbacks), tuple(tied), shapes, dtypes, tuple(via))
+    return WorkerDestinations(tuple(pieces), tuple(fallbacks), tuple(tied), shapes, dtypes, tuple(via),
+                              tuple(placed), tuple(dict.fromkeys(reached)))

@@ -120,6 +120,12 @@ class TrainerInitInfo:
     """Workers keep a host copy of their parameters during a sync and restore it on failure."""
     device: str = field(default_factory=default_device)
     """``"cuda"`` (NCCL data plane, CUDA IPC) or ``"cpu"`` (gloo, shared memory)."""
+    cast_dtypes: bool = False
+    """Let a tensor's wire dtype differ from vLLM's parameter dtype (floating point only; the workers
+    cast on receive, as vLLM's loader does). Off: a mismatch fails at init naming the parameter."""
+    partial: tuple[str, ...] = ()
+    """vLLM parameter names (or module prefixes, e.g. ``"lm_head"``) a sync may leave unwritten;
+    any other parameter a sync does not fully write fails it at init (coverage)."""
 
     def __post_init__(self) -> None:
         name = type(self).__name__
@@ -140,6 +146,12 @@ class TrainerInitInfo:
             raise ValueError(f"{name}.rollback must be a bool, got {self.rollback!r}")
         if not isinstance(self.device, str) or self.device.partition(":")[0] not in ("cuda", "cpu"):
             raise ValueError(f"{name}.device must be 'cuda' or 'cpu', got {self.device!r}")
+        if not isinstance(self.cast_dtypes, bool):
+            raise ValueError(f"{name}.cast_dtypes must be a bool, got {self.cast_dtypes!r}")
+        if isinstance(self.partial, str) or not isinstance(self.partial, (list, tuple)) or not all(
+                isinstance(p, str) and p for p in self.partial):
+            raise ValueError(f"{name}.partial must be a tuple of vLLM parameter names, got {self.partial!r}")
+        self._set(partial=tuple(self.partial))
 
     def _set(self, **values: Any) -> None:
         """Normalize fields in ``__post_init__`` (the info is frozen)."""
@@ -175,6 +187,10 @@ class WorkerInitInfo:
     separate engines all have vLLM's ``data_parallel_index == 0``."""
     num_engines: int | None = None
     """How many engines the client drives (set by weightsync's clients), to check the deployment."""
+    cast_dtypes: bool = False
+    """Cast float tensors whose dtype differs from the parameter's (else the model check refuses them)."""
+    partial: list[str] = field(default_factory=list)
+    """vLLM parameter names (or module prefixes) a sync may leave unwritten (coverage check)."""
 
     def __post_init__(self) -> None:
         _check_port("init_info.master_port", self.master_port, required=True)

@@ -55,6 +55,8 @@ class Layout:
     """Receivers' model device; ``"meta"`` builds layouts only (no weights, no transfers)."""
     trainer_model: str | None = None
     """The trainer's model config when it differs from the receivers' (to test mismatches)."""
+    trainer_dtype: str | None = None
+    """The trainer's dtype when it differs from the receivers' (to test mismatches)."""
 
     @property
     def num_workers(self) -> int:
@@ -113,7 +115,8 @@ class LocalCluster:
         self._grow(layout.trainers, layout.num_workers)
         model_dir = model_config_dir(layout.model)
         trainer_dir = model_config_dir(layout.trainer_model or layout.model)
-        tkey = (layout.trainers, layout.dtype, trainer_dir, layout.seed, layout.fsdp)
+        tdtype = layout.trainer_dtype or layout.dtype
+        tkey = (layout.trainers, tdtype, trainer_dir, layout.seed, layout.fsdp)
         rkey = (layout.tp, layout.replicas, layout.dtype, model_dir, layout.backend, layout.device)
         old = self._keys
         self._keys, self.layout = None, None
@@ -122,7 +125,7 @@ class LocalCluster:
             futs += [a.submit(_T + "teardown") for a in self.trainers]
             tport = free_port()
             futs += [a.submit(_T + "setup", trainer_dir, world=layout.trainers, rank=r, port=tport,
-                              dtype=layout.dtype, seed=layout.seed, fsdp=layout.fsdp)
+                              dtype=tdtype, seed=layout.seed, fsdp=layout.fsdp)
                      for r, a in enumerate(self.trainers[: layout.trainers])]
         if fresh or old is None or old[1] != rkey:
             gather([a.submit(_R + "teardown") for a in self.receivers])

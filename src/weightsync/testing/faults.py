@@ -9,7 +9,11 @@ Sources: ``make_engine(..., fault=NAME)`` (``weightsync.testing.trainer``) wraps
 * ``name``: it is yielded as ``BAD_NAME + ".typo"``;
 * ``stops_early``: iteration ends before it; ``missing``: it alone is skipped;
 * ``duplicate`` (the first tensor listed twice), ``rank1_differs`` (rank 1 omits ``BAD_NAME``),
-  ``complex`` (``BAD_NAME`` declared complex64): the metadata is wrong.
+  ``rank1_swapped`` (rank 1 lists ``BAD_NAME`` before the tensor preceding it),
+  ``complex`` (``BAD_NAME`` declared complex64): the metadata is wrong;
+* consistent on every rank (metadata and iteration agree) but not the engine's model: ``omitted``
+  (``BAD_NAME``, one half of vLLM's fused ``gate_up_proj``, is left out), ``extra`` (``EXTRA_NAME``,
+  a copy of ``BAD_NAME`` no vLLM parameter takes, follows it).
 """
 
 from __future__ import annotations
@@ -23,10 +27,12 @@ import torch
 
 from ..protocol import ParamMeta, WeightSource
 
-__all__ = ["BAD_NAME", "FAULTS", "faulty", "JsonRoundTripClient", "CorruptingClient", "slow_data_plane"]
+__all__ = ["BAD_NAME", "EXTRA_NAME", "FAULTS", "faulty", "JsonRoundTripClient", "CorruptingClient", "slow_data_plane"]
 
 BAD_NAME = "model.layers.1.mlp.up_proj.weight"
-FAULTS = ("shape", "dtype", "name", "stops_early", "missing", "duplicate", "rank1_differs", "complex")
+EXTRA_NAME = "model.layers.1.mlp.extra_proj.weight"
+FAULTS = ("shape", "dtype", "name", "stops_early", "missing", "duplicate", "rank1_differs", "rank1_swapped", "complex",
+          "omitted", "extra")
 
 
 class _Faulty(WeightSource):
@@ -42,6 +48,14 @@ class _Faulty(WeightSource):
             metas.append(metas[0])
         elif self.fault == "rank1_differs" and self.rank == 1:
             metas = [m for m in metas if m.name != BAD_NAME]
+        elif self.fault == "rank1_swapped" and self.rank == 1:
+            i = next(i for i, m in enumerate(metas) if m.name == BAD_NAME)
+            metas[i - 1], metas[i] = metas[i], metas[i - 1]
+        elif self.fault == "omitted":
+            metas = [m for m in metas if m.name != BAD_NAME]
+        elif self.fault == "extra":
+            i = next(i for i, m in enumerate(metas) if m.name == BAD_NAME)
+            metas.insert(i + 1, dataclasses.replace(metas[i], name=EXTRA_NAME))
         elif self.fault == "complex":
             metas = [dataclasses.replace(m, dtype=torch.complex64) if m.name == BAD_NAME else m for m in metas]
         return metas
@@ -57,8 +71,11 @@ class _Faulty(WeightSource):
                     name = name + ".typo"
                 elif self.fault == "stops_early":
                     return
-                elif self.fault == "missing":
+                elif self.fault in ("missing", "omitted"):
                     continue
+                elif self.fault == "extra":
+                    yield name, t
+                    name = EXTRA_NAME
             yield name, t
 
 

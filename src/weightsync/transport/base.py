@@ -5,6 +5,9 @@ Trainer side (:class:`BaseTrainerEngine`), on every trainer rank::
     trainer_init: trainer rank 0 hosts the group's store; rank 0 calls the client's
         init_weight_transfer_engine in a thread while every rank connects (and joins the data plane,
         for a transport that has one: ``_data_rank``), runs ``_handshake`` and agrees that init is done.
+        In the handshake the trainer ranks agree on their metadata (``_agree_on_metadata``, or M2N's
+        plan) and every worker checks it against its model and for coverage
+        (:mod:`weightsync.agreement`): a mismatch fails init on every rank, naming the parameter.
     send_weights: preflight (``_preflight`` on every rank; any rank's error is every rank's, before
         anything moves) -> rank 0 starts the update on the engines and tells the others ->
         ``_transfer`` on every rank (rank 0 calls ``update_weights`` inside it) -> every rank reports ->
@@ -67,7 +70,7 @@ class BaseTrainerEngine(TrainerEngine):
         """The worker init info's fields every transport shares (``port``: the store's actual port)."""
         i = self.init_info
         return {"master_address": i.master_address, "master_port": port, "timeout_s": i.timeout_s,
-                "rollback": i.rollback}
+                "rollback": i.rollback, "cast_dtypes": i.cast_dtypes, "partial": list(i.partial)}
 
     def _data_rank(self) -> tuple[int, int] | None:
         """``(rank, world size)`` of this trainer rank in the data plane, or None (control only)."""
@@ -143,6 +146,26 @@ class BaseTrainerEngine(TrainerEngine):
                 pass
         elif keys:
             self.comm.wait_for(keys, self.init_info.timeout_s)
+
+    def _agree_on_metadata(self) -> None:
+        """Every trainer rank: publish this rank's metadata (names, dtypes, shapes) and its digest,
+        compare the digests; on a mismatch every rank reads rank 0's and the first differing rank's
+        metadata and raises the same error naming the first differing parameter. Rank 0's is what
+        the workers check their model against (``model/metas/0``). For the full-tensor transports."""
+        from ..layout.buckets import metadata_digest
+
+        mine = [m.wire() for m in self.source.metadata]
+        self.comm.publish(f"model/metas/{self.rank}", mine)  # read in full by the workers, or on a mismatch
+        self.comm.publish(f"model/digest/{self.rank}", metadata_digest(mine))
+        digests = [self.comm.read(f"model/digest/{r}") for r in range(self.init_info.num_trainer_ranks)]
+        for r, theirs_digest in enumerate(digests):
+            if theirs_digest != digests[0]:
+                first, theirs = (mine if k == self.rank else self.comm.read(f"model/metas/{k}") for k in (0, r))
+                i = next((k for k, (a, b) in enumerate(zip(first, theirs)) if a != b), min(len(first), len(theirs)))
+                a, b = (x[i] if i < len(x) else "nothing" for x in (first, theirs))
+                what = a["name"] if isinstance(a, dict) else b["name"]
+                raise ValueError(f"parameter {what!r}: trainer rank {r}'s metadata differs from trainer rank 0's "
+                                 f"at position {i}: {_short(b)} vs {_short(a)}")
 
     def _start_update(self) -> None:
         """Rank 0: start the update on every engine. vLLM's worker refuses while an update is active,
@@ -266,6 +289,10 @@ class BaseTrainerEngine(TrainerEngine):
             self.comm.shutdown()
         self.comm = None
         self._pool.shutdown(wait=False)
+
+
+def _short(meta: Any) -> str:
+    return meta if isinstance(meta, str) else f"{meta['name']} {meta['dtype']} {tuple(meta['shape'])}"
 
 
 def _check_source(backend: str, kind: str, source: WeightSource | None) -> None:

@@ -121,6 +121,7 @@ class IPCTrainerEngine(BaseTrainerEngine):
         self.device = torch.device(i.device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
+        self._agree_on_metadata()  # the workers check it against their model at init
         self.served = [w for w, t in enumerate(i.worker_to_trainer) if t == i.rank]
         self._buffer: ExportedBuffer | None = None
         self._sent_digest: str | None = None
@@ -219,6 +220,7 @@ class IPCWorkerEngine(BaseWorkerEngine):
         return info.num_workers, f"num_workers={info.num_workers}"
 
     def _init(self, info: IPCWorkerInitInfo) -> None:
+        self._check_full_tensor_metadata()  # model agreement and coverage, before any chunk
         self.importer = BufferImporter(self.device)
         self._plans: dict[str, list[Bucket]] = {}  # metadata digest -> chunks
 
@@ -239,6 +241,7 @@ class IPCWorkerEngine(BaseWorkerEngine):
                              f"{self._sync}, chunk {self._next_chunk}")
         if u.names:
             metas = u.metas()
+            self._check_full_tensor_metadata(metas)
             self._plans = {metadata_digest(m.wire() for m in metas): plan_buckets(metas, self.info.bucket_bytes)}
         if u.digest not in self._plans:
             raise ValueError(f"update_info.digest {u.digest!r} does not match this worker's metadata "

@@ -219,13 +219,12 @@ class M2NWorkerEngine(BaseWorkerEngine):
         return math.prod(info.dst_mesh_dims), f"dst_mesh_dims={tuple(info.dst_mesh_dims)}"
 
     def _init(self, info: M2NWorkerInitInfo) -> None:
-        from ..destinations import resolve_destinations
-
         w = self.worker_rank
         self.comm.join(info.num_trainer_ranks + w, info.world_size, device=self.device)
         sources = sources_from_wire(self.comm.read(f"{_P}/sources"))
         try:
-            dests = resolve_destinations(self.model, [(s.name, s.dtype, list(s.shape)) for s in sources])
+            # model agreement and coverage of the plan's regions, before the plan is agreed
+            dests = self._check_model([{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in sources])
             self.comm.publish(f"{_P}/dest/{w}", dests_to_wire(dests))
         except Exception as e:
             self.comm.publish(f"{_P}/dest/{w}", {"error": f"{type(e).__name__}: {e}"})

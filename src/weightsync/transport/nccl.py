@@ -92,6 +92,7 @@ class NCCLTrainerEngine(BaseTrainerEngine):
         return (0, self.init_info.world_size) if self.is_sender else None
 
     def _handshake(self) -> None:
+        self._agree_on_metadata()  # the workers check it against their model before joining
         self._sent_digest: str | None = None
         self._buffers: list[torch.Tensor] = []
         self._total = 0
@@ -171,10 +172,12 @@ class NCCLWorkerEngine(BaseWorkerEngine):
     def _init(self, info: NCCLWorkerInitInfo) -> None:
         self._metas: list[ParamMeta] = []
         self._digest: str | None = None
-        self.comm.join(1 + self.worker_rank, info.world_size, device=self.device)
+        self.comm.join(1 + self.worker_rank, info.world_size, device=self.device)  # rank 0 joins before publishing
+        self._check_full_tensor_metadata()  # model agreement and coverage, before any bucket
 
     def _receive(self, u: NCCLUpdateInfo) -> int:
         if u.names:
+            self._check_full_tensor_metadata(u.metas())  # before this sync's first bucket arrives
             self._metas = u.metas()
             self._digest = metadata_digest(m.wire() for m in self._metas)
         if u.digest != self._digest:

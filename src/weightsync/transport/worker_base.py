@@ -1,7 +1,8 @@
 """The transport core, worker side: the lifecycle every transport's worker engine shares.
 
 As vLLM's worker calls it: ``init_transfer_engine`` connects to the trainer's store, checks the
-deployment and runs ``_init``; ``start_weight_update`` opens a :class:`LayerwiseApplier`;
+deployment and runs ``_init`` (which checks the trainer's metadata against the model and for
+coverage, ``_check_model``, before any data moves); ``start_weight_update`` opens a :class:`LayerwiseApplier`;
 ``receive_weights`` runs ``_receive`` (it returns the bytes its data plane delivered, which the worker
 publishes) or, for an abort, rolls back and leaves the update; any failure poisons the engine (it
 refuses updates until re-initialized) and is reported to every party of the group.
@@ -47,6 +48,28 @@ class BaseWorkerEngine(WorkerEngine):
     def _receive(self, update: Any) -> int:
         """Receive and apply; returns the bytes the data plane delivered."""
         raise NotImplementedError
+
+    # ---- shared by the transports -------------------------------------------------------
+    def _check_model(self, metas: list[Any]) -> Any:
+        """The model agreement and coverage check (:func:`weightsync.agreement.check_model`) of the
+        trainer's metadata (``ParamMeta`` or ``{name, dtype, shape}``) against this worker's model;
+        returns the destinations. Before any data of the sync moves."""
+        from ..agreement import check_model
+
+        wire = [m if isinstance(m, dict) else m.wire() for m in metas]
+        return check_model(self.model, [(m["name"], m["dtype"], m["shape"]) for m in wire],
+                           cast_dtypes=self.info.cast_dtypes, partial=tuple(self.info.partial))
+
+    def _check_full_tensor_metadata(self, metas: list[Any] | None = None) -> None:
+        """Full-tensor transports: check the metadata trainer rank 0 published at init (``None``) or
+        an update's, unless it is the one already checked."""
+        from ..layout.buckets import metadata_digest
+
+        wire = self.comm.read("model/metas/0") if metas is None else [m.wire() for m in metas]
+        digest = metadata_digest(wire)
+        if digest != getattr(self, "_checked_digest", None):
+            self._check_model(wire)
+            self._checked_digest = digest
 
     # ---- vLLM's worker calls ------------------------------------------------------------
     def parse_init_info(self, init_dict: dict[str, Any]) -> Any:
@@ -100,7 +123,7 @@ class BaseWorkerEngine(WorkerEngine):
 
     def init_transfer_engine(self, init_info: Any) -> None:
         self.shutdown()
-        self.info, self.poisoned = init_info, None
+        self.info, self.poisoned, self._checked_digest = init_info, None, None
         i = init_info
         try:
             self.comm = Communicator.connect(i.master_address, i.master_port, name=f"worker {self.worker_rank}",

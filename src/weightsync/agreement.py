@@ -1,0 +1,121 @@
+"""Model agreement and coverage on a worker, before any data moves (reads the model, changes nothing).
+
+Given the trainer's metadata (HF name, dtype name, shape of every tensor one sync sends) and this
+worker's live vLLM model, :func:`check_model` raises ``ValueError`` naming the parameter and both
+values for:
+
+* a tensor the model has no place for (an extra tensor, a misspelt name);
+* a tensor whose shape is not what the layer was built for: a smaller *or larger* trainer model,
+  another vocabulary size, other heads (:func:`~weightsync.destinations.resolve_destinations`);
+* a dtype other than the parameter's, unless ``cast_dtypes`` (floating point to floating point
+  only: the workers cast on receive, as vLLM's loader casts a checkpoint in another dtype);
+* **coverage**: a region of a live parameter that no tensor of the sync writes (a source that
+  omits a tensor, e.g. ``up_proj``, one half of the fused ``gate_up_proj``), computed with
+  :func:`weightsync.layout.coverage.uncovered` from the regions the sync places on this worker.
+  Not required: a vocabulary's padding rows (vLLM zeroes them), parameters vLLM's processing
+  derived (not in the checkpoint layout), and the parameters named in ``partial``.
+
+Every transport runs it: M2N on the regions of its plan (``_init``), the full-tensor transports
+(nccl, ipc) on the metadata whose tensors will reach the parameters' loaders whole, at init and
+again whenever an update carries different metadata.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .destinations import UNKNOWN, WorkerDestinations, checkpoint_layout, resolve_destinations
+from .layout.coverage import format_regions, uncovered
+from .layout.regions import Region
+
+__all__ = ["check_model", "coverage_gaps"]
+
+_VOCAB = ("VocabParallelEmbedding", "ParallelLMHead")
+
+
+def check_model(model: torch.nn.Module, metas: Sequence[tuple[str, str, Sequence[int]]], *,
+                cast_dtypes: bool = False, partial: Sequence[str] = ()) -> WorkerDestinations:
+    """This worker's destinations for ``metas`` once they agree with ``model`` (see the module
+    docstring for what is refused); ``partial``: vLLM parameter names (or module prefixes) the
+    sync may leave as they are."""
+    dests = resolve_destinations(model, metas)
+    unknown = [f.name for f in dests.fallbacks if f.reason == UNKNOWN]
+    if unknown:
+        more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
+        raise ValueError(f"parameter {unknown[0]!r}{more}: the trainer sends it, but vLLM's "
+                         f"{type(model).__name__} has no parameter or fused layer for it")
+    _check_dtypes(dests, metas, cast_dtypes)
+    gaps = coverage_gaps(model, dests, partial)
+    if gaps:
+        name, shape, left = gaps[0]
+        more = f" ({len(gaps) - 1} more parameter(s) uncovered)" if len(gaps) > 1 else ""
+        raise ValueError(f"parameter {name!r}: no tensor of this sync writes {format_regions(left)} of its "
+                         f"{shape} on this TP rank{_missing_hint(model, name, metas)}{more}; a sync must write "
+                         "every vLLM parameter (leave one out on purpose with the init info's partial=(...))")
+    return dests
+
+
+def _check_dtypes(dests: WorkerDestinations, metas: Sequence[tuple[str, str, Sequence[int]]], cast: bool) -> None:
+    sent = {name: dtype for name, dtype, _ in metas}
+    for p in dests.placed:
+        have, want = sent[p.name], dests.param_dtypes.get(p.param)
+        if want is None or have == want:
+            continue
+        floats = all(getattr(torch, d).is_floating_point for d in (have, want))
+        if not cast or not floats:
+            hint = ("send the engine's dtype (FullTensorSource(dtype=...)) or set cast_dtypes=True in the "
+                    "trainer's init info" if floats else "a cast between these kinds would change the values")
+            raise ValueError(f"parameter {p.name!r}: the trainer sends {have}, vLLM's {p.param} holds {want} "
+                             f"({hint})")
+
+
+def coverage_gaps(model: torch.nn.Module, dests: WorkerDestinations,
+                  partial: Sequence[str] = ()) -> list[tuple[str, tuple[int, ...], list[Region]]]:
+    """``(vLLM parameter, its checkpoint-layout shape, regions no tensor writes)`` for every live
+    parameter of ``model`` that ``dests`` leaves partly unwritten (padding and ``partial`` excluded)."""
+    written: dict[str, list[Region]] = {}
+    for p in dests.placed:
+        written.setdefault(p.param, []).append(Region(tuple(p.param_offsets), tuple(p.region.sizes)))
+    reached = set(dests.reached)  # whole tensors through a loader we cannot see into: taken as covering it
+    modules = dict(model.named_modules())
+    layouts: dict[str, dict[str, torch.Tensor]] = {}
+    gaps = []
+    for name, live in model.named_parameters():
+        if name in reached or any(name == x or name.startswith(x + ".") for x in partial):
+            continue
+        path, _, attr = name.rpartition(".")
+        layout = layouts.setdefault(path, checkpoint_layout(modules[path]))
+        if layout and attr not in layout:
+            continue  # derived by vLLM's processing, not part of the checkpoint
+        shape = tuple(int(s) for s in (layout[attr].shape if attr in layout else live.shape))
+        left = uncovered(shape, written.get(name, []) + _padding(modules[path], live, shape))
+        if left:
+            gaps.append((name, shape, left))
+    return gaps
+
+
+def _padding(module: Any, param: torch.Tensor, shape: tuple[int, ...]) -> list[Region]:
+    """The rows of a vocabulary-parallel weight past this rank's original vocabulary (vLLM zeroes them)."""
+    idx = getattr(module, "shard_indices", None)
+    dim = getattr(param, "output_dim", None)
+    if type(module).__name__ not in _VOCAB or idx is None or dim is None:
+        return []
+    rows = idx.org_vocab_end_index - idx.org_vocab_start_index
+    if rows >= shape[dim]:
+        return []
+    return [Region(tuple(rows if d == dim else 0 for d in range(len(shape))),
+                   tuple(shape[d] - rows if d == dim else shape[d] for d in range(len(shape))))]
+
+
+def _missing_hint(model: torch.nn.Module, name: str, metas: Sequence[tuple[str, str, Sequence[int]]]) -> str:
+    """Which HF tensors of the trainer's metadata would have written vLLM parameter ``name``."""
+    sent = {n for n, _, _ in metas}
+    path, _, attr = name.rpartition(".")
+    prefix, _, leaf = path.rpartition(".")
+    parts = dict(getattr(model, "packed_modules_mapping", {}) or {}).get(leaf)
+    candidates = [f"{prefix}.{p}.{attr}" if prefix else f"{p}.{attr}" for p in parts] if parts else [name]
+    missing = [c for c in candidates if c not in sent]
+    return f" (the trainer's metadata has no {', '.join(map(repr, missing))})" if missing else ""
