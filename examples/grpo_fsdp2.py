@@ -192,7 +192,8 @@ def run(args: argparse.Namespace) -> None:
         try:
             info = M2NTrainerInitInfo(master_address=addr, master_port=free_port(), num_trainer_ranks=TRAINERS,
                                       world_size=TRAINERS + TP, dst_mesh_dims=(1, TP),
-                                      device="cpu" if args.cpu else "cuda", rank=0)
+                                      device="cpu" if args.cpu else "cuda", rank=0,
+                                      cast_dtypes=True)  # GPU: the fp32 master weights into vLLM's bf16
             ray.get([t.connect.remote(info, llm) for t in trainers])
             ray.get([t.sync.remote("0") for t in trainers])  # vLLM now serves exactly the trainer's weights
             rng = random.Random(0)

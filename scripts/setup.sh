@@ -17,9 +17,12 @@ install() {  # install VENV EXTRAS [post-install command...]
   local stamp=$venv/.weightsync-installed
   [ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
   [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] && return 0
-  echo "setup: installing weightsync[$extras] into $venv (minutes the first time)" >&2
-  "$venv/bin/python" -m pip install --quiet --upgrade pip
-  "$venv/bin/python" -m pip install --quiet -e ".[$extras]"
+  local log=$venv/setup.log
+  echo "setup: installing weightsync[$extras] into $venv (minutes the first time; pip's log: $log)" >&2
+  if ! { "$venv/bin/python" -m pip install --quiet --upgrade pip &&
+         "$venv/bin/python" -m pip install --quiet -e ".[$extras]"; } > "$log" 2>&1; then
+    tail -n 30 "$log" >&2; echo "setup: pip failed installing into $venv (whole log: $log)" >&2; exit 1
+  fi
   "$@"
   echo "$want" > "$stamp"
 }

@@ -168,14 +168,15 @@ class TrainerActor:
         module, _, attr = fn.rpartition(":")
         return getattr(importlib.import_module(module), attr)(*args, **kwargs)
 
-    def make_engine(self, init_info: Any, handles: list[Any], source: str) -> None:
+    def make_engine(self, init_info: Any, handles: list[Any], source: str, fault: str | None = None) -> None:
         """``WeightTransferTrainerFactory.trainer_init(init_info, client=RayVLLMWeightSyncClient(handles),
-        source=DTensorModuleSource(...) | FullTensorSource(...))`` on this rank."""
+        source=DTensorModuleSource(...) | FullTensorSource(...))`` on this rank (``fault``: the source
+        wrapped in ``weightsync.testing.faults.faulty``)."""
         from weightsync import RayVLLMWeightSyncClient
         from weightsync.testing import trainer
 
         trainer.make_engine(init_info, RayVLLMWeightSyncClient(handles if len(handles) > 1 else handles[0]),
-                            source=source)
+                            source=source, fault=fault)
 
     def hf_greedy(self, *args: Any) -> list[list[int]]:
         return hf_greedy(*args)
@@ -237,12 +238,25 @@ class Trainers:
     def full_state_dict(self) -> dict[str, Any]:
         return self._all("weightsync.testing.trainer:full_state_dict")[0]
 
-    def make_engines(self, init_info: Any, handles: list[Any], source: str) -> None:
+    def make_engines(self, init_info: Any, handles: list[Any], source: str, fault: str | None = None) -> None:
         """Every rank's weightsync trainer engine (``init_info`` with its rank), rank 0 driving ``handles``."""
         import ray
 
-        ray.get([a.make_engine.remote(replace(init_info, rank=r), handles, source)
+        ray.get([a.make_engine.remote(replace(init_info, rank=r), handles, source, fault)
                  for r, a in enumerate(self.actors)], timeout=600)
+
+    def send_weights_outcomes(self, version: str) -> list[dict[str, Any] | BaseException]:
+        """``send_weights`` on every rank; each rank's stats or the exception it raised."""
+        import ray
+
+        refs = [a.call.remote("weightsync.testing.trainer:send_weights", version) for a in self.actors]
+        out: list[dict[str, Any] | BaseException] = []
+        for ref in refs:
+            try:
+                out.append(ray.get(ref, timeout=600))
+            except Exception as e:  # noqa: BLE001 - the outcome under test
+                out.append(e)
+        return out
 
     def send_weights(self, version: str, verify: bool = False) -> list[dict[str, Any]]:
         return self._all("weightsync.testing.trainer:send_weights", version, verify=verify)

@@ -175,15 +175,18 @@ class BaseTrainerEngine(TrainerEngine):
         except Exception:  # noqa: BLE001 - a second refusal is raised as it is
             self._abort_workers("a previous trainer left this update active")
             self.client.start_weight_update()
+        self._started = True
 
     def _abort_workers(self, reason: str) -> None:
-        """Rank 0: every worker in an update restores its parameters and leaves it (best effort: a
-        worker without an update in progress refuses, which is fine)."""
+        """Rank 0: every worker of the update restores its parameters (the abort update), then leaves
+        the update (``finish_weight_update`` without a version: vLLM's worker clears its active flag,
+        the version stays). Workers answer both without raising (``worker_base``)."""
         update = self.update_info_cls(abort=reason, sync_id=self.sync_id)
-        try:
-            self.client.update_weights(asdict(update))
-        except Exception:  # noqa: BLE001 - the abort itself answers with an error by design
-            pass
+        for call in (lambda: self.client.update_weights(asdict(update)), lambda: self.client.finish_weight_update(None)):
+            try:
+                call()
+            except Exception:  # noqa: BLE001 - best effort: an engine that is gone answers with an error
+                pass
 
     def _update_async(self, update: WorkerUpdateInfo | dict[str, Any]) -> Future:
         """Rank 0: the client's ``update_weights`` in a thread (workers receive while we send)."""
@@ -229,7 +232,7 @@ class BaseTrainerEngine(TrainerEngine):
             errors = self._from_every_trainer("preflight", error)
             if any(errors):  # nothing moved; the engines were not asked to update
                 raise ValueError(next(e for e in errors if e))
-        fut = None
+        fut, self._started = None, False
         try:
             with stats.timed("start"):
                 if self.is_sender:
@@ -246,6 +249,9 @@ class BaseTrainerEngine(TrainerEngine):
                     for r in range(1, self.init_info.num_trainer_ranks):
                         self.comm.read(self._key("sent", r))
             if self.is_sender:
+                failure = self.comm.peer_error()  # every worker answered: any failure is on the store now
+                if failure is not None:
+                    raise SyncFailed(failure)
                 with stats.timed("finish"):
                     self.client.finish_weight_update(weight_version)
                 stats.bytes_received_per_worker = {w: int(self.comm.read(self._key("recv", w)))
@@ -272,7 +278,8 @@ class BaseTrainerEngine(TrainerEngine):
                     client_result(fut, self.init_info.timeout_s, "update_weights")
                 except BaseException:  # noqa: BLE001 - it failed too: the workers report their own
                     pass
-            self._abort_workers(reason)
+            if self._started:  # (an update vLLM never started must not be aborted: its workers would refuse)
+                self._abort_workers(reason)
         self.failed = reason
         if not self.is_sender:
             self._acknowledge(f"sync{self.sync_id}")

@@ -23,7 +23,7 @@ from ..layout.buckets import Bucket, check_bucket_bytes, metadata_digest, plan_b
 from ..protocol import ParamMeta, check_metadata, checked
 from ..registry import Transport
 from ..worker import LayerwiseApplier
-from .base import BaseTrainerEngine
+from .base import BaseTrainerEngine, SyncFailed
 from .ipc_handles import BufferImporter, ExportedBuffer, memory_saver_paused
 from .packing import fold_checksum, pack, unpack
 from .worker_base import BaseWorkerEngine
@@ -154,6 +154,9 @@ class IPCTrainerEngine(BaseTrainerEngine):
                         packed = [mine] + [self.comm.read(self._key("chunk", b, r))
                                            for r in range(1, self.init_info.num_trainer_ranks)]
                         self.client.update_weights(self._update(packed, b, len(buckets), digest, metas, verify))
+                        failure = self.comm.peer_error()  # a worker reports its failure instead of raising
+                        if failure is not None:
+                            raise SyncFailed(failure)
                         self.comm.publish(self._key("applied", b), True)
                     else:  # the buffer is refilled only once every worker cloned this chunk
                         self.comm.read(self._key("applied", b))

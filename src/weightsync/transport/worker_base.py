@@ -4,8 +4,15 @@ As vLLM's worker calls it: ``init_transfer_engine`` connects to the trainer's st
 deployment and runs ``_init`` (which checks the trainer's metadata against the model and for
 coverage, ``_check_model``, before any data moves); ``start_weight_update`` opens a :class:`LayerwiseApplier`;
 ``receive_weights`` runs ``_receive`` (it returns the bytes its data plane delivered, which the worker
-publishes) or, for an abort, rolls back and leaves the update; any failure poisons the engine (it
-refuses updates until re-initialized) and is reported to every party of the group.
+publishes) or, for an abort, rolls back; any failure poisons the engine (it refuses updates until
+re-initialized) and is reported to every party of the group through the store.
+
+During a sync, failures are reported on the store, not raised into vLLM: vLLM's multiprocess executor
+stops reading the other workers' replies at the first worker error, and those replies then answer its
+next calls (at TP >= 2 every later ``collective_rpc`` is off by one). So ``init_transfer_engine`` (once
+connected to the store) and ``update_weights`` return after a failure or an abort (the trainer ranks
+read it from the store), and ``finish_weight_update`` of a failed or aborted update only leaves it
+(vLLM's worker then clears its active-update flag).
 
 Hooks: ``_expected_workers`` (for the deployment check), ``_init``, ``_start`` (optional), ``_receive``.
 """
@@ -16,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..comm import Communicator, SyncAborted, describe
+from ..comm import Communicator, describe
 from ..registry import TRANSPORTS, transport
 from ..worker import LayerwiseApplier, WorkerEngine
 
@@ -32,6 +39,7 @@ class BaseWorkerEngine(WorkerEngine):
         self.info: Any = None
         self._applier: LayerwiseApplier | None = None
         self._received = 0
+        self._failed_sync: int | None = None
 
     # ---- hooks ------------------------------------------------------------------------
     def _expected_workers(self, info: Any) -> tuple[int, str]:
@@ -111,12 +119,13 @@ class BaseWorkerEngine(WorkerEngine):
         return replica * int(pc.world_size) + int(pc.rank)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        """vLLM's entry point: a malformed update info fails the sync like any receive error."""
+        """vLLM's entry point: a malformed update info fails the sync like any receive error (reported,
+        not raised: see the module docstring)."""
         try:
             parsed = self.parse_update_info(update_info)
         except ValueError as e:
             self._fail(e)
-            raise
+            return
         self.receive_weights(parsed)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -131,13 +140,14 @@ class BaseWorkerEngine(WorkerEngine):
             self._check_deployment(i)
             self._init(i)
         except BaseException as e:
-            if self.comm is not None:
-                self.comm.fail(describe(e), e)
-            else:
-                try:
-                    Communicator.report(i.master_address, i.master_port, f"worker {self.worker_rank}: {describe(e)}")
-                except Exception:  # noqa: BLE001 - the trainer side still has its timeout
-                    pass
+            if self.comm is not None:  # reported: every trainer rank raises it (see the module docstring)
+                self.poisoned = describe(e)
+                self.comm.fail(self.poisoned, e)
+                return
+            try:
+                Communicator.report(i.master_address, i.master_port, f"worker {self.worker_rank}: {describe(e)}")
+            except Exception:  # noqa: BLE001 - the trainer side still has its timeout
+                pass
             raise
 
     def _check_deployment(self, info: Any) -> None:
@@ -160,20 +170,25 @@ class BaseWorkerEngine(WorkerEngine):
         self._start(self._applier)
 
     def receive_weights(self, update_info: Any) -> None:
-        if update_info.abort is not None:  # leaves the update; an engine that was in one needs re-init
+        """Receive and apply one update; failures are reported on the store and poison the engine."""
+        if update_info.abort is not None:  # restore the weights; an engine that was in the update needs re-init
             if self._applier is not None:
                 self.poisoned = self.poisoned or f"trainer aborted weight sync {update_info.sync_id}"
             self._rollback()
-            raise SyncAborted(f"trainer aborted weight sync {update_info.sync_id}: {update_info.abort}")
-        self._check_not_poisoned()
-        if self._applier is None or self.comm is None:
-            raise RuntimeError("start_weight_update must run before update_weights")
+            return
+        if self.poisoned is not None and self._failed_sync == update_info.sync_id:
+            return  # this sync already failed here (reported): later chunks are ignored
         try:
+            self._check_not_poisoned()
+            if self._applier is None or self.comm is None:
+                raise RuntimeError("start_weight_update must run before update_weights")
             self._received += self._receive(update_info)
             self.comm.publish(f"sync{update_info.sync_id}/recv/{self.worker_rank}", self._received)
         except BaseException as e:
+            if self.comm is None:
+                raise
+            self._failed_sync = update_info.sync_id
             self._fail(e)
-            raise
 
     def _fail(self, error: BaseException) -> None:
         """Poison this engine, report ``error`` to every party (dropping the data plane), roll back."""
@@ -183,6 +198,8 @@ class BaseWorkerEngine(WorkerEngine):
         self._rollback()
 
     def finish_weight_update(self) -> None:
+        if self._applier is None and self.poisoned is not None:
+            return  # leaves a failed or aborted update (weights restored); the engine stays poisoned
         self._check_not_poisoned()
         if self._applier is None:
             raise RuntimeError("finish_weight_update without start_weight_update")

