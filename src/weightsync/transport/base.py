@@ -119,6 +119,9 @@ class BaseTrainerEngine(TrainerEngine):
             self._handshake()
             if fut is not None:
                 client_result(fut, i.timeout_s, "init_weight_transfer_engine")
+                failure = self.comm.peer_error()  # workers report a refused init here instead of raising
+                if failure is not None:
+                    raise RuntimeError(failure)
                 self.comm.publish("init/done", _OK)
             else:
                 self.comm.read("init/done")  # raises a failure any rank or worker reported
