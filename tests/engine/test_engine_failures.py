@@ -33,6 +33,18 @@ def observe(handle, token_prompts):
                     handle.greedy.remote(token_prompts, 8)])
 
 
+def reinit_and_verify(trainers, engine, transport: str, version: str, token_prompts) -> None:
+    """A fresh group (new store port), a good source: the sync lands and verifies (``check_sync``)."""
+    from weightsync.registry import transport as registered
+
+    backend = f"weightsync_{transport}"
+    info = vllm_cpu.init_info(backend, trainers=2, tp=ENGINE.tp, buffer_bytes=64 << 10)
+    trainers.make_engines(info, [engine], registered(backend).source)
+    stats = trainers.send_weights(version)[0]
+    ok, line = vllm_cpu.check_sync(trainers, [engine], stats, version, token_prompts, exact_bytes=transport == "m2n")
+    assert ok, line
+
+
 @pytest.mark.parametrize("transport", ["m2n", "nccl", "ipc"])
 def test_a_sync_failing_mid_way_changes_nothing_in_the_engine_and_a_reinit_verifies(engine, trainer_actors, transport):
     from weightsync.registry import transport as registered
@@ -57,12 +69,7 @@ def test_a_sync_failing_mid_way_changes_nothing_in_the_engine_and_a_reinit_verif
         refusal = "PoisonedError" if transport != "m2n" else BAD_NAME  # M2N refused before the engine was touched
         assert all(isinstance(o, Exception) and refusal in str(o) for o in retry), retry
 
-        info = vllm_cpu.init_info(backend, trainers=2, tp=ENGINE.tp, buffer_bytes=64 << 10)  # a fresh group
-        trainers.make_engines(info, [engine], registered(backend).source)  # re-initialize, good source
-        stats = trainers.send_weights(f"{transport}-good")[0]
-        ok, line = vllm_cpu.check_sync(trainers, [engine], stats, f"{transport}-good", token_prompts,
-                                       exact_bytes=transport == "m2n")
-        assert ok, line
+        reinit_and_verify(trainers, engine, transport, f"{transport}-good", token_prompts)
     finally:
         trainers.teardown()
 
@@ -89,11 +96,6 @@ def test_a_trainer_model_larger_than_the_engines_fails_at_init_and_the_engine_st
         assert vllm_cpu.diff(before[0][0], after[0][0]) == [] and after[1] == before[1] and after[2] == before[2]
 
         trainers.setup(ENGINE.model, ENGINE.dtype, seed=4)
-        info = vllm_cpu.init_info(backend, trainers=2, tp=ENGINE.tp, buffer_bytes=64 << 10)
-        trainers.make_engines(info, [engine], registered(backend).source)
-        stats = trainers.send_weights(f"{transport}-after-init-failure")[0]
-        ok, line = vllm_cpu.check_sync(trainers, [engine], stats, f"{transport}-after-init-failure", token_prompts,
-                                       exact_bytes=transport == "m2n")
-        assert ok, line
+        reinit_and_verify(trainers, engine, transport, f"{transport}-after-init-failure", token_prompts)
     finally:
         trainers.teardown()
