@@ -40,6 +40,7 @@ class BaseWorkerEngine(WorkerEngine):
         self._applier: LayerwiseApplier | None = None
         self._received = 0
         self._failed_sync: int | None = None
+        self._aborted = False
 
     # ---- hooks ------------------------------------------------------------------------
     def _expected_workers(self, info: Any) -> tuple[int, str]:
@@ -166,7 +167,7 @@ class BaseWorkerEngine(WorkerEngine):
         if self.comm is None:
             raise RuntimeError("init_transfer_engine must run before start_weight_update")
         self._applier = LayerwiseApplier(self.model, self.model_config, rollback=self.info.rollback)
-        self._received = 0
+        self._received, self._aborted = 0, False
         self._start(self._applier)
 
     def receive_weights(self, update_info: Any) -> None:
@@ -175,6 +176,7 @@ class BaseWorkerEngine(WorkerEngine):
             if self._applier is not None:
                 self.poisoned = self.poisoned or f"trainer aborted weight sync {update_info.sync_id}"
             self._rollback()
+            self._aborted = True  # the finish that follows leaves vLLM's update (a dead trainer's, too)
             return
         if self.poisoned is not None and self._failed_sync == update_info.sync_id:
             return  # this sync already failed here (reported): later chunks are ignored
@@ -198,8 +200,9 @@ class BaseWorkerEngine(WorkerEngine):
         self._rollback()
 
     def finish_weight_update(self) -> None:
-        if self._applier is None and self.poisoned is not None:
-            return  # leaves a failed or aborted update (weights restored); the engine stays poisoned
+        if self._applier is None and (self.poisoned is not None or self._aborted):
+            self._aborted = False
+            return  # leaves a failed or aborted update (weights restored); a poisoned engine stays poisoned
         self._check_not_poisoned()
         if self._applier is None:
             raise RuntimeError("finish_weight_update without start_weight_update")
