@@ -267,6 +267,13 @@ class Trainers:
         return ray.get(self.actors[0].hf_greedy.remote(state_dict, config_dir(self.model), self.dtype,
                                                        token_prompts, max_tokens), timeout=600)
 
+    def check_engines(self, handles: list[Any], token_prompts: list[list[int]],
+                      max_tokens: int) -> list[dict[str, Any]]:
+        """``check_engines`` of ``handles`` against these ranks' current weights (gathered once)."""
+        state = self.full_state_dict()
+        hf = self.hf_greedy(state, token_prompts, max_tokens)
+        return check_engines(handles, state, hf, self.dtype, token_prompts, max_tokens)
+
     def teardown(self) -> None:
         try:
             self._all("weightsync.testing.trainer:teardown")
@@ -328,9 +335,7 @@ def check_sync(trainers: Trainers, handles: list[Any], stats: dict[str, Any], ve
                token_prompts: list[list[int]], *, exact_bytes: bool = False) -> tuple[bool, str]:
     """After a sync to ``version`` (rank 0's ``stats``): every engine checked (``check_engines``), each at that
     version; ``exact_bytes``: every worker received exactly its shard (M2N). Returns (ok, a summary line)."""
-    state = trainers.full_state_dict()
-    hf = trainers.hf_greedy(state, token_prompts, 8)
-    checks = check_engines(handles, state, hf, trainers.dtype, token_prompts, 8)
+    checks = trainers.check_engines(handles, token_prompts, 8)
     received = stats["bytes_received_per_worker"]
     exact = received == stats["lower_bound_per_worker"]
     ok = all(c["hf_equal"] and not c["differ"] and c["version"] == version for c in checks) and (exact or not exact_bytes)
