@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from .fused_moe import ExpertLayers, is_fused_moe
 from .layout.records import DestPiece
 from .layout.regions import Region
 
@@ -124,6 +125,8 @@ def _place(shape: tuple[int, ...], module: Any, param: torch.nn.Parameter,
         size = param.shape[dim]
         region = _box(shape, dim, module.tp_rank * size, size)
         return region, (0,) * len(shape), _glob(param, dim, size * module.tp_size)
+    if "ReplicatedLinear" in (c.__name__ for c in type(module).__mro__):  # e.g. a MoE router (GateLinear)
+        return Region((0,) * len(shape), shape), (0,) * len(shape), tuple(param.shape)
     if cls in ("VocabParallelEmbedding", "ParallelLMHead") and out_dim is not None:
         idx = module.shard_indices
         start, end = idx.org_vocab_start_index, idx.org_vocab_end_index
@@ -185,9 +188,20 @@ def resolve_destinations(model: torch.nn.Module, metas: Sequence[tuple[str, str,
     placed: list[DestPiece] = []  # every placed piece, also those later demoted to a fallback (coverage)
     reached: list[str] = []  # vLLM params a tensor reaches whole through the loader (region unknown)
     sizes: dict[str, int] = {}
+    experts = ExpertLayers(modules)
     for name, dtype, shape in metas:
         shape = tuple(int(s) for s in shape)
         nbytes = sizes[name] = getattr(torch, dtype).itemsize * torch.Size(shape).numel()
+        moe = experts.place(name, shape, checkpoint_layout) if experts else None
+        if moe is not None:
+            pname, _, moe_pieces = moe
+            if isinstance(moe_pieces, str):
+                fallbacks.append(Fallback(name, moe_pieces, nbytes))
+                reached.append(pname)
+            else:
+                placed.extend(moe_pieces)
+                pieces.extend(moe_pieces)
+            continue
         found = _find(name, modules, packed)
         if found is None:
             fallbacks.append(Fallback(name, UNKNOWN, nbytes))
@@ -229,8 +243,7 @@ def resolve_destinations(model: torch.nn.Module, metas: Sequence[tuple[str, str,
                              f"{region.offsets}+{region.sizes} at {offsets})")
         pieces.append(DestPiece(name, region, pname, offsets))
     # Layerwise reload finalizes a module as a unit: a module with any fallback goes whole by fallback.
-    fallback_modules = {found[0].rpartition(".")[0] for f in fallbacks
-                        if (found := _find(f.name, modules, packed)) is not None}
+    fallback_modules = {p.rpartition(".")[0] for p in reached}
     direct = []
     for p in pieces:
         module_path = p.param.rpartition(".")[0]
@@ -246,8 +259,8 @@ def resolve_destinations(model: torch.nn.Module, metas: Sequence[tuple[str, str,
     for path in dict.fromkeys(p.param.rpartition(".")[0] for p in pieces):
         module = modules[path]
         layout = checkpoint_layout(module)
-        if not any(_processed(getattr(module, a), t) for a, t in layout.items() if isinstance(
-                getattr(module, a, None), torch.Tensor)):
+        if not is_fused_moe(module) and not any(_processed(getattr(module, a), t) for a, t in layout.items()
+                                                if isinstance(getattr(module, a, None), torch.Tensor)):
             continue
         names = [f"{path}.{a}" for a in layout]
         missing = [n for n in names if n not in covered] + [f"{path}.{b} (a buffer)" for b in _layout_buffers(module)]

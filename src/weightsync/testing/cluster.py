@@ -57,6 +57,8 @@ class Layout:
     """The trainer's model config when it differs from the receivers' (to test mismatches)."""
     trainer_dtype: str | None = None
     """The trainer's dtype when it differs from the receivers' (to test mismatches)."""
+    ep: bool = False
+    """vLLM's ``enable_expert_parallel``: each worker holds a subset of a MoE layer's experts whole."""
 
     @property
     def num_workers(self) -> int:
@@ -117,7 +119,7 @@ class LocalCluster:
         trainer_dir = model_config_dir(layout.trainer_model or layout.model)
         tdtype = layout.trainer_dtype or layout.dtype
         tkey = (layout.trainers, tdtype, trainer_dir, layout.seed, layout.fsdp)
-        rkey = (layout.tp, layout.replicas, layout.dtype, model_dir, layout.backend, layout.device)
+        rkey = (layout.tp, layout.replicas, layout.dtype, model_dir, layout.backend, layout.device, layout.ep)
         old = self._keys
         self._keys, self.layout = None, None
         futs = []
@@ -134,7 +136,8 @@ class LocalCluster:
                 for r in range(layout.tp):
                     a = self.receivers[rep * layout.tp + r]
                     futs.append(a.submit(_R + "setup", model_dir, tp=layout.tp, rank=r, replica=rep, port=rport,
-                                         dtype=layout.dtype, backend=layout.backend, device=layout.device))
+                                         dtype=layout.dtype, backend=layout.backend, device=layout.device,
+                                         ep=layout.ep))
         gather(futs)
         self._keys, self.layout = (tkey, rkey), layout
 

