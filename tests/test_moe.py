@@ -14,27 +14,11 @@ from importlib import resources
 import pytest
 
 from helpers import init_info, mismatches
-from weightsync.layout.experts import W2, W13, expert_runs, fused_expert_pieces
 from weightsync.testing.cluster import Layout
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
 _EXPERTS = "model.layers.0.mlp.experts"
-
-
-def test_fused_expert_pieces_tp_and_ep():
-    """Pure: TP slices both halves of w13 and w2's columns; EP runs of consecutive experts."""
-    assert expert_runs([(0, 0), (1, 1), (2, 2)]) == [(0, 0, 3)]
-    assert expert_runs([(0, 0), (2, 1), (4, 2)]) == [(0, 0, 1), (2, 1, 1), (4, 2, 1)]
-    gate_up = fused_expert_pieces("g", (5, 64, 16), W13, "w13", (5, 32, 16), local_of=[(e, e) for e in range(5)],
-                                  tp_rank=1, tp_size=2)
-    assert [(p.region.offsets, p.region.sizes, p.param_offsets) for p in gate_up] == [
-        ((0, 16, 0), (5, 16, 16), (0, 0, 0)), ((0, 48, 0), (5, 16, 16), (0, 16, 0))]
-    down = fused_expert_pieces("d", (5, 16, 32), W2, "w2", (2, 16, 32), local_of=[(3, 0), (4, 1)],
-                               tp_rank=0, tp_size=1)
-    assert [(p.region.offsets, p.region.sizes, p.param_offsets) for p in down] == [((3, 0, 0), (2, 16, 32), (0, 0, 0))]
-    with pytest.raises(ValueError, match=r"parameter 'g': the trainer's shape \(5, 96, 16\) .* expects \(5, 64, 16\)"):
-        fused_expert_pieces("g", (5, 96, 16), W13, "w13", (5, 32, 16), local_of=[(0, 0)], tp_rank=0, tp_size=2)
 
 
 def check_moe_sync(cluster, layout: Layout, seed: int, backend: str = "weightsync_m2n") -> list:
