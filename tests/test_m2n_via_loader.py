@@ -23,6 +23,13 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 _ME = "test_m2n_via_loader:"
 
 
+@pytest.fixture(autouse=True)
+def _release_repacked_models(cluster):
+    """These tests repack the receivers' models in place: no later test may reuse them."""
+    yield
+    cluster.teardown()
+
+
 # --- inside a receiver -------------------------------------------------------------------------
 
 def _pack(self, layer) -> None:

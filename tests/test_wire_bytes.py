@@ -4,7 +4,9 @@ piece twice moves the bytes-on-the-wire ratio off 1.00, while the plan's lower b
 from __future__ import annotations
 
 import pytest
+import torch
 
+from weightsync.layout.buckets import ALIGN
 from weightsync.testing.cluster import Layout, free_port
 from weightsync.transport.m2n import M2NTrainerInitInfo
 
@@ -62,3 +64,32 @@ def test_a_duplicated_piece_shows_in_bytes_received_not_in_the_lower_bound(clust
     assert doubled["bytes_received_per_worker"][1] == doubled["lower_bound_per_worker"][1]
     assert doubled["bytes_received_per_worker"][0] / doubled["lower_bound_per_worker"][0] > 1.0
     assert {k: v for k, v in cluster.verify().items() if v} == {}, "a piece written twice is still the right value"
+
+
+@pytest.mark.parametrize("backend", ["weightsync_m2n", "weightsync_nccl", "weightsync_ipc"])
+def test_fp32_trainer_sends_bf16_pieces_to_a_bf16_engine(cluster, backend):
+    """An fp32 master copy with the sources' ``dtype=torch.bfloat16``: every piece is cast as it is
+    packed and the wire carries half the bytes of the same sync sent as fp32 (``cast_dtypes=True``,
+    cast by the engine), measured in the same run; both leave the engine equal to vLLM's load of the
+    fp32 state dict into its bf16 model (a round-to-nearest cast either way)."""
+    from helpers import init_info
+
+    layout = Layout(trainers=2, tp=2, dtype="bfloat16", trainer_dtype="float32", backend=backend)
+    cluster.setup(layout)
+    cluster.train_step(3)
+    received = {}
+    for wire in ("float32", "bfloat16"):
+        cast = {"cast_dtypes": True} if wire == "float32" else {}
+        cluster.make_engines(init_info(backend, layout, **cast), wire_dtype=None if wire == "float32" else wire)
+        stats = cluster.sync(weight_version=wire)
+        assert {k: v for k, v in cluster.verify().items() if v} == {}, wire
+        received[wire] = stats["bytes_received_per_worker"]
+        if backend == "weightsync_m2n":
+            assert stats["bytes_received_per_worker"] == stats["lower_bound_per_worker"], wire
+    if backend == "weightsync_m2n":  # pieces packed back to back: exactly half
+        assert {w: 2 * n for w, n in received["bfloat16"].items()} == received["float32"]
+    else:  # full tensors, each at a 256-byte aligned offset of its bucket: the payload, plus that padding
+        full = cluster.on_trainers("full_state_dict")[0]
+        payload = {wire: sum(t.numel() * getattr(torch, wire).itemsize for t in full.values()) for wire in received}
+        for wire, per_worker in received.items():
+            assert all(payload[wire] <= n < payload[wire] + len(full) * ALIGN for n in per_worker.values()), wire

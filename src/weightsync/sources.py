@@ -93,13 +93,22 @@ class DTensorModuleSource(WeightSource):
         num_trainer_ranks: ranks of the trainer mesh; every DTensor's mesh must cover exactly
             these ranks (checked here, on every rank, before anything moves).
         name_map: optional ``module name -> HF name`` (None skips a parameter).
+        dtype: optional wire dtype for floating-point tensors (e.g. ``torch.bfloat16`` from an fp32
+            master copy): the metadata says ``dtype`` and each piece is cast as it is packed (no
+            cast copy of the shard); the local shards keep their own dtype.
     """
 
     def __init__(self, module: torch.nn.Module, num_trainer_ranks: int, *,
-                 name_map: Callable[[str], str | None] | None = None) -> None:
+                 name_map: Callable[[str], str | None] | None = None, dtype: torch.dtype | None = None) -> None:
         if not isinstance(num_trainer_ranks, int) or num_trainer_ranks < 1:
             raise ValueError(f"num_trainer_ranks must be an int >= 1, got {num_trainer_ranks!r}")
-        self.module, self.num_trainer_ranks, self.name_map = module, num_trainer_ranks, name_map
+        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+            raise ValueError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")
+        self.module, self.num_trainer_ranks, self.name_map, self.dtype = module, num_trainer_ranks, name_map, dtype
+
+    def wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """What a tensor of ``dtype`` is sent as."""
+        return self.dtype if self.dtype is not None and dtype.is_floating_point else dtype
 
     @cached_property
     def metadata(self) -> list[ParamMeta]:
@@ -107,8 +116,9 @@ class DTensorModuleSource(WeightSource):
         for name, p in _named(self.module, self.name_map):
             if not _is_dtensor(p):
                 coords = tuple((r,) for r in range(self.num_trainer_ranks))
-                metas.append(ParamMeta(name, p.dtype, tuple(p.shape), mesh_shape=(self.num_trainer_ranks,),
-                                       placements=(Replicate(),), rank_coordinates=coords))
+                metas.append(ParamMeta(name, self.wire_dtype(p.dtype), tuple(p.shape),
+                                       mesh_shape=(self.num_trainer_ranks,), placements=(Replicate(),),
+                                       rank_coordinates=coords))
                 continue
             mesh = p.device_mesh.mesh
             if mesh.numel() != self.num_trainer_ranks or sorted(mesh.flatten().tolist()) != list(
@@ -122,7 +132,7 @@ class DTensorModuleSource(WeightSource):
             placements = placements_from_torch(p.placements)
             if any(not isinstance(pl, (Shard, Replicate)) for pl in placements):
                 raise ValueError(f"parameter {name!r}: placements {p.placements} are not Shard/Replicate")
-            metas.append(ParamMeta(name, p.dtype, tuple(p.shape), mesh_shape=tuple(mesh.shape),
+            metas.append(ParamMeta(name, self.wire_dtype(p.dtype), tuple(p.shape), mesh_shape=tuple(mesh.shape),
                                    placements=tuple(placements), rank_coordinates=tuple(coords)))
         return metas
 

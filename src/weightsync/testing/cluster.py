@@ -172,15 +172,16 @@ class LocalCluster:
         return init_info(self.layout, buffer_bytes=buffer_bytes, **fields)
 
     def make_engines(self, init_info: Any, *, source: str | None = None, fault: str | None = None,
-                     bucket_bytes: int | None = None, client: Any = None, factory: str = "weightsync") -> None:
-        """``trainer.make_engine`` on every trainer rank (see there for ``source`` and ``fault``); the
+                     bucket_bytes: int | None = None, client: Any = None, factory: str = "weightsync",
+                     wire_dtype: str | None = None) -> None:
+        """``trainer.make_engine`` on every trainer rank (see there for ``source``, ``fault``, ``wire_dtype``); the
         source kind defaults to the one the init info's transport reads (``Transport.source``)."""
         if source is None:
             from ..registry import transport
 
             source = transport(type(init_info).backend).source
         self.on_trainers("make_engine", init_info, client or self.client(), source=source, fault=fault,
-                         bucket_bytes=bucket_bytes, factory=factory)
+                         bucket_bytes=bucket_bytes, factory=factory, wire_dtype=wire_dtype)
 
     def sync(self, weight_version: str | None = None, *, verify: bool = False) -> dict[str, Any]:
         """``send_weights`` on every trainer rank; returns rank 0's stats."""

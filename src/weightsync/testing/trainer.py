@@ -76,12 +76,12 @@ def local_shards() -> tuple[list[Any], dict[str, torch.Tensor]]:
 
 
 def make_engine(init_info: Any, client: Any, *, source: str = "full", fault: str | None = None,
-                bucket_bytes: int | None = None, factory: str = "weightsync") -> None:
+                bucket_bytes: int | None = None, factory: str = "weightsync", wire_dtype: str | None = None) -> None:
     """Build the source (``"full"``: ``FullTensorSource``, gathering ``bucket_bytes`` at a time;
     ``"local"``: ``DTensorModuleSource``), wrap it in ``weightsync.testing.faults.faulty(source, fault)``
     when ``fault`` is given, and ``trainer_init`` the engine (every rank, collective).
     ``factory="vllm"`` dispatches through vLLM's own ``WeightTransferTrainerFactory`` (after loading
-    vLLM's plugins)."""
+    vLLM's plugins). ``wire_dtype`` (e.g. ``"bfloat16"``): the sources' ``dtype=``."""
     from .. import DTensorModuleSource, FullTensorSource, WeightTransferTrainerFactory
 
     if source not in ("full", "local"):
@@ -96,10 +96,11 @@ def make_engine(init_info: Any, client: Any, *, source: str = "full", fault: str
         load_general_plugins()
     shutdown_engine()
     model = STATE["model"]
+    dtype = getattr(torch, wire_dtype) if wire_dtype else None
     if source == "full":
-        src = FullTensorSource(model, **({"bucket_bytes": bucket_bytes} if bucket_bytes else {}))
+        src = FullTensorSource(model, dtype=dtype, **({"bucket_bytes": bucket_bytes} if bucket_bytes else {}))
     else:
-        src = DTensorModuleSource(model, STATE["world"])
+        src = DTensorModuleSource(model, STATE["world"], dtype=dtype)
     if fault is not None:
         from .faults import faulty
 

@@ -152,7 +152,8 @@ class M2NTrainerEngine(BaseTrainerEngine):
                 raise ValueError(f"parameter {name!r}: the source yielded it but "
                                  f"{'already did' if m is not None else 'its metadata does not list it'}")
             want = self._local_shapes.get(name)
-            if t.dtype != m.dtype or want is None or tuple(t.shape) != tuple(want):
+            cast = getattr(self.source, "wire_dtype", None)  # the source casts each piece as it is packed
+            if (cast(t.dtype) if cast else t.dtype) != m.dtype or want is None or tuple(t.shape) != tuple(want):
                 raise ValueError(f"parameter {name!r}: expected a local shard {m.dtype} {want}, "
                                  f"source yielded {t.dtype} {tuple(t.shape)}")
             shards[name] = t
