@@ -68,6 +68,10 @@ class FSDP2Trainer:
         self.mesh = init_device_mesh(self.device.type, (self.world,), mesh_dim_names=("dp",))
         mc = config.model
         self.model, self.hf_config = build_model(mc, device=self.device, mesh=self.mesh)
+        # MoE: the router learns from the GRPO loss alone; Hugging Face's load-balancing aux loss is not
+        # part of it, so its per-layer router logits are not recorded even if the config asks for them.
+        moe = hasattr(self.hf_config, "output_router_logits")
+        self._forward_kwargs = {"output_router_logits": False} if moe else {}
         self.reference: ReferenceWeights | None = None
         if config.loss.use_reference:
             load_checkpoint_weights(self.model, mc.reference_path or mc.path)
@@ -105,7 +109,8 @@ class FSDP2Trainer:
         return dp_schedule([len(s) for s in samples], self.world, self.config.max_tokens_per_micro_batch)[self.rank]
 
     def _logits(self, row: Any) -> torch.Tensor:
-        out = self.model(input_ids=row.input_ids, position_ids=row.position_ids, use_cache=False)
+        out = self.model(input_ids=row.input_ids, position_ids=row.position_ids, use_cache=False,
+                         **self._forward_kwargs)
         return out.logits[0, row.loss_positions]
 
     @torch.no_grad()
