@@ -54,7 +54,9 @@ BIG = ("1GB", "2GB")
 """Sizes after which the processes are restarted."""
 LAYOUTS = ("1:1:1", "1:2:1", "2:1:1", "1:4:1", "2:4:1", "4:2:1", "4:4:1", "2:2:2", "4:2:2")
 """trainers:TP:replicas of the layout sweep (2:2:1 comes from the size sweep)."""
-TRANSPORTS = ("weightsync_m2n", "weightsync_m2n/no-rollback", "weightsync_nccl", "weightsync_ipc", "naive")
+TRANSPORTS = ("weightsync_m2n", "weightsync_m2n/rollback", "weightsync_nccl", "weightsync_ipc", "naive")
+"""``weightsync_m2n/rollback``: the opt-in host snapshot (``rollback=True``; the default is off). Runs saved
+before the default changed have ``weightsync_m2n/no-rollback`` rows instead (their plain rows had it on)."""
 """``weightsync_m2n`` runs first: its plan gives every worker's lower bound for the other rows."""
 
 
@@ -176,8 +178,8 @@ def run_engine(cluster: LocalCluster, sc: Scenario, transport: str, model_dir: s
     bucket = (sc.staging_mib * MiB if registered(name).source == "local"  # M2N staging; a bucket holds the largest
               else max(sc.staging_mib * MiB, -(-largest // MiB) * MiB))
     info = init_info(layout, buffer_bytes=bucket)
-    if variant == "no-rollback":
-        info = dataclasses.replace(info, rollback=False)
+    if variant in ("rollback", "no-rollback"):
+        info = dataclasses.replace(info, rollback=variant == "rollback")
     rss_t, rss_r = on(ts, "mem_reset"), on(rs, "mem_reset")
     t0 = time.perf_counter()
     cluster.make_engines(info, source=registered(name).source, bucket_bytes=bucket)

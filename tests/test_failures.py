@@ -90,7 +90,7 @@ def test_source_disagreeing_with_metadata_fails_every_rank_fast_and_workers_roll
     cluster.train_step(1)
 
     t0 = time.perf_counter()  # earlier tensors move first: the source gathers 64 KiB at a time
-    cluster.make_engines(info(backend), source=source, fault=fault, bucket_bytes=1 << 16)
+    cluster.make_engines(info(backend, rollback=True), source=source, fault=fault, bucket_bytes=1 << 16)
     errors = on_every_trainer(cluster, "weightsync.testing.trainer:send_weights", "bad")
     elapsed = time.perf_counter() - t0
     assert len(errors) == layout.trainers
@@ -102,6 +102,31 @@ def test_source_disagreeing_with_metadata_fails_every_rank_fast_and_workers_roll
 
     cluster.make_engines(info(backend), source=source)  # the workers take the next sync
     cluster.sync(weight_version="after")
+    assert mismatches(cluster) == {}
+
+
+@vllm
+@pytest.mark.parametrize("backend", TRANSPORTS)
+def test_by_default_a_failed_sync_poisons_without_a_model_copy_and_a_reinit_verifies(cluster, backend):
+    """``rollback=False`` (the default): no snapshot. A failure after data moved (the full-tensor
+    transports gather and send earlier tensors first) says the weights may be partly updated; the
+    version stays the last complete one and the engines refuse syncs until re-initialized. M2N checks
+    every local shard before anything moves, so the same fault leaves it restored."""
+    layout, source = Layout(trainers=2, tp=2, backend=backend), SOURCES[backend]
+    cluster.setup(layout)
+    cluster.make_engines(info(backend), source=source)
+    cluster.sync(weight_version="good")
+    cluster.train_step(4)
+    cluster.make_engines(info(backend), source=source, fault="shape", bucket_bytes=1 << 16)
+    errors = on_every_trainer(cluster, "weightsync.testing.trainer:send_weights", "bad")
+    assert len(errors) == layout.trainers and all(re.search(FAULT_MESSAGES[source, "shape"], e) for e in errors)
+    torn = "the engines' weights may be partly updated (rollback=False)"
+    assert all((torn in e) == (source == "full") for e in errors), errors
+    assert cluster.client().weight_versions() == ["good"] * layout.num_workers
+    if source == "full":
+        assert all(a.call("weightsync.testing.probes:engine_poisoned") for a in cluster.active_receivers)
+    cluster.make_engines(info(backend), source=source)
+    cluster.sync(weight_version="after", verify=True)
     assert mismatches(cluster) == {}
 
 

@@ -4,6 +4,7 @@ CUDA IPC between two processes on one GPU (skipped without CUDA). Faulty sources
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import multiprocessing as mp
@@ -157,7 +158,8 @@ def test_a_worker_rejecting_a_chunk_fails_every_rank_and_all_workers_roll_back(c
     cluster.train_step(2)
 
     bad = CorruptingClient(cluster.client(), chunk=2, worker=1, field="trainer_rank", value=7)
-    cluster.make_engines(ipc_info(COLOCATED), client=bad)  # worker 0 applies chunks 0-2, worker 1 refuses chunk 2
+    info = dataclasses.replace(ipc_info(COLOCATED), rollback=True)  # the opt-in restore (default: poisoned, paused)
+    cluster.make_engines(info, client=bad)  # worker 0 applies chunks 0-2, worker 1 refuses chunk 2
     futures = [a.submit("weightsync.testing.trainer:send_weights", "bad", timeout_s=120) for a in cluster.active_trainers]
     for f in futures:
         with pytest.raises(RemoteError, match="SyncFailed: weight sync 1 failed: worker 1: ValueError: "

@@ -94,3 +94,29 @@ def test_full_tensor_source_name_map_skips_and_rejects_collisions():
     assert [p.name for p in src.metadata] == ["model.weight"]
     with pytest.raises(ValueError, match=r"name_map maps several parameters to the same name\(s\): \['x'\]"):
         FullTensorSource(m, name_map=lambda n: "x").metadata
+
+
+def test_paused_keeps_generation_paused_only_after_a_sync_that_may_have_torn_the_weights():
+    from weightsync.clients import paused
+    from weightsync.transport.base import SyncFailed
+
+    class Recorder:
+        def __init__(self):
+            self.calls = []
+
+        def pause_generation(self, mode, clear_cache):
+            self.calls.append(("pause", mode, clear_cache))
+
+        def resume_generation(self):
+            self.calls.append(("resume",))
+
+    for error, resumed in [(None, True), (SyncFailed("x", restored=True), True), (ValueError("bad input"), True),
+                           (SyncFailed("y", restored=False), False)]:
+        client = Recorder()
+        try:
+            with paused(client, mode="wait", clear_cache=False):
+                if error is not None:
+                    raise error
+        except Exception as e:  # noqa: BLE001 - re-raised unchanged
+            assert e is error
+        assert client.calls == [("pause", "wait", False)] + ([("resume",)] if resumed else []), error

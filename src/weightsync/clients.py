@@ -180,13 +180,20 @@ class RayVLLMWeightSyncClient:
 
 @contextmanager
 def paused(client: Any, mode: str = "abort", clear_cache: bool = True) -> Iterator[None]:
-    """Pause generation for the body (a sync), resume afterwards even if the sync failed::
+    """Pause generation for the body (a sync) and resume afterwards::
 
         with paused(client, mode="wait"):
             engine.send_weights(weight_version=f"step{step}")
-    """
+
+    When the body raises a ``SyncFailed`` whose engines may hold partly updated weights
+    (``restored`` False: the default ``rollback=False`` and data had moved), generation stays
+    paused: re-initialize, sync again (inside ``paused`` again, which resumes on success), or call
+    ``client.resume_generation()`` yourself. Any other failure resumes generation."""
     client.pause_generation(mode=mode, clear_cache=clear_cache)
     try:
         yield
-    finally:
-        client.resume_generation()
+    except BaseException as e:
+        if getattr(e, "restored", True):
+            client.resume_generation()
+        raise
+    client.resume_generation()

@@ -116,8 +116,12 @@ class TrainerInitInfo:
     """Free port for the store on ``master_address``; None picks one (one trainer rank only)."""
     timeout_s: float = 300.0
     """Limit for every blocking step (rendezvous, each transfer wait, each client call)."""
-    rollback: bool = True
-    """Workers keep a host copy of their parameters during a sync and restore it on failure."""
+    rollback: bool = False
+    """Workers keep a host copy of their parameters during a sync and restore it on failure (a
+    model-sized copy per sync). Off (the default): a sync that fails after data moved leaves the
+    engines poisoned with weights possibly partly updated (``SyncFailed.restored`` is False): they
+    refuse every sync until re-initialized, keep reporting the last complete version, and
+    ``clients.paused`` keeps their generation paused, so no request is served from those weights."""
     device: str = field(default_factory=default_device)
     """``"cuda"`` (NCCL data plane, CUDA IPC) or ``"cpu"`` (gloo, shared memory)."""
     cast_dtypes: bool = False
@@ -177,7 +181,7 @@ class WorkerInitInfo:
     """Port of the sync group's store."""
     timeout_s: float = 300.0
     """Limit for every blocking step."""
-    rollback: bool = True
+    rollback: bool = False
     """Keep a host copy of the parameters during a sync and restore it on failure."""
     transport: str = ""
     """The transport this info is for (weightsync's trainer engines fill it in): a worker engine refuses

@@ -55,7 +55,8 @@ def test_a_sync_failing_mid_way_changes_nothing_in_the_engine_and_a_reinit_verif
     token_prompts = vllm_cpu.prompts(151)
     try:
         before = observe(engine, token_prompts)
-        info = vllm_cpu.init_info(backend, trainers=2, tp=ENGINE.tp, buffer_bytes=64 << 10, timeout_s=60.0)
+        info = vllm_cpu.init_info(backend, trainers=2, tp=ENGINE.tp, buffer_bytes=64 << 10, timeout_s=60.0,
+                                  rollback=True)  # the opt-in restore (default: poisoned, generation paused)
         trainers.make_engines(info, [engine], registered(backend).source, fault="shape")
         t0 = time.perf_counter()
         outcomes = trainers.send_weights_outcomes(f"{transport}-bad")

@@ -141,16 +141,17 @@ class RaySession:
 
 
 def init_info(backend: str, *, trainers: int, tp: int, replicas: int = 1, buffer_bytes: int = 64 << 20,
-              timeout_s: float = 120.0) -> Any:
+              timeout_s: float = 120.0, **fields: Any) -> Any:
     """The registered transport's trainer init info for this deployment on loopback (rank 0; ``Trainers``
-    sets each rank's); ``buffer_bytes`` is the bucket of full-tensor transports (M2N sizes its own)."""
+    sets each rank's); ``buffer_bytes`` is the bucket of full-tensor transports (M2N sizes its own);
+    ``fields`` (``rollback``, ...) are passed through."""
     from weightsync.registry import transport
 
     t = transport(backend)
     return t.init_info.for_deployment(num_trainer_ranks=trainers, replicas=replicas, tp=tp,
                                       buffer_bytes=buffer_bytes if t.source == "full" else None,
                                       master_address="127.0.0.1", master_port=free_port(), device="cpu",
-                                      timeout_s=timeout_s)
+                                      timeout_s=timeout_s, **fields)
 
 
 class TrainerActor:

@@ -14,9 +14,9 @@ Trainer side (:class:`BaseTrainerEngine`), on every trainer rank::
         rank 0 finishes the update (the version advances) and publishes the verdict.
 
 One outcome per sync: after a failure anywhere, every trainer rank raises ``SyncFailed`` with the
-first failure's message, rank 0 aborts the update on every worker (each restores its parameters and
-leaves the update, so vLLM's worker is ready again), and every engine refuses further syncs until
-re-initialized (``PoisonedError``, on every rank).
+first failure's message, rank 0 aborts the update on every worker (each leaves the update, so vLLM's
+worker is ready again, restoring its parameters when ``rollback=True``), and every engine refuses
+further syncs until re-initialized (``PoisonedError``, on every rank).
 
 The worker side is :class:`~weightsync.transport.worker_base.BaseWorkerEngine`. A transport file is
 then its info fields, ``TRANSPORT`` and these hooks: ``_worker_init_info``, ``_data_rank``
@@ -43,8 +43,15 @@ _OK = "ok"
 
 
 class SyncFailed(RuntimeError):
-    """A sync failed. Every trainer rank raises it with the same (first) failure; the workers
-    restored their parameters; every engine refuses syncs until ``trainer_init`` runs again."""
+    """A sync failed. Every trainer rank raises it with the same (first) failure; every engine
+    refuses syncs until ``trainer_init`` runs again. ``restored``: the engines' weights are those of
+    the last complete sync (the failure came before the update started, or ``rollback=True``);
+    False: they may be partly updated until a full sync lands (``clients.paused`` keeps generation
+    paused then)."""
+
+    def __init__(self, message: str, *, restored: bool = True) -> None:
+        super().__init__(message)
+        self.restored = restored
 
 
 def client_result(fut: Future, timeout_s: float, what: str) -> Any:
@@ -243,6 +250,7 @@ class BaseTrainerEngine(TrainerEngine):
                     self.comm.publish(self._key("started"), _OK)
                 else:  # no rank enters the source's collectives before the engines accepted the update
                     self.comm.read(self._key("started"))
+                    self._started = True
             with stats.timed("transfer"):
                 fut = self._transfer(prepared, stats, verify)
                 self.comm.publish(self._key("sent", self.rank), _OK)
@@ -288,7 +296,10 @@ class BaseTrainerEngine(TrainerEngine):
             self._acknowledge(f"sync{self.sync_id}")
         else:
             self._outcome_step = f"sync{self.sync_id}"
-        return SyncFailed(f"weight sync {self.sync_id} failed: {reason}")
+        restored = self.init_info.rollback or not self._started
+        torn = "" if restored else ("; the engines' weights may be partly updated (rollback=False): "
+                                    "re-initialize and sync again before serving")
+        return SyncFailed(f"weight sync {self.sync_id} failed: {reason}{torn}", restored=restored)
 
     def shutdown(self) -> None:
         """Release the group (and the store, on rank 0, once every rank read the last outcome).
