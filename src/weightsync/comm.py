@@ -263,14 +263,20 @@ class Communicator:
                  what: str = "point-to-point round") -> None:
         """Post every ``(tensor, peer, tag)`` send and receive together, then wait for all of them
         (NCCL: one coalesced group). The peers must post the matching ops in their own call."""
+        self.wait_all(self.post(sends, recvs), what)
+
+    def post(self, sends: list[tuple[torch.Tensor, int, int]], recvs: list[tuple[torch.Tensor, int, int]]) -> list[Any]:
+        """``exchange`` without the wait: the works to pass to ``wait_all``. Every pair of peers must
+        post its groups in the same order (several may be in flight)."""
         pg = self._live()
         cuda = self.device.type == "cuda"
         if cuda:
             pg._start_coalescing(self.device)
         works = [pg.send([t], peer, tag) for t, peer, tag in sends]
         works += [pg.recv([t], peer, tag) for t, peer, tag in recvs]
-        if cuda:
-            works = [pg._end_coalescing(self.device)]
+        return [pg._end_coalescing(self.device)] if cuda else works
+
+    def wait_all(self, works: list[Any], what: str = "point-to-point round") -> None:
         for w in works:
             self.wait(w, what)
 

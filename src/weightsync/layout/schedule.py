@@ -102,13 +102,15 @@ def pair_messages(items: Iterable[TransferItem], *, by: str, cap: int,
     return out
 
 
-def message_cap(staging_bytes: int, num_src: int, num_dst: int) -> int:
-    """Largest message such that a rank's round (one message per peer) fits ``staging_bytes``."""
+def message_cap(staging_bytes: int, num_src: int, num_dst: int, *, buffers: int = 1) -> int:
+    """Largest message such that a rank's round (one message per peer) fits ``staging_bytes`` split
+    into ``buffers`` equal parts (2: one round on the wire while the next is packed or applied)."""
     peers = max(num_src, num_dst, 1)
-    cap = staging_bytes // peers // ALIGN * ALIGN
+    cap = staging_bytes // buffers // peers // ALIGN * ALIGN
     if cap < ALIGN:
-        raise ValueError(f"staging_bytes={staging_bytes} is too small for {peers} peers "
-                         f"(needs at least {ALIGN * peers})")
+        halves = "" if buffers == 1 else f" in {buffers} buffers"
+        raise ValueError(f"staging_bytes={staging_bytes} is too small for {peers} peers{halves} "
+                         f"(needs at least {ALIGN * peers * buffers})")
     return cap
 
 

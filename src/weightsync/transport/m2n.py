@@ -60,7 +60,7 @@ class M2NTrainerInitInfo(TrainerInitInfo):
         if self.world_size != self.num_trainer_ranks + math.prod(dims):
             raise ValueError(f"world_size must be num_trainer_ranks + replicas * tp = "
                              f"{self.num_trainer_ranks + math.prod(dims)}, got {self.world_size}")
-        message_cap(self.staging_bytes, self.num_trainer_ranks, math.prod(dims))  # raises when too small
+        message_cap(self.staging_bytes, self.num_trainer_ranks, math.prod(dims), buffers=2)  # raises when too small
 
     @classmethod
     def for_deployment(cls, *, num_trainer_ranks: int, replicas: int, tp: int, rank: int = 0,
@@ -107,7 +107,7 @@ class _Plan:
         self.gathered = gather_plan(comm, sources, num_workers, _P)
         self.digest = self.gathered.plan.digest
         agree(comm, f"{_P}/digest", self.digest, "plan digest")
-        cap = message_cap(staging_bytes, num_trainers, num_workers)
+        cap = message_cap(staging_bytes, num_trainers, num_workers, buffers=2)  # two halves: rounds overlap
         self.rounds = my_messages(self.gathered.plan, sources, rank=rank, sender=sender, cap=cap)
         self.staging = torch.empty(staging_bytes, dtype=torch.uint8, device=comm.device)
 

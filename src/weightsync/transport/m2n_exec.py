@@ -107,35 +107,61 @@ def my_messages(plan: TransferPlan, sources: list[TensorSource], *, rank: int, s
 def run_rounds(comm: Communicator, plan_rounds: list[list[Message]], staging: torch.Tensor, *, sender: bool,
                peer_rank: Callable[[int], int], dtypes: Mapping[str, str],
                tensor_of: Callable[[Message, int], torch.Tensor], sums: dict[int, int] | None = None) -> int:
-    """Execute rounds; returns payload bytes moved. Sender: copy each item's region of its local shard
-    (``tensor_of`` gives the shard) into staging, send. Receiver: receive into staging, copy each item
-    into its target region (``tensor_of`` gives the parameter or fallback buffer; dtype cast if needed).
-    With ``sums``, fold every item per peer: the sender what it sent, the receiver what it applied."""
+    """Execute rounds, pipelined over the two halves of ``staging``; returns payload bytes moved.
+
+    Sender: copy each item's region of its local shard (``tensor_of`` gives the shard) into round k's
+    half and post its sends; pack round k + 1 into the other half while round k is on the wire.
+    Receiver: post round k + 1's receives before applying round k (copy each item into its target
+    region, ``tensor_of`` gives the parameter or fallback buffer; dtype cast if needed). Every pair
+    posts its rounds in order, at most two in flight, so the rounds cannot deadlock. With ``sums``,
+    fold every item per peer: the sender what it sent, the receiver what it applied."""
+    half = staging.numel() // 2 // ALIGN * ALIGN
+    halves = (staging[:half], staging[half : 2 * half])
     moved = 0
-    for msgs in plan_rounds:
+
+    def buffers(k: int) -> list[torch.Tensor]:
         bufs, base = [], 0
-        for m in msgs:
-            bufs.append(staging[base : base + m.nbytes])
+        for m in plan_rounds[k]:
+            bufs.append(halves[k % 2][base : base + m.nbytes])
             base += align_up(m.nbytes, ALIGN)
+        return bufs
+
+    def post(k: int, bufs: list[torch.Tensor]) -> list[Any]:
+        ops = [(buf, peer_rank(m.dst if sender else m.src), m.index) for m, buf in zip(plan_rounds[k], bufs)]
+        return comm.post(ops, []) if sender else comm.post([], ops)
+
+    def pack(k: int, bufs: list[torch.Tensor]) -> None:
+        for m, buf in zip(plan_rounds[k], bufs):
+            for i, (item, off) in enumerate(zip(m.items, m.offsets)):
+                view = _view(buf, off, item, dtypes)
+                view.copy_(tensor_of(m, i)[_slices(item.src_offsets, item.region.sizes)])
+                if sums is not None:
+                    sums[m.dst] = fold_checksum(sums.get(m.dst, 0), view)
+
+    def apply(k: int, bufs: list[torch.Tensor]) -> None:
+        for m, buf in zip(plan_rounds[k], bufs):
+            for i, (item, off) in enumerate(zip(m.items, m.offsets)):
+                received = _view(buf, off, item, dtypes)
+                target = tensor_of(m, i)[_slices(item.param_offsets, item.region.sizes)]
+                target.copy_(received)
+                if sums is not None:  # what was applied, read back in the wire dtype
+                    applied = target if target.dtype == received.dtype else received
+                    sums[m.src] = fold_checksum(sums.get(m.src, 0), applied)
+
+    n = len(plan_rounds)
+    in_flight: list[tuple[int, list[torch.Tensor], list[Any]]] = []  # (round, its buffers, its works)
+    for k in range(n):
+        bufs = buffers(k)
         if sender:
-            for m, buf in zip(msgs, bufs):
-                for i, (item, off) in enumerate(zip(m.items, m.offsets)):
-                    view = _view(buf, off, item, dtypes)
-                    view.copy_(tensor_of(m, i)[_slices(item.src_offsets, item.region.sizes)])
-                    if sums is not None:
-                        sums[m.dst] = fold_checksum(sums.get(m.dst, 0), view)
-        ops = [(buf, peer_rank(m.dst if sender else m.src), m.index) for m, buf in zip(msgs, bufs)]
-        comm.exchange(ops if sender else [], [] if sender else ops, "M2N round")
-        for m, buf in zip(msgs, bufs):
-            moved += buf.numel()  # what the data plane filled, padding included
-            if not sender:
-                for i, (item, off) in enumerate(zip(m.items, m.offsets)):
-                    received = _view(buf, off, item, dtypes)
-                    target = tensor_of(m, i)[_slices(item.param_offsets, item.region.sizes)]
-                    target.copy_(received)
-                    if sums is not None:  # what was applied, read back in the wire dtype
-                        applied = target if target.dtype == received.dtype else received
-                        sums[m.src] = fold_checksum(sums.get(m.src, 0), applied)
+            pack(k, bufs)  # round k - 1 is on the wire meanwhile (the other half)
+        in_flight.append((k, bufs, post(k, bufs)))
+        if len(in_flight) == 2 or k == n - 1:
+            while in_flight and (len(in_flight) == 2 or k == n - 1):
+                done, done_bufs, works = in_flight.pop(0)
+                comm.wait_all(works, "M2N round")
+                moved += sum(b.numel() for b in done_bufs)  # what the data plane filled, padding included
+                if not sender:
+                    apply(done, done_bufs)  # round done + 1 is arriving meanwhile
     return moved
 
 
