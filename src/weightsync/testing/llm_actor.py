@@ -33,7 +33,8 @@ def read_effective(worker: Any) -> dict[str, Any]:
             kernel = getattr(mod, "cpu_linear", None)
             if kernel is None or not isinstance(mod, (LinearBase, ParallelLMHead)):
                 continue
-            k = mod.embedding_dim if isinstance(mod, ParallelLMHead) else mod.input_size_per_partition
+            k = (mod.embedding_dim if isinstance(mod, ParallelLMHead)  # a ReplicatedLinear (MoE router): whole
+                 else getattr(mod, "input_size_per_partition", None) or mod.input_size)
             eye = torch.eye(k, dtype=mod.weight.dtype)
             out[f"{name}#kernel"] = kernel(eye, mod.weight, None).t().contiguous()
     return out

@@ -95,9 +95,10 @@ class RaySession:
         self.starts: list[dict[str, Any]] = []
 
     def start_engines(self, backend: str, *, tp: int, dtype: str, model: str, count: int = 1,
-                      max_model_len: int = 256, label: str | None = None) -> list[Any]:
-        """``count`` separate ``LLM`` actors (dummy weights, ``WeightTransferConfig(backend=backend)``);
-        the previous engines are stopped first."""
+                      max_model_len: int = 256, label: str | None = None, load_format: str = "dummy") -> list[Any]:
+        """``count`` separate ``LLM`` actors (``WeightTransferConfig(backend=backend)``; dummy weights, or
+        with ``load_format="auto"`` the checkpoint in the ``model`` directory); the previous engines
+        are stopped first."""
         import ray
         from vllm.config import WeightTransferConfig
 
@@ -106,7 +107,7 @@ class RaySession:
         self.stop_engines()
         actor = ray.remote(num_cpus=0)(EngineActor)
         t0 = time.perf_counter()
-        handles = [actor.remote(model=config_dir(model), load_format="dummy", enforce_eager=True,
+        handles = [actor.remote(model=config_dir(model), load_format=load_format, enforce_eager=True,
                                 skip_tokenizer_init=True, max_model_len=max_model_len, tensor_parallel_size=tp,
                                 dtype=dtype, distributed_executor_backend="mp", seed=0,
                                 weight_transfer_config=WeightTransferConfig(backend=backend))
