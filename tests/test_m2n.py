@@ -55,3 +55,20 @@ def test_gather_guard_catches_a_gathering_transport(cluster):
     for f in futs:
         with pytest.raises(RemoteError, match="full_tensor called during send_weights"):
             f.result()
+
+
+@pytest.mark.parametrize("backend", ["weightsync_m2n", "weightsync_nccl", "weightsync_ipc"])
+def test_workers_report_their_own_phases(cluster, backend):
+    """``SyncStats.worker_phases``: every worker's own start / receive / finish seconds, from the
+    engines (no instrumentation); receiving the weights is most of a worker's sync here."""
+    from helpers import SOURCES, init_info
+
+    layout = Layout(trainers=2, tp=2, backend=backend)
+    cluster.setup(layout)
+    cluster.make_engines(init_info(backend, layout), source=SOURCES[backend])
+    stats = cluster.sync("phases")
+    assert sorted(stats["worker_phases"]) == list(range(layout.num_workers))
+    for w, phases in stats["worker_phases"].items():
+        assert set(phases) == {"start", "receive", "finish"}, (w, phases)
+        assert all(0 <= s < stats["seconds"] for s in phases.values()), (w, phases, stats["seconds"])
+        assert phases["receive"] > 0

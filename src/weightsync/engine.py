@@ -260,6 +260,10 @@ class SyncStats:
     """Fills of the bounded staging memory: buckets (nccl, ipc) or point-to-point rounds (m2n)."""
     phases: dict[str, float] = field(default_factory=dict)
     """Seconds per phase: ``preflight``, ``start``, ``transfer``, ``finish``, ..."""
+    worker_phases: dict[int, dict[str, float]] = field(default_factory=dict)
+    """Seconds per phase as each worker measured it (rank 0 only): ``start`` (rollback snapshot,
+    staging), ``receive`` (wire waits and applying),
+    ``finish`` (vLLM's processing of post-processed layers, layerwise finalize)."""
     weight_version: str | None = None
     verified: bool | None = None
     """True when the sync ran with ``verify=True`` and every worker's checksums matched."""

@@ -268,6 +268,8 @@ class BaseTrainerEngine(TrainerEngine):
                 stats.bytes_received_per_worker = {w: int(self.comm.read(self._key("recv", w)))
                                                    for w in sorted(self._lower_bound())}
                 stats.lower_bound_per_worker = self._lower_bound()
+                stats.worker_phases = {w: p for w in sorted(stats.lower_bound_per_worker)
+                                       if (p := self.comm.peek(self._key("phases", w))) is not None}
                 self.comm.publish(self._key("verdict"), _OK)
                 self._outcome_step = f"sync{self.sync_id}"
             else:

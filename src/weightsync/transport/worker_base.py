@@ -19,6 +19,7 @@ Hooks: ``_expected_workers`` (for the deployment check), ``_init``, ``_start`` (
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -166,9 +167,12 @@ class BaseWorkerEngine(WorkerEngine):
         self._check_not_poisoned()
         if self.comm is None:
             raise RuntimeError("init_transfer_engine must run before start_weight_update")
+        t0 = time.perf_counter()
         self._applier = LayerwiseApplier(self.model, self.model_config, rollback=self.info.rollback)
-        self._received, self._aborted = 0, False
+        self._received, self._aborted, self._sync_id = 0, False, None
+        self.phases: dict[str, float] = {}
         self._start(self._applier)
+        self.phases["start"] = time.perf_counter() - t0
 
     def receive_weights(self, update_info: Any) -> None:
         """Receive and apply one update; failures are reported on the store and poison the engine."""
@@ -184,7 +188,9 @@ class BaseWorkerEngine(WorkerEngine):
             self._check_not_poisoned()
             if self._applier is None or self.comm is None:
                 raise RuntimeError("start_weight_update must run before update_weights")
+            t0, self._sync_id = time.perf_counter(), update_info.sync_id
             self._received += self._receive(update_info)
+            self.phases["receive"] = self.phases.get("receive", 0.0) + time.perf_counter() - t0
             self.comm.publish(f"sync{update_info.sync_id}/recv/{self.worker_rank}", self._received)
         except BaseException as e:
             if self.comm is None:
@@ -206,8 +212,12 @@ class BaseWorkerEngine(WorkerEngine):
         self._check_not_poisoned()
         if self._applier is None:
             raise RuntimeError("finish_weight_update without start_weight_update")
+        t0 = time.perf_counter()
         self._applier.finish()
         self._applier = None
+        self.phases["finish"] = time.perf_counter() - t0
+        if self.comm is not None and self._sync_id is not None:  # the trainer's stats: SyncStats.worker_phases
+            self.comm.publish(f"sync{self._sync_id}/phases/{self.worker_rank}", self.phases)
 
     def _rollback(self) -> None:
         if self._applier is not None:
