@@ -130,7 +130,7 @@ class LayerwiseApplier:
         in-place reload would leave checkpoint-layout bytes in prepacked storage (vLLM's own
         ``reload_weights`` too). Unset the kernels: each layer this update processes does it as
         its first load did (a new kernel); the others get theirs back at the end."""
-        from .fused_moe import is_fused_moe
+        from .destinations import is_fused_moe
 
         for m in self.model.modules():
             qm = getattr(m, "quant_method", None)
