@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from .destinations import is_fused_moe
 from .engine import WorkerInitInfo, WorkerUpdateInfo, parse_info
 
 __all__ = ["WorkerEngine", "LayerwiseApplier", "PoisonedError"]
@@ -130,8 +131,6 @@ class LayerwiseApplier:
         in-place reload would leave checkpoint-layout bytes in prepacked storage (vLLM's own
         ``reload_weights`` too). Unset the kernels: each layer this update processes does it as
         its first load did (a new kernel); the others get theirs back at the end."""
-        from .destinations import is_fused_moe
-
         for m in self.model.modules():
             qm = getattr(m, "quant_method", None)
             if is_fused_moe(m) and getattr(qm, "moe_kernel", None) is not None:
