@@ -40,6 +40,21 @@ class ActorAddress:
     name: str
 
 
+_HANDED_OUT: set[int] = set()
+
+
+def free_port() -> int:
+    """A port free on 127.0.0.1 now and not handed out before by this process: the OS may give the
+    same ephemeral port to two binds in a row, and two groups of one test would then race for it."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+
+
 def _resolve(fn: str) -> Any:
     module, _, attr = fn.partition(":")
     return getattr(importlib.import_module(module), attr)

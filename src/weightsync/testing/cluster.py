@@ -8,12 +8,11 @@ since each vLLM process costs seconds.
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
-from .actors import Actor, gather
+from .actors import Actor, free_port, gather
 from .client import LocalWeightSyncClient
 from .receiver import VLLM_CPU_ENV
 
@@ -31,12 +30,6 @@ def model_config_dir(name: str) -> str:
     if not path.joinpath("config.json").is_file():
         raise ValueError(f"model config {name!r} is neither a directory nor one of the shipped configs")
     return str(path)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)

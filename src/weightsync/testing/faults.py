@@ -148,13 +148,13 @@ _ORIGINALS: dict[str, Any] = {}
 
 
 def slow_data_plane(seconds: float) -> None:
-    """Inside a process: every data-plane round/broadcast and every control-channel publish (the
-    colocated transport's chunk hand-off) first sleeps ``seconds`` (0 restores)."""
+    """Inside a process: every data-plane post (an M2N round), broadcast and control-channel publish
+    (the colocated transport's chunk hand-off) first sleeps ``seconds`` (0 restores)."""
     import time
 
     from ..comm import Communicator
 
-    names = ("exchange", "broadcast", "publish")
+    names = ("post", "broadcast", "publish")  # exchange posts through post
     originals = _ORIGINALS.setdefault("comm", tuple(getattr(Communicator, n) for n in names))
     if not seconds:
         for n, fn in zip(names, originals):

