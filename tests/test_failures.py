@@ -261,7 +261,8 @@ def test_worker_init_info_with_an_unknown_field_is_rejected_by_every_worker(clus
 def kill_mid_sync(cluster, layout, info, source, pick) -> float:
     cluster.setup(layout, fresh=True)
     victim = pick(cluster)
-    cluster.make_engines(info, source=source)
+    # a trainer victim: gather 64 KiB at a time, so every trainer rank takes part until the sync ends
+    cluster.make_engines(info, source=source, bucket_bytes=(1 << 16) if victim in cluster.trainers else None)
     cluster.sync(weight_version="good")
     cluster.train_step(1)
     cluster.on_trainers("weightsync.testing.faults:slow_data_plane", 0.3)
