@@ -146,13 +146,13 @@ class M2NTrainerEngine(BaseTrainerEngine):
         """This rank's shards, checked against the plan's metadata (no collectives)."""
         metas = {m.name: m for m in self.source.metadata}
         shards: dict[str, torch.Tensor] = {}
+        cast = getattr(self.source, "wire_dtype", None)  # the source casts each piece as it is packed
         for name, t in self.source.iter_local():
             m = metas.get(name)
             if m is None or name in shards:
                 raise ValueError(f"parameter {name!r}: the source yielded it but "
                                  f"{'already did' if m is not None else 'its metadata does not list it'}")
             want = self._local_shapes.get(name)
-            cast = getattr(self.source, "wire_dtype", None)  # the source casts each piece as it is packed
             if (cast(t.dtype) if cast else t.dtype) != m.dtype or want is None or tuple(t.shape) != tuple(want):
                 raise ValueError(f"parameter {name!r}: expected a local shard {m.dtype} {want}, "
                                  f"source yielded {t.dtype} {tuple(t.shape)}")

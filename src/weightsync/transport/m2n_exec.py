@@ -120,52 +120,53 @@ def run_rounds(comm: Communicator, plan_rounds: list[list[Message]], staging: to
     halves = (staging[:half], staging[half : 2 * half])
     moved = 0
 
-    def buffers(k: int) -> list[torch.Tensor]:
-        bufs, base = [], 0
+    def buffers(k: int) -> tuple[list[torch.Tensor], list[bool]]:
+        """Round k's buffers, and which of them are direct (this rank's own tensor, no copy)."""
+        bufs, direct, base = [], [], 0
         for m in plan_rounds[k]:
-            direct = _direct(m, tensor_of, dtypes, sender)
-            bufs.append(direct if direct is not None else halves[k % 2][base : base + m.nbytes])
-            base += 0 if direct is not None else align_up(m.nbytes, ALIGN)
-        return bufs
+            view = _direct(m, tensor_of, dtypes, sender)
+            direct.append(view is not None)
+            bufs.append(view if view is not None else halves[k % 2][base : base + m.nbytes])
+            base += 0 if view is not None else align_up(m.nbytes, ALIGN)
+        return bufs, direct
 
     def post(k: int, bufs: list[torch.Tensor]) -> list[Any]:
         ops = [(buf, peer_rank(m.dst if sender else m.src), m.index) for m, buf in zip(plan_rounds[k], bufs)]
         return comm.post(ops, []) if sender else comm.post([], ops)
 
-    def pack(k: int, bufs: list[torch.Tensor]) -> None:
-        for m, buf in zip(plan_rounds[k], bufs):
+    def pack(k: int, bufs: list[torch.Tensor], direct: list[bool]) -> None:
+        for m, buf, in_place in zip(plan_rounds[k], bufs, direct):
             for i, (item, off) in enumerate(zip(m.items, m.offsets)):
                 view = _view(buf, off, item, dtypes)
-                if not _shares(buf, tensor_of(m, i)):  # a direct message is the shard's own bytes
+                if not in_place:  # a direct message is the shard's own bytes
                     view.copy_(tensor_of(m, i)[_slices(item.src_offsets, item.region.sizes)])
                 if sums is not None:
                     sums[m.dst] = fold_checksum(sums.get(m.dst, 0), view)
 
-    def apply(k: int, bufs: list[torch.Tensor]) -> None:
-        for m, buf in zip(plan_rounds[k], bufs):
+    def apply(k: int, bufs: list[torch.Tensor], direct: list[bool]) -> None:
+        for m, buf, in_place in zip(plan_rounds[k], bufs, direct):
             for i, (item, off) in enumerate(zip(m.items, m.offsets)):
                 received = _view(buf, off, item, dtypes)
                 target = tensor_of(m, i)[_slices(item.param_offsets, item.region.sizes)]
-                if not _shares(buf, tensor_of(m, i)):  # a direct message arrived in place
+                if not in_place:  # a direct message arrived in place
                     target.copy_(received)
                 if sums is not None:  # what was applied, read back in the wire dtype
                     applied = target if target.dtype == received.dtype else received
                     sums[m.src] = fold_checksum(sums.get(m.src, 0), applied)
 
     n = len(plan_rounds)
-    in_flight: list[tuple[int, list[torch.Tensor], list[Any]]] = []  # (round, its buffers, its works)
+    in_flight: list[tuple[int, list[torch.Tensor], list[bool], list[Any]]] = []  # round, buffers, direct, works
     for k in range(n):
-        bufs = buffers(k)
+        bufs, direct = buffers(k)
         if sender:
-            pack(k, bufs)  # round k - 1 is on the wire meanwhile (the other half)
-        in_flight.append((k, bufs, post(k, bufs)))
-        if len(in_flight) == 2 or k == n - 1:
-            while in_flight and (len(in_flight) == 2 or k == n - 1):
-                done, done_bufs, works = in_flight.pop(0)
-                comm.wait_all(works, "M2N round")
-                moved += sum(b.numel() for b in done_bufs)  # what the data plane filled, padding included
-                if not sender:
-                    apply(done, done_bufs)  # round done + 1 is arriving meanwhile
+            pack(k, bufs, direct)  # round k - 1 is on the wire meanwhile (the other half)
+        in_flight.append((k, bufs, direct, post(k, bufs)))
+        while in_flight and (len(in_flight) == 2 or k == n - 1):
+            done, done_bufs, done_direct, works = in_flight.pop(0)
+            comm.wait_all(works, "M2N round")
+            moved += sum(b.numel() for b in done_bufs)  # what the data plane filled, padding included
+            if not sender:
+                apply(done, done_bufs, done_direct)  # round done + 1 is arriving meanwhile
     return moved
 
 
@@ -183,11 +184,6 @@ def _direct(m: Message, tensor_of: Callable[[Message, int], torch.Tensor], dtype
     if not view.is_contiguous() or view.numel() * view.element_size() != m.nbytes:
         return None
     return view.reshape(-1).view(torch.uint8)
-
-
-def _shares(buf: torch.Tensor, tensor: torch.Tensor) -> bool:
-    """Whether ``buf`` is a view into ``tensor``'s storage (a direct message)."""
-    return buf.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
 
 
 def _slices(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[slice, ...]:
