@@ -9,7 +9,7 @@ import importlib
 from typing import Any
 
 from .clients import HTTPVLLMWeightSyncClient, RayVLLMWeightSyncClient, RemoteCallError, WeightSyncClient
-from .engine import SyncStats, TrainerEngine, TrainerInitInfo, WorkerInitInfo, WorkerUpdateInfo
+from .engine import DeltaStats, SyncStats, TrainerEngine, TrainerInitInfo, WorkerInitInfo, WorkerUpdateInfo
 from .protocol import ParamMeta, WeightSource
 from .registry import TRANSPORTS, Transport, WeightTransferTrainerFactory, WorkerEngineFactory, transport, transport_names
 from .sources import DTensorModuleSource, FullTensorSource
@@ -21,7 +21,7 @@ _LAZY = {"LocalWeightSyncClient": "weightsync.testing.client"}
 
 __all__ = [
     "ParamMeta", "WeightSource", "FullTensorSource", "DTensorModuleSource", "TrainerInitInfo", "WorkerInitInfo",
-    "WorkerUpdateInfo", "TrainerEngine", "SyncStats", "WeightTransferTrainerFactory", "WorkerEngineFactory",
+    "WorkerUpdateInfo", "TrainerEngine", "SyncStats", "DeltaStats", "WeightTransferTrainerFactory", "WorkerEngineFactory",
     "WeightSyncClient", "HTTPVLLMWeightSyncClient", "RayVLLMWeightSyncClient", "RemoteCallError", "Transport",
     "transport", "transport_names", *_LAZY,
 ]

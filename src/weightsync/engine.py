@@ -28,8 +28,8 @@ from typing import Any, ClassVar, TypeVar
 
 from .protocol import ParamMeta, WeightSource, default_device, dtype_from_name
 
-__all__ = ["TrainerInitInfo", "WorkerInitInfo", "WorkerUpdateInfo", "MetadataUpdateInfo", "SyncStats", "TrainerEngine",
-           "parse_info"]
+__all__ = ["TrainerInitInfo", "WorkerInitInfo", "WorkerUpdateInfo", "MetadataUpdateInfo", "DeltaStats", "SyncStats",
+           "TrainerEngine", "parse_info"]
 
 T = TypeVar("T")
 
@@ -242,6 +242,30 @@ class MetadataUpdateInfo(WorkerUpdateInfo):
 
 
 @dataclass
+class DeltaStats:
+    """What a delta sync (``delta=True``) sent, as seen by one trainer rank."""
+
+    base: int | None
+    """The sync whose weights the deltas are against (None: no worker could take one, all dense)."""
+    workers: list[int] = field(default_factory=list)
+    """Workers that took deltas (they hold ``base``); every other worker got this sync dense."""
+    changed: int = 0
+    """Values (wire dtype) of this rank's messages to those workers that differ from ``base``."""
+    compared: int = 0
+    """Values compared (the items of this rank's messages to ``workers``)."""
+    dense_bytes: int = 0
+    """What this rank would have sent dense (``bytes_sent`` is what it sent)."""
+    diff_seconds: float = 0.0
+    """Comparing with the baseline and encoding, part of the ``transfer`` phase."""
+    baseline_bytes: int = 0
+    """Memory this rank keeps for the last version it sent (its shards in the wire dtype)."""
+
+    @property
+    def changed_fraction(self) -> float | None:
+        return self.changed / self.compared if self.compared else None
+
+
+@dataclass
 class SyncStats:
     """What one ``send_weights()`` did, as seen by this trainer rank."""
 
@@ -265,6 +289,8 @@ class SyncStats:
     staging), ``receive`` (wire waits and applying),
     ``finish`` (vLLM's processing of post-processed layers, layerwise finalize)."""
     weight_version: str | None = None
+    delta: DeltaStats | None = None
+    """Set for an engine with ``delta=True``: what changed and what that saved."""
     verified: bool | None = None
     """True when the sync ran with ``verify=True`` and every worker's checksums matched."""
 

@@ -180,8 +180,8 @@ class LocalCluster:
         """``send_weights`` on every trainer rank; returns rank 0's stats."""
         return self.on_trainers("send_weights", weight_version, verify=verify)[0]
 
-    def train_step(self, seed: int) -> float:
-        return self.on_trainers("train_step", seed)[0]
+    def train_step(self, seed: int, lr: float | None = None) -> float:
+        return self.on_trainers("train_step", seed, lr)[0]
 
     def verify(self) -> dict[str, list[str]]:
         """Receiver name -> parameters that differ from vLLM's ``load_weights`` of the trainer's

@@ -48,9 +48,12 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
-def train_step(seed: int) -> float:
-    """One forward/backward/AdamW step on random tokens (every rank, collective)."""
+def train_step(seed: int, lr: float | None = None) -> float:
+    """One forward/backward/AdamW step on random tokens (every rank, collective), at learning rate
+    ``lr`` (default 1e-2)."""
     model, optim = STATE["model"], STATE["optim"]
+    for group in optim.param_groups:
+        group["lr"] = 1e-2 if lr is None else lr
     g = torch.Generator().manual_seed(seed * 100 + STATE["rank"])
     ids = torch.randint(0, STATE["vocab"], (2, 16), generator=g)
     loss = model(input_ids=ids, labels=ids).loss

@@ -15,6 +15,7 @@ destinations, every party builds the plan and all agree on its digest.
 from __future__ import annotations
 
 import math
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
@@ -22,12 +23,13 @@ from typing import Any, ClassVar
 import torch
 
 from ..comm import Communicator
-from ..engine import SyncStats, TrainerInitInfo, WorkerInitInfo, WorkerUpdateInfo
+from ..engine import DeltaStats, SyncStats, TrainerInitInfo, WorkerInitInfo, WorkerUpdateInfo
 from ..layout.schedule import message_cap
 from ..registry import Transport
 from ..sources import tensor_sources
 from ..worker import LayerwiseApplier
 from .base import BaseTrainerEngine
+from .delta import Baseline
 from .m2n_exec import (FALLBACK, agree, dests_to_wire, gather_plan, my_messages, run_rounds, sources_from_wire,
                        sources_to_wire)
 from .worker_base import BaseWorkerEngine
@@ -50,9 +52,23 @@ class M2NTrainerInitInfo(TrainerInitInfo):
     """(replicas, tp) of the vLLM side; replicas * tp workers."""
     staging_bytes: int = DEFAULT_STAGING_BYTES
     """Extra memory each rank may use to stage messages (bounds trainer and worker peaks)."""
+    delta: bool = False
+    """Delta sync: each trainer rank keeps the last version it sent of its shards (in the wire dtype,
+    on ``delta_baseline``) and sends a message as its changed positions and values when that is
+    smaller, to every worker that holds that version (the others, and every worker at the first
+    sync, get it dense). Messages into post-processed or fallback destinations go dense."""
+    delta_baseline: str = "cpu"
+    """Where the delta baseline lives: ``"cpu"`` (host memory) or ``"device"`` (the trainer's device)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if not isinstance(self.delta, bool):
+            raise ValueError(f"delta must be a bool, got {self.delta!r}")
+        if self.delta_baseline not in ("cpu", "device"):
+            raise ValueError(f"delta_baseline must be 'cpu' or 'device', got {self.delta_baseline!r}")
+        if self.delta and self.cast_dtypes:
+            raise ValueError("delta=True needs the wire dtype to be the parameters' dtype, not cast_dtypes=True: "
+                             "cast on the sender instead (DTensorModuleSource(dtype=...))")
         dims = tuple(self.dst_mesh_dims) if isinstance(self.dst_mesh_dims, (list, tuple)) else ()
         if len(dims) != 2 or any(not isinstance(d, int) or d < 1 for d in dims):
             raise ValueError(f"dst_mesh_dims must be (replicas, tp) of positive ints, got {self.dst_mesh_dims!r}")
@@ -84,6 +100,11 @@ class M2NWorkerInitInfo(WorkerInitInfo):
 @dataclass(kw_only=True)
 class M2NUpdateInfo(WorkerUpdateInfo):
     """One sync: its id and the plan digest (``verify``: workers check per-peer checksums)."""
+
+    delta_base: int | None = None
+    """The sync the deltas of this one are against."""
+    delta_workers: list[int] = field(default_factory=list)
+    """Workers that receive deltas (each must hold ``delta_base``); the others receive it dense."""
 
 
 @dataclass
@@ -141,6 +162,8 @@ class M2NTrainerEngine(BaseTrainerEngine):
                           rank=i.rank, sender=True)
         self._names = [s.name for s in sources]
         self._local_shapes = {s.name: s.regions[i.rank].sizes for s in sources}
+        self._baseline = Baseline("cpu" if i.delta_baseline == "cpu" else i.device) if i.delta else None
+        self._dense_only = [set(v) for v in self.plan.gathered.via_loader]  # per worker: re-processed params
 
     def _preflight(self, verify: bool) -> dict[str, torch.Tensor]:
         """This rank's shards, checked against the plan's metadata (no collectives)."""
@@ -164,6 +187,8 @@ class M2NTrainerEngine(BaseTrainerEngine):
 
     def send_weights(self, *, weight_version: str | None = None, verify: bool = False) -> M2NSyncStats:
         stats = super().send_weights(weight_version=weight_version, verify=verify)
+        if self._baseline is not None:  # every worker holds this sync now: the next one's deltas are against it
+            self._baseline.version = self.sync_id
         g = self.plan.gathered
         return M2NSyncStats(**{f.name: getattr(stats, f.name) for f in fields(SyncStats)},
                             via_loader_per_worker=dict(enumerate(map(len, g.via_loader))) if self.is_sender else {},
@@ -172,15 +197,48 @@ class M2NTrainerEngine(BaseTrainerEngine):
     def _lower_bound(self) -> dict[int, int]:
         return dict(enumerate(self.plan.gathered.plan.coverage().lower_bound))
 
-    def _transfer(self, shards: dict[str, torch.Tensor], stats: SyncStats, verify: bool) -> Future | None:
-        fut = None
+    def _delta_workers(self) -> tuple[int | None, list[int]]:
+        """Delta sync: the base version and the workers that hold it (rank 0 decides from what each
+        worker reported at its last finish; every rank reads the decision before any data moves)."""
         if self.is_sender:
-            fut = self._update_async(M2NUpdateInfo(sync_id=self.sync_id, digest=self.plan.digest, verify=verify))
+            base = self._baseline.version
+            holders = [] if base is None else [w for w in range(math.prod(self.init_info.dst_mesh_dims))
+                                               if self.comm.peek(f"sync{base}/held/{w}") == base]
+            self.comm.publish(self._key("delta"), [base, holders])
+        base, holders = self.comm.read(self._key("delta"))
+        return base, holders
+
+    def _encode(self, shards: dict[str, torch.Tensor], base: int | None, holders: list[int], stats: SyncStats) -> Any:
+        """This rank's sparse payloads for the workers in ``holders`` (published: the workers size their
+        receives from them); the shards become the baseline."""
+        t0, takers, dense_only = time.perf_counter(), set(holders), self._dense_only
+        enc = self._baseline.encode(
+            self.plan.rounds, shards, self.plan.dtypes,
+            eligible=lambda m: m.dst in takers and not any(it.param.startswith(FALLBACK) or it.param in dense_only[m.dst]
+                                                           for it in m.items))
+        self.comm.publish(self._key("sizes", self.rank), enc.counts)
+        stats.delta = DeltaStats(base=base, workers=holders, changed=enc.changed, compared=enc.compared,
+                                 dense_bytes=sum(m.nbytes for r in self.plan.rounds for m in r),
+                                 diff_seconds=time.perf_counter() - t0, baseline_bytes=self._baseline.nbytes)
+        return enc.payloads
+
+    def _transfer(self, shards: dict[str, torch.Tensor], stats: SyncStats, verify: bool) -> Future | None:
+        fut, payloads, tensors, delta = None, {}, shards, {}
+        if self._baseline is not None:
+            base, holders = self._delta_workers()
+            delta = {"delta_base": base, "delta_workers": holders}
+        if self.is_sender:  # the workers start while this rank encodes
+            fut = self._update_async(M2NUpdateInfo(sync_id=self.sync_id, digest=self.plan.digest, verify=verify,
+                                                   **delta))
+        if self._baseline is not None:
+            payloads = self._encode(shards, base, holders, stats)
+            if self._baseline.device == self.comm.device:  # the new values, in the wire dtype: no cast to pack
+                tensors = self._baseline.tensors
         sums: dict[int, int] | None = {} if verify else None
         stats.bytes_sent = run_rounds(self.comm, self.plan.rounds, self.plan.staging, sender=True,
                                       peer_rank=lambda w: self.init_info.num_trainer_ranks + w,
-                                      dtypes=self.plan.dtypes, tensor_of=lambda m, i: shards[m.items[i].name],
-                                      sums=sums)
+                                      dtypes=self.plan.dtypes, tensor_of=lambda m, i: tensors[m.items[i].name],
+                                      sums=sums, sparse=payloads)
         if sums is not None:
             self.comm.publish(self._key("sums", self.rank), {str(w): v for w, v in sums.items()})
         stats.num_tensors, stats.num_steps = len(self._names), len(self.plan.rounds)
@@ -260,7 +318,7 @@ class M2NWorkerEngine(BaseWorkerEngine):
         sums: dict[int, int] | None = {} if u.verify else None
         received = run_rounds(self.comm, self.plan.rounds, self.plan.staging, sender=False,
                               peer_rank=lambda r: r, dtypes=self.plan.dtypes,
-                              tensor_of=lambda m, i: params[m.items[i].param], sums=sums)
+                              tensor_of=lambda m, i: params[m.items[i].param], sums=sums, sparse=self._sparse(u))
         if sums is not None:
             self._verify(u.sync_id, sums)
         if not self._zeroed:  # first sync since init: padding as load_weights leaves it
@@ -270,6 +328,17 @@ class M2NWorkerEngine(BaseWorkerEngine):
             self._applier.begin_layerwise()
             self._applier.load([(n, params.pop(FALLBACK + n)) for n, _ in self.fallbacks])
         return received
+
+    def _sparse(self, u: M2NUpdateInfo) -> dict[tuple[int, int], int]:
+        """(trainer rank, message index) -> changed values of the messages that come as deltas."""
+        w = self.worker_rank
+        if w not in u.delta_workers:
+            return {}
+        if self.held != u.delta_base:
+            raise ValueError(f"update_info.delta_base is sync {u.delta_base}, but worker {w} holds "
+                             f"{'no complete sync' if self.held is None else f'sync {self.held}'}")
+        return {(r, int(k)): n for r in range(self.info.num_trainer_ranks)
+                for k, n in self.comm.read(f"sync{u.sync_id}/sizes/{r}").get(str(w), {}).items()}
 
     def _verify(self, sync_id: int, applied: dict[int, int]) -> None:
         """Compare what this worker applied from each trainer rank with what that rank sent."""

@@ -17,6 +17,7 @@ from ..layout.records import DestPiece, TensorSource, align_up, dtype_itemsize
 from ..layout.regions import Region
 from ..layout.schedule import ALIGN, Message, pair_messages, rounds
 from ..protocol import dtype_from_name
+from .delta import decode, patch, sparse_nbytes
 from .packing import fold_checksum
 
 __all__ = ["FALLBACK", "sources_to_wire", "sources_from_wire", "dests_to_wire", "Gathered", "gather_plan",
@@ -106,7 +107,8 @@ def my_messages(plan: TransferPlan, sources: list[TensorSource], *, rank: int, s
 
 def run_rounds(comm: Communicator, plan_rounds: list[list[Message]], staging: torch.Tensor, *, sender: bool,
                peer_rank: Callable[[int], int], dtypes: Mapping[str, str],
-               tensor_of: Callable[[Message, int], torch.Tensor], sums: dict[int, int] | None = None) -> int:
+               tensor_of: Callable[[Message, int], torch.Tensor], sums: dict[int, int] | None = None,
+               sparse: Mapping[tuple[int, int], Any] | None = None) -> int:
     """Execute rounds, pipelined over the two halves of ``staging``; returns payload bytes moved.
 
     Sender: copy each item's region of its local shard (``tensor_of`` gives the shard) into round k's
@@ -115,59 +117,93 @@ def run_rounds(comm: Communicator, plan_rounds: list[list[Message]], staging: to
     region, ``tensor_of`` gives the parameter or fallback buffer; dtype cast if needed). A message
     that is one item contiguous in this rank's tensor skips the staging copy (``_direct``). Every pair
     posts its rounds in order, at most two in flight, so the rounds cannot deadlock. With ``sums``,
-    fold every item per peer: the sender what it sent, the receiver what it applied."""
+    fold every item per peer: the sender what it sent, the receiver what it applied (for a sparse
+    message: the whole region, as it is after the patch). ``sparse`` (delta sync, keyed by (peer,
+    message index)): the sender's sparse payloads, the receiver's counts of changed values; those
+    messages go as :mod:`~weightsync.transport.delta` encodes them, in their dense slot's place."""
     half = staging.numel() // 2 // ALIGN * ALIGN
     halves = (staging[:half], staging[half : 2 * half])
+    sparse = sparse or {}
     moved = 0
 
-    def buffers(k: int) -> tuple[list[torch.Tensor], list[bool]]:
-        """Round k's buffers, and which of them are direct (this rank's own tensor, no copy)."""
-        bufs, direct, base = [], [], 0
+    def key(m: Message) -> tuple[int, int]:
+        return (m.dst if sender else m.src, m.index)
+
+    def buffers(k: int) -> tuple[list[torch.Tensor], list[str]]:
+        """Round k's buffers and their kinds: "direct" (this rank's own tensor, no copy), "sparse"
+        (a delta: the sender's payload, the receiver's slot) or "staged"."""
+        bufs, kinds, base = [], [], 0
         for m in plan_rounds[k]:
-            view = _direct(m, tensor_of, dtypes, sender)
-            direct.append(view is not None)
-            bufs.append(view if view is not None else halves[k % 2][base : base + m.nbytes])
-            base += 0 if view is not None else align_up(m.nbytes, ALIGN)
-        return bufs, direct
+            if (sp := sparse.get(key(m))) is not None:
+                kinds.append("sparse")
+                if sender:
+                    bufs.append(sp)
+                    continue
+                view = halves[k % 2][base : base + sparse_nbytes(len(m.items), sp, _itemsize(m, dtypes))]
+            elif (view := _direct(m, tensor_of, dtypes, sender)) is not None:
+                kinds.append("direct")
+                bufs.append(view)
+                continue
+            else:
+                kinds.append("staged")
+                view = halves[k % 2][base : base + m.nbytes]
+            bufs.append(view)
+            base += align_up(m.nbytes, ALIGN)
+        return bufs, kinds
 
     def post(k: int, bufs: list[torch.Tensor]) -> list[Any]:
         ops = [(buf, peer_rank(m.dst if sender else m.src), m.index) for m, buf in zip(plan_rounds[k], bufs)]
         return comm.post(ops, []) if sender else comm.post([], ops)
 
-    def pack(k: int, bufs: list[torch.Tensor], direct: list[bool]) -> None:
-        for m, buf, in_place in zip(plan_rounds[k], bufs, direct):
+    def pack(k: int, bufs: list[torch.Tensor], kinds: list[str]) -> None:
+        for m, buf, kind in zip(plan_rounds[k], bufs, kinds):
             for i, (item, off) in enumerate(zip(m.items, m.offsets)):
+                src = tensor_of(m, i)[_slices(item.src_offsets, item.region.sizes)]
+                if kind == "sparse":  # the payload is ready; the checksum is of the values it makes
+                    if sums is not None:
+                        wire = dtype_from_name(dtypes[item.name])
+                        sums[m.dst] = fold_checksum(sums.get(m.dst, 0), src if src.dtype == wire else src.to(wire))
+                    continue
                 view = _view(buf, off, item, dtypes)
-                if not in_place:  # a direct message is the shard's own bytes
-                    view.copy_(tensor_of(m, i)[_slices(item.src_offsets, item.region.sizes)])
+                if kind == "staged":  # a direct message is the shard's own bytes
+                    view.copy_(src)
                 if sums is not None:
                     sums[m.dst] = fold_checksum(sums.get(m.dst, 0), view)
 
-    def apply(k: int, bufs: list[torch.Tensor], direct: list[bool]) -> None:
-        for m, buf, in_place in zip(plan_rounds[k], bufs, direct):
+    def apply(k: int, bufs: list[torch.Tensor], kinds: list[str]) -> None:
+        for m, buf, kind in zip(plan_rounds[k], bufs, kinds):
+            patches = decode(buf, len(m.items), sparse[key(m)], _itemsize(m, dtypes)) if kind == "sparse" else None
             for i, (item, off) in enumerate(zip(m.items, m.offsets)):
-                received = _view(buf, off, item, dtypes)
                 target = tensor_of(m, i)[_slices(item.param_offsets, item.region.sizes)]
-                if not in_place:  # a direct message arrived in place
-                    target.copy_(received)
+                if patches is not None:
+                    patch(target, *patches[i])
+                    received = target
+                else:
+                    received = _view(buf, off, item, dtypes)
+                    if kind == "staged":  # a direct message arrived in place
+                        target.copy_(received)
                 if sums is not None:  # what was applied, read back in the wire dtype
                     applied = target if target.dtype == received.dtype else received
                     sums[m.src] = fold_checksum(sums.get(m.src, 0), applied)
 
     n = len(plan_rounds)
-    in_flight: list[tuple[int, list[torch.Tensor], list[bool], list[Any]]] = []  # round, buffers, direct, works
+    in_flight: list[tuple[int, list[torch.Tensor], list[str], list[Any]]] = []  # round, buffers, kinds, works
     for k in range(n):
-        bufs, direct = buffers(k)
+        bufs, kinds = buffers(k)
         if sender:
-            pack(k, bufs, direct)  # round k - 1 is on the wire meanwhile (the other half)
-        in_flight.append((k, bufs, direct, post(k, bufs)))
+            pack(k, bufs, kinds)  # round k - 1 is on the wire meanwhile (the other half)
+        in_flight.append((k, bufs, kinds, post(k, bufs)))
         while in_flight and (len(in_flight) == 2 or k == n - 1):
-            done, done_bufs, done_direct, works = in_flight.pop(0)
+            done, done_bufs, done_kinds, works = in_flight.pop(0)
             comm.wait_all(works, "M2N round")
             moved += sum(b.numel() for b in done_bufs)  # what the data plane filled, padding included
             if not sender:
-                apply(done, done_bufs, done_direct)  # round done + 1 is arriving meanwhile
+                apply(done, done_bufs, done_kinds)  # round done + 1 is arriving meanwhile
     return moved
+
+
+def _itemsize(m: Message, dtypes: Mapping[str, str]) -> int:
+    return dtype_from_name(dtypes[m.items[0].name]).itemsize
 
 
 def _direct(m: Message, tensor_of: Callable[[Message, int], torch.Tensor], dtypes: Mapping[str, str],

@@ -42,6 +42,9 @@ class BaseWorkerEngine(WorkerEngine):
         self._received = 0
         self._failed_sync: int | None = None
         self._aborted = False
+        self.held: int | None = None
+        """The sync whose weights this worker holds, complete (None: none under this init, or a sync
+        failed or was aborted since). A delta sync is sent only to workers that hold its base."""
 
     # ---- hooks ------------------------------------------------------------------------
     def _expected_workers(self, info: Any) -> tuple[int, str]:
@@ -134,7 +137,7 @@ class BaseWorkerEngine(WorkerEngine):
 
     def init_transfer_engine(self, init_info: Any) -> None:
         self.shutdown()
-        self.info, self.poisoned, self._checked_digest = init_info, None, None
+        self.info, self.poisoned, self._checked_digest, self.held = init_info, None, None, None
         i = init_info
         try:
             self.comm = Communicator.connect(i.master_address, i.master_port, name=f"worker {self.worker_rank}",
@@ -217,14 +220,28 @@ class BaseWorkerEngine(WorkerEngine):
         self._applier = None
         self.phases["finish"] = time.perf_counter() - t0
         if self.comm is not None and self._sync_id is not None:  # the trainer's stats: SyncStats.worker_phases
+            self.held = self._sync_id
             self.comm.publish(f"sync{self._sync_id}/phases/{self.worker_rank}", self.phases)
+            self.comm.publish(f"sync{self._sync_id}/held/{self.worker_rank}", self.held)
+
+    def drop_held(self) -> None:
+        """Say this worker no longer holds its last sync's weights (a failed or aborted sync, or
+        weights lost otherwise): the next sync sends it everything dense."""
+        held, self.held = self.held, None
+        if held is not None and self.comm is not None:
+            try:
+                self.comm.publish(f"sync{held}/held/{self.worker_rank}", None)
+            except Exception:  # noqa: BLE001 - the store is gone: no sync can follow under this init
+                pass
 
     def _rollback(self) -> None:
+        self.drop_held()  # restored or not, the next delta would be against weights it may not hold
         if self._applier is not None:
             self._applier.abort()
         self._applier = None
 
     def shutdown(self) -> None:
+        self.held = None  # (nothing to report: no sync follows under this init)
         self._rollback()
         if self.comm is not None:
             self.comm.shutdown()

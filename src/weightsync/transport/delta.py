@@ -1,0 +1,177 @@
+"""Delta sync: a message as the positions and values that changed since the last version sent.
+
+A sparse message carries, for its items in order::
+
+    [counts: int32 x items][positions: int32 x n][values: n words of the wire dtype's size]
+
+(values aligned to their size). ``positions`` are flat row-major indices within each item's region;
+``counts`` says how many belong to each item. Values are compared and written as integers of the
+element's size, so the receiver's tensor ends bit-exact (``-0.0`` vs ``0.0`` and NaN payloads count
+as changes). A message goes sparse only when that is smaller than its dense bytes.
+
+Trainer side, :class:`Baseline`: per local tensor, the last version this rank sent, in the wire
+dtype (host memory by default). :meth:`Baseline.encode` compares the source's shards with it, builds
+the sparse payloads of one sync's messages, then makes the new values the baseline. Worker side:
+:func:`decode` and :func:`patch`. Which workers take a delta is decided before any data moves
+(``m2n``: each worker says which version it holds).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from ..layout.records import align_up
+from ..layout.schedule import Message
+from ..protocol import dtype_from_name
+
+__all__ = ["sparse_nbytes", "diff", "encode", "decode", "patch", "Baseline", "Encoded"]
+
+_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_MAX_POSITION = 2**31 - 1
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as integers of its element size (same storage, any strides)."""
+    return t.view(_INT[t.element_size()])
+
+
+def sparse_nbytes(num_items: int, n: int, itemsize: int) -> int:
+    """Bytes of a sparse message of ``num_items`` items with ``n`` changed values of ``itemsize``."""
+    return align_up(4 * (num_items + n), itemsize) + n * itemsize
+
+
+def diff(new: torch.Tensor, base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions (int32, flat row-major) and bits of the values of ``new`` that differ bitwise from
+    ``base`` (same shape and dtype, any strides)."""
+    a, b = _bits(new), _bits(base)
+    changed = a != b
+    return changed.reshape(-1).nonzero().squeeze(1).to(torch.int32), a[changed]
+
+
+def encode(parts: list[tuple[torch.Tensor, torch.Tensor]], itemsize: int) -> torch.Tensor:
+    """One sparse message (uint8, on the parts' device) from each item's ``(positions, value bits)``."""
+    n = sum(p.numel() for p, _ in parts)
+    out = torch.empty(sparse_nbytes(len(parts), n, itemsize), dtype=torch.uint8, device=parts[0][0].device)
+    ints = out[: 4 * (len(parts) + n)].view(torch.int32)
+    ints[: len(parts)].copy_(torch.tensor([p.numel() for p, _ in parts], dtype=torch.int32))  # (host to device)
+    values = out[align_up(4 * (len(parts) + n), itemsize) :].view(_INT[itemsize])
+    at = 0
+    for pos, vals in parts:
+        ints[len(parts) + at : len(parts) + at + pos.numel()].copy_(pos)
+        values[at : at + vals.numel()].copy_(vals)
+        at += pos.numel()
+    return out
+
+
+def decode(buf: torch.Tensor, num_items: int, n: int, itemsize: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Views ``(positions, value bits)`` per item of the sparse message in ``buf`` (uint8)."""
+    if buf.numel() < sparse_nbytes(num_items, n, itemsize):
+        raise ValueError(f"sparse message: {buf.numel()} bytes cannot hold the {n} values announced")
+    ints = buf[: 4 * (num_items + n)].view(torch.int32)
+    counts = ints[:num_items].tolist()
+    if sum(counts) != n or min(counts, default=0) < 0:
+        raise ValueError(f"sparse message: item counts {counts[:8]} do not add up to the {n} values announced")
+    values = buf[align_up(4 * (num_items + n), itemsize) : sparse_nbytes(num_items, n, itemsize)].view(_INT[itemsize])
+    out, at = [], 0
+    for c in counts:
+        out.append((ints[num_items + at : num_items + at + c], values[at : at + c]))
+        at += c
+    return out
+
+
+def patch(target: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:
+    """Write ``values`` (bits) at flat row-major ``positions`` of ``target`` (any strided view), in place."""
+    if positions.numel() == 0:
+        return
+    bits, idx = _bits(target), positions.to(torch.int64)
+    if bits.is_contiguous():
+        bits.view(-1).index_copy_(0, idx, values)
+    else:
+        bits.index_put_(torch.unravel_index(idx, tuple(bits.shape)), values)
+
+
+def _slices(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[slice, ...]:
+    return tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
+
+
+@dataclass
+class Encoded:
+    """One sync's sparse messages on one trainer rank."""
+
+    payloads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    """(worker, message index) -> the sparse message; every other message goes dense."""
+    counts: dict[str, dict[str, int]] = field(default_factory=dict)
+    """JSON-safe ``{worker: {message index: changed values}}`` of the sparse messages (what the
+    workers need to post their receives)."""
+    changed: int = 0
+    """Values that differ from the baseline, over the messages compared."""
+    compared: int = 0
+    """Values compared (the items of messages to workers that hold the baseline's version)."""
+
+
+class Baseline:
+    """The last version one trainer rank sent of each local tensor, in the wire dtype, on ``device``."""
+
+    def __init__(self, device: str | torch.device = "cpu") -> None:
+        self.device = torch.device(device)
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.version: int | None = None
+        """The sync whose values ``tensors`` hold, once that sync completed everywhere (else None)."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def encode(self, rounds: Iterable[list[Message]], shards: Mapping[str, torch.Tensor], dtypes: Mapping[str, str],
+               *, eligible: Callable[[Message], bool]) -> Encoded:
+        """Compare the ``eligible`` messages' items with the baseline, keep the sparse payloads of
+        those smaller sparse than dense, then make ``shards`` (cast to ``dtypes``) the baseline.
+        With no baseline version (the first sync), every message goes dense. The baseline has no
+        version afterwards: the caller sets it once every worker holds this sync."""
+        enc, against, self.version = Encoded(), self.version, None
+        todo: dict[str, list[tuple[Message, int]]] = {}
+        parts: dict[tuple[int, int], list] = {}  # (worker, index) -> per item (positions, values)
+        size: dict[tuple[int, int], int] = {}
+        msg: dict[tuple[int, int], Message] = {}
+        if against is not None:
+            for msgs in rounds:
+                for m in msgs:
+                    if eligible(m) and _uniform(m, dtypes):
+                        key = (m.dst, m.index)
+                        parts[key], size[key], msg[key] = [None] * len(m.items), 0, m
+                        for i, item in enumerate(m.items):
+                            todo.setdefault(item.name, []).append((m, i))
+        for name, shard in shards.items():
+            wire = dtype_from_name(dtypes[name])
+            new = shard if shard.dtype == wire else shard.to(wire)
+            base = self.tensors.get(name)
+            for m, i in todo.get(name, ()):
+                item = m.items[i]
+                sl = _slices(item.src_offsets, item.region.sizes)
+                pos, vals = diff(new[sl], base[sl].to(new.device))
+                enc.changed += pos.numel()
+                enc.compared += item.region.numel
+                key = (m.dst, m.index)
+                if key in parts:
+                    size[key] += pos.numel()
+                    if sparse_nbytes(len(m.items), size[key], wire.itemsize) >= m.nbytes:
+                        del parts[key]  # dense is smaller: keep counting, stop storing
+                    else:
+                        parts[key][i] = (pos, vals)
+            if base is None or base.shape != shard.shape or base.dtype != wire:
+                self.tensors[name] = new.to(self.device, copy=True)
+            else:
+                base.copy_(new)
+        for key, ps in parts.items():
+            enc.payloads[key] = encode(ps, dtype_from_name(dtypes[msg[key].items[0].name]).itemsize)
+            enc.counts.setdefault(str(key[0]), {})[str(key[1])] = size[key]
+        return enc
+
+
+def _uniform(m: Message, dtypes: Mapping[str, str]) -> bool:
+    """A message can go sparse: one wire itemsize for all its items, positions fit in int32."""
+    sizes = {dtype_from_name(dtypes[item.name]).itemsize for item in m.items}
+    return len(sizes) == 1 and all(item.region.numel <= _MAX_POSITION for item in m.items)

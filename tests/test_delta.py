@@ -1,0 +1,127 @@
+"""Delta sync (``delta=True``) end to end on CPU into vLLM's model classes (TP over gloo): an fp32
+FSDP2 master sends bf16 pieces; after the first (dense) sync each message goes as its changed values
+when that is smaller. After every optimizer step the engine equals vLLM's load of the trainer's
+weights (what a dense sync gives, tested in ``test_m2n.py``), with per-peer checksums of every
+region a delta patched. Fencing: a worker that lost its weights gets the next sync dense while the
+others take deltas; a worker asked to patch weights it does not hold refuses before any data moves;
+a killed and replaced worker's first sync after re-init is dense and verified."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import init_info, mismatches
+from weightsync.testing.actors import STATE, RemoteError
+from weightsync.testing.cluster import Layout
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+LAYOUT = Layout(trainers=2, tp=2, replicas=2, dtype="bfloat16", trainer_dtype="float32", backend="weightsync_m2n")
+WORKERS = list(range(LAYOUT.num_workers))
+
+
+def make_delta_engines(cluster, **fields) -> None:
+    cluster.make_engines(init_info("weightsync_m2n", LAYOUT, delta=True, **fields), wire_dtype="bfloat16")
+
+
+def lose_weights(drop: bool = True) -> None:
+    """Inside a receiver: its weights are gone (zeroed); with ``drop`` its engine says so."""
+    for p in STATE["model"].parameters():
+        p.data.zero_()
+    engine = STATE["engine"]
+    if drop:
+        engine.drop_held()
+    else:
+        engine.held = None
+
+
+def check_dense(stats: dict) -> None:
+    d = stats["delta"]
+    assert d["base"] is None and d["workers"] == [] and d["compared"] == 0
+    assert stats["bytes_sent"] == d["dense_bytes"]
+
+
+def test_fifty_delta_syncs_between_optimizer_steps_stay_bit_exact(cluster):
+    cluster.setup(LAYOUT, fresh=True)
+    make_delta_engines(cluster)
+    first = cluster.on_trainers("send_weights", "v0", verify=True)
+    for stats in first:
+        check_dense(stats)
+        assert stats["delta"]["baseline_bytes"] > 0
+    assert mismatches(cluster) == {}
+    fractions, ratios = [], []
+    for step in range(1, 51):
+        lr = 1e-2 if step % 10 == 0 else 1e-5  # every tenth step a large one: most messages go dense again
+        cluster.train_step(step, lr=lr)
+        per_rank = cluster.on_trainers("send_weights", f"v{step}", verify=True)
+        assert mismatches(cluster) == {}, step
+        for stats in per_rank:
+            d = stats["delta"]
+            assert d["base"] == step and d["workers"] == WORKERS and stats["verified"], (step, d)
+            assert 0 <= d["changed"] <= d["compared"] and stats["bytes_sent"] <= d["dense_bytes"]
+        sent, dense = (sum(s["bytes_sent"] for s in per_rank), sum(s["delta"]["dense_bytes"] for s in per_rank))
+        fractions.append(sum(s["delta"]["changed"] for s in per_rank) / sum(s["delta"]["compared"] for s in per_rank))
+        ratios.append(sent / dense)
+    # at lr 1e-5 a fraction of the bf16 values change (fewer as Adam's steps shrink); at 1e-2 nearly all
+    small = [(f, r) for i, (f, r) in enumerate(zip(fractions, ratios), 1) if i % 10]
+    large = [(f, r) for i, (f, r) in enumerate(zip(fractions, ratios), 1) if not i % 10]
+    assert all(f < 0.3 and r < 0.8 for f, r in small) and all(f < 0.1 and r < 0.3 for f, r in small[-9:]), small
+    assert all(f > 0.9 and r == 1.0 for f, r in large), large  # dense is smaller: sent dense
+    assert cluster.client().weight_versions() == ["v50"] * LAYOUT.num_workers
+
+
+def test_a_worker_that_lost_its_weights_gets_the_next_sync_dense(cluster):
+    cluster.setup(LAYOUT, fresh=True)
+    make_delta_engines(cluster)
+    cluster.sync("v0")
+    cluster.train_step(1, lr=1e-5)
+    cluster.sync("v1")
+    cluster.receivers[3].call("test_delta:lose_weights")
+    assert set(mismatches(cluster)) == {cluster.receivers[3].name}
+    cluster.train_step(2, lr=1e-5)
+    stats = cluster.sync("v2", verify=True)
+    assert stats["delta"]["workers"] == [0, 1, 2] and stats["verified"]
+    assert stats["bytes_received_per_worker"][3] == stats["lower_bound_per_worker"][3]  # dense: its whole shard
+    assert all(stats["bytes_received_per_worker"][w] < stats["lower_bound_per_worker"][w] for w in (0, 1, 2))
+    assert mismatches(cluster) == {}
+    cluster.train_step(3, lr=1e-5)
+    assert cluster.sync("v3", verify=True)["delta"]["workers"] == WORKERS
+    assert mismatches(cluster) == {}
+
+
+def test_a_worker_asked_to_patch_weights_it_does_not_hold_refuses_then_a_reinit_syncs_dense(cluster):
+    cluster.setup(LAYOUT, fresh=True)
+    make_delta_engines(cluster)
+    cluster.sync("v0")
+    cluster.receivers[1].call("test_delta:lose_weights", False)  # gone, but the trainer was not told
+    cluster.train_step(1, lr=1e-5)
+    futs = [a.submit("weightsync.testing.trainer:send_weights", "v1") for a in cluster.active_trainers]
+    for f in futs:
+        with pytest.raises(RemoteError, match="worker 1 holds no complete sync.*|update_info.delta_base is sync 1"):
+            f.result()
+    make_delta_engines(cluster)
+    check_dense(cluster.sync("v1", verify=True))
+    assert mismatches(cluster) == {}
+
+
+def test_killing_a_worker_then_reinit_the_next_sync_is_dense_and_verified(cluster):
+    cluster.setup(LAYOUT, fresh=True)
+    make_delta_engines(cluster, timeout_s=20)
+    cluster.sync("v0")
+    cluster.train_step(1, lr=1e-5)
+    assert cluster.sync("v1")["delta"]["workers"] == WORKERS
+    cluster.receivers[2].kill()
+    cluster.train_step(2, lr=1e-5)
+    futs = [a.submit("weightsync.testing.trainer:send_weights", "v2") for a in cluster.active_trainers]
+    for f in futs:
+        with pytest.raises(RemoteError, match="weight sync 3 failed"):
+            f.result()
+    assert cluster.replace_dead() == [cluster.receivers[2].name]
+    cluster.setup(LAYOUT)  # every process builds its model again
+    make_delta_engines(cluster)
+    check_dense(cluster.sync("v2", verify=True))
+    assert mismatches(cluster) == {}
+    cluster.train_step(3, lr=1e-5)
+    stats = cluster.sync("v3", verify=True)
+    assert stats["delta"]["workers"] == WORKERS and stats["bytes_sent"] < stats["delta"]["dense_bytes"]
+    assert mismatches(cluster) == {}
