@@ -130,6 +130,15 @@ class TrainerInitInfo:
     partial: tuple[str, ...] = ()
     """vLLM parameter names (or module prefixes, e.g. ``"lm_head"``) a sync may leave unwritten;
     any other parameter a sync does not fully write fails it at init (coverage)."""
+    delta: bool = False
+    """Delta sync (``weightsync_m2n``, ``weightsync_nccl``): the sender keeps the last version it
+    sent (in the wire dtype, on ``delta_baseline``; M2N: each rank its shards, broadcast: rank 0 the
+    full model) and sends what changed as positions and values where that is smaller, to workers
+    that hold that version; the first sync after init, and any worker that does not hold it, get it
+    dense (broadcast: every worker, if any does not). Destinations vLLM post-processes, and
+    fallbacks, always get it dense. ``SyncStats.delta`` says what changed and what was sent."""
+    delta_baseline: str = "cpu"
+    """Where the delta baseline lives: ``"cpu"`` (host memory) or ``"device"`` (the trainer's device)."""
 
     def __post_init__(self) -> None:
         name = type(self).__name__
@@ -156,6 +165,13 @@ class TrainerInitInfo:
                 isinstance(p, str) and p for p in self.partial):
             raise ValueError(f"{name}.partial must be a tuple of vLLM parameter names, got {self.partial!r}")
         self._set(partial=tuple(self.partial))
+        if not isinstance(self.delta, bool):
+            raise ValueError(f"{name}.delta must be a bool, got {self.delta!r}")
+        if self.delta_baseline not in ("cpu", "device"):
+            raise ValueError(f"{name}.delta_baseline must be 'cpu' or 'device', got {self.delta_baseline!r}")
+        if self.delta and self.cast_dtypes:
+            raise ValueError(f"{name}.delta needs the wire dtype to be the parameters' dtype, not cast_dtypes=True: "
+                             "cast on the sender instead (the source's dtype=...)")
 
     def _set(self, **values: Any) -> None:
         """Normalize fields in ``__post_init__`` (the info is frozen)."""

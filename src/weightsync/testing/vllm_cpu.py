@@ -229,8 +229,8 @@ class Trainers:
                   seed=seed, per_rank=True)
         self.model, self.dtype = model, dtype
 
-    def train_step(self, seed: int) -> None:
-        self._all("weightsync.testing.trainer:train_step", seed)
+    def train_step(self, seed: int, lr: float | None = None) -> None:
+        self._all("weightsync.testing.trainer:train_step", seed, lr)
 
     def full_state_dict(self) -> dict[str, Any]:
         return self._all("weightsync.testing.trainer:full_state_dict")[0]

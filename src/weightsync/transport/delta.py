@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -27,7 +28,7 @@ from ..layout.records import align_up
 from ..layout.schedule import Message
 from ..protocol import dtype_from_name
 
-__all__ = ["sparse_nbytes", "diff", "encode", "decode", "patch", "Baseline", "Encoded"]
+__all__ = ["sparse_nbytes", "diff", "encode", "decode", "patch", "Baseline", "Encoded", "write_pieces", "patch_pieces"]
 
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _MAX_POSITION = 2**31 - 1
@@ -175,3 +176,24 @@ def _uniform(m: Message, dtypes: Mapping[str, str]) -> bool:
     """A message can go sparse: one wire itemsize for all its items, positions fit in int32."""
     sizes = {dtype_from_name(dtypes[item.name]).itemsize for item in m.items}
     return len(sizes) == 1 and all(item.region.numel <= _MAX_POSITION for item in m.items)
+
+
+# ---- whole tensors onto a worker's destination pieces (the broadcast transport) ----------------
+def write_pieces(full: torch.Tensor, pieces: Iterable[Any], params: Mapping[str, torch.Tensor]) -> None:
+    """Copy each piece's region of the full tensor ``full`` into its place in ``params``."""
+    for p in pieces:
+        params[p.param][_slices(p.param_offsets, p.region.sizes)].copy_(full[_slices(p.region.offsets, p.region.sizes)])
+
+
+def patch_pieces(shape: tuple[int, ...], positions: torch.Tensor, values: torch.Tensor, pieces: Iterable[Any],
+                 params: Mapping[str, torch.Tensor]) -> None:
+    """Write the changed values of a full tensor of ``shape`` (flat ``positions``, value bits) that
+    fall in each piece's region into its place in ``params``."""
+    idx = positions.to(torch.int64)
+    coords = torch.unravel_index(idx, shape)
+    for p in pieces:
+        inside = torch.ones_like(idx, dtype=torch.bool)
+        for c, o, s in zip(coords, p.region.offsets, p.region.sizes):
+            inside &= (c >= o) & (c < o + s)
+        at = tuple(c[inside] - o + po for c, o, po in zip(coords, p.region.offsets, p.param_offsets))
+        _bits(params[p.param]).index_put_(at, values[inside])

@@ -54,6 +54,9 @@ class IPCTrainerInitInfo(TrainerInitInfo):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.delta:
+            raise ValueError("delta=True is for transports with a wire (weightsync_m2n, weightsync_nccl): "
+                             "weightsync_ipc's workers read the trainer's memory in place")
         if not isinstance(self.num_workers, int) or self.num_workers < 1:
             raise ValueError(f"num_workers must be an int >= 1, got {self.num_workers!r}")
         mapping = self.worker_to_trainer

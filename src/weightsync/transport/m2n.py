@@ -52,23 +52,9 @@ class M2NTrainerInitInfo(TrainerInitInfo):
     """(replicas, tp) of the vLLM side; replicas * tp workers."""
     staging_bytes: int = DEFAULT_STAGING_BYTES
     """Extra memory each rank may use to stage messages (bounds trainer and worker peaks)."""
-    delta: bool = False
-    """Delta sync: each trainer rank keeps the last version it sent of its shards (in the wire dtype,
-    on ``delta_baseline``) and sends a message as its changed positions and values when that is
-    smaller, to every worker that holds that version (the others, and every worker at the first
-    sync, get it dense). Messages into post-processed or fallback destinations go dense."""
-    delta_baseline: str = "cpu"
-    """Where the delta baseline lives: ``"cpu"`` (host memory) or ``"device"`` (the trainer's device)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not isinstance(self.delta, bool):
-            raise ValueError(f"delta must be a bool, got {self.delta!r}")
-        if self.delta_baseline not in ("cpu", "device"):
-            raise ValueError(f"delta_baseline must be 'cpu' or 'device', got {self.delta_baseline!r}")
-        if self.delta and self.cast_dtypes:
-            raise ValueError("delta=True needs the wire dtype to be the parameters' dtype, not cast_dtypes=True: "
-                             "cast on the sender instead (DTensorModuleSource(dtype=...))")
         dims = tuple(self.dst_mesh_dims) if isinstance(self.dst_mesh_dims, (list, tuple)) else ()
         if len(dims) != 2 or any(not isinstance(d, int) or d < 1 for d in dims):
             raise ValueError(f"dst_mesh_dims must be (replicas, tp) of positive ints, got {self.dst_mesh_dims!r}")

@@ -9,19 +9,23 @@ layerwise reload while the next one arrives.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
-from ..engine import MetadataUpdateInfo, SyncStats, TrainerInitInfo, WorkerInitInfo
+from ..engine import DeltaStats, MetadataUpdateInfo, SyncStats, TrainerInitInfo, WorkerInitInfo
 from ..layout.buckets import ALIGN, Bucket, check_bucket_bytes, metadata_digest, plan_buckets
 from ..layout.records import align_up
 from ..protocol import ParamMeta, check_metadata, checked
 from ..registry import Transport
 from .base import BaseTrainerEngine
+from .delta import Baseline, decode, diff, encode, patch_pieces, sparse_nbytes, write_pieces
 from .packing import fold_checksum, pack, unpack
+from ..worker import LayerwiseApplier
 from .worker_base import BaseWorkerEngine
 
 __all__ = ["NCCLTrainerInitInfo", "NCCLWorkerInitInfo", "NCCLUpdateInfo", "NCCLTrainerEngine", "NCCLWorkerEngine",
@@ -76,6 +80,9 @@ class NCCLWorkerInitInfo(WorkerInitInfo):
 class NCCLUpdateInfo(MetadataUpdateInfo):
     """One sync: the metadata when it changed (else empty lists) and its digest."""
 
+    delta_base: int | None = None
+    """A delta sync against this sync (every worker holds it): the entries are announced on the store."""
+
 
 class NCCLTrainerEngine(BaseTrainerEngine):
     """Broadcast trainer engine. ``trainer_init`` and ``send_weights`` run on every trainer rank."""
@@ -96,6 +103,10 @@ class NCCLTrainerEngine(BaseTrainerEngine):
         self._sent_digest: str | None = None
         self._buffers: list[torch.Tensor] = []
         self._total = 0
+        i = self.init_info
+        self._baseline = Baseline("cpu" if i.delta_baseline == "cpu" else i.device) if i.delta and self.is_sender else None
+        self._init_digest = metadata_digest(m.wire() for m in self.source.metadata)
+        self._loader_only: set[str] | None = None  # tensors some worker takes only through vLLM's loader
 
     def _preflight(self, verify: bool) -> tuple[list[ParamMeta], list[Bucket]]:
         metas = self.source.metadata
@@ -116,21 +127,96 @@ class NCCLTrainerEngine(BaseTrainerEngine):
             return None
         digest = metadata_digest(m.wire() for m in metas)
         wire = NCCLUpdateInfo.wire(metas) if digest != self._sent_digest else {}
-        fut = self._update_async(NCCLUpdateInfo(sync_id=self.sync_id, digest=digest, verify=verify, **wire))
-        checksum = self._broadcast(metas, buckets, stats, fut, verify)
+        base = self._delta_base(digest)
+        fut = self._update_async(NCCLUpdateInfo(sync_id=self.sync_id, digest=digest, verify=verify, delta_base=base,
+                                                **wire))
+        if base is None:
+            tensors = (self._keep(m, t) for m, t in checked(self.source.iter_full(), metas))
+        else:
+            buckets, tensors = self._encode(metas, base, stats)
+        checksum = self._broadcast(buckets, tensors, stats, fut, verify)
+        if self._baseline is not None and base is None:
+            stats.delta = DeltaStats(base=None, dense_bytes=self._total, baseline_bytes=self._baseline.nbytes)
         if verify:
             self.comm.publish(self._key("sum"), checksum)
         self._sent_digest = digest
         return fut
 
-    def _broadcast(self, metas: list[ParamMeta], buckets: list[Bucket], stats: SyncStats, fut: Future,
+    def send_weights(self, *, weight_version: str | None = None, verify: bool = False) -> SyncStats:
+        stats = super().send_weights(weight_version=weight_version, verify=verify)
+        if self._baseline is not None:  # every worker holds this sync now
+            self._baseline.version = self.sync_id
+        return stats
+
+    # ---- delta sync (rank 0) -------------------------------------------------------------
+    def _delta_base(self, digest: str) -> int | None:
+        """The sync this one is a delta against: the baseline's, when every worker holds it and the
+        metadata is the one the workers resolved at init; else None (dense, to every worker)."""
+        b = self._baseline
+        if b is None or b.version is None or digest != self._init_digest:
+            if b is not None:
+                b.version = None  # overwritten by this dense sync
+            return None
+        workers = range(self.init_info.world_size - 1)
+        if any(self.comm.peek(f"sync{b.version}/held/{w}") != b.version for w in workers):
+            b.version = None
+            return None
+        if self._loader_only is None:
+            self._loader_only = set().union(*(self.comm.read(f"nccl/loader/{w}") for w in workers))
+        return b.version
+
+    def _keep(self, meta: ParamMeta, tensor: torch.Tensor) -> torch.Tensor:
+        """A dense sync's tensor, kept as the next delta's baseline (delta mode)."""
+        if self._baseline is not None:
+            kept = self._baseline.tensors.get(meta.name)
+            if kept is None or kept.shape != tensor.shape or kept.dtype != tensor.dtype:
+                self._baseline.tensors[meta.name] = tensor.to(self._baseline.device, copy=True)
+            else:
+                kept.copy_(tensor)
+        return tensor
+
+    def _encode(self, metas: list[ParamMeta], base: int, stats: SyncStats) -> tuple[list[Bucket], Any]:
+        """Gather every tensor, compare it with the baseline and make it the baseline. Tensors every
+        worker writes in place come first, each sparse (changed positions and values) where that is
+        smaller, announced on the store; the others follow dense, for vLLM's loader."""
+        t0, b = time.perf_counter(), self._baseline
+        b.version = None
+        first: list[tuple[ParamMeta, torch.Tensor]] = []
+        entries: list[list[Any]] = []
+        later: list[ParamMeta] = []
+        changed = compared = 0
+        for m, t in checked(self.source.iter_full(), metas):
+            kept = b.tensors[m.name]
+            if m.name in self._loader_only or t.dim() == 0:
+                kept.copy_(t)
+                later.append(m)
+                continue
+            pos, vals = diff(t, kept.to(t.device))
+            kept.copy_(t)
+            changed, compared, n = changed + pos.numel(), compared + t.numel(), pos.numel()
+            nbytes = sparse_nbytes(1, n, t.element_size())
+            if nbytes < t.numel() * t.element_size():
+                first.append((ParamMeta(m.name, torch.uint8, (nbytes,)), encode([(pos, vals)], t.element_size())))
+                entries.append([m.name, n])
+            else:
+                first.append((m, kept))
+                entries.append([m.name, -1])
+        self.comm.publish(self._key("delta"), entries)
+        order = [m for m, _ in first] + later
+        stats.delta = DeltaStats(base=base, workers=list(range(self.init_info.world_size - 1)), changed=changed,
+                                 compared=compared, dense_bytes=self._total, diff_seconds=time.perf_counter() - t0,
+                                 baseline_bytes=b.nbytes)
+        tensors = [t for _, t in first] + [b.tensors[m.name] for m in later]
+        return plan_buckets(order, self.init_info.bucket_bytes), iter(tensors)
+
+    def _broadcast(self, buckets: list[Bucket], tensors: Iterator[torch.Tensor], stats: SyncStats, fut: Future,
                    verify: bool) -> int:
+        """Pack ``tensors`` (in the buckets' entry order) and broadcast each bucket while the next is packed."""
         i = self.init_info
         if not self._buffers:
             self._buffers = [torch.empty(i.bucket_bytes, dtype=torch.uint8, device=i.device)
                              for _ in range(i.num_buffers)]
         works: list[Any] = [None] * len(self._buffers)
-        it = checked(self.source.iter_full(), metas)
         checksum = 0
         for b, bucket in enumerate(buckets):
             slot = b % len(works)
@@ -138,10 +224,9 @@ class NCCLTrainerEngine(BaseTrainerEngine):
                 self.comm.wait(works[slot], "bucket broadcast")
             buf = self._buffers[slot][: align_up(bucket.nbytes, ALIGN)]
             for entry in bucket.entries:
-                _, tensor = next(it)
-                pack(buf, entry, tensor)
+                pack(buf, entry, next(tensors))
             if b == len(buckets) - 1:
-                next(it, None)  # lets `checked` report a source that yields too much
+                next(tensors, None)  # lets `checked` report a source that yields too much
             if buf.device.type == "cuda":
                 torch.cuda.current_stream().synchronize()
             if fut.done() and fut.exception() is not None:
@@ -173,7 +258,16 @@ class NCCLWorkerEngine(BaseWorkerEngine):
         self._metas: list[ParamMeta] = []
         self._digest: str | None = None
         self.comm.join(1 + self.worker_rank, info.world_size, device=self.device)  # rank 0 joins before publishing
-        self._check_full_tensor_metadata()  # model agreement and coverage, before any bucket
+        dests = self._check_full_tensor_metadata()  # model agreement and coverage, before any bucket
+        via = set(dests.via_loader)
+        self._pieces: dict[str, list[Any]] = {}
+        for p in dests.pieces:
+            self._pieces.setdefault(p.name, []).append(p)
+        loader_only = {f.name for f in dests.fallbacks} | {p.name for p in dests.pieces if p.param in via}
+        self.comm.publish(f"nccl/loader/{self.worker_rank}", sorted(loader_only))  # delta syncs send these dense
+
+    def _start(self, applier: LayerwiseApplier) -> None:
+        applier.start(layerwise=False)  # a delta sync writes in place first; layerwise reload begins in _receive
 
     def _receive(self, u: NCCLUpdateInfo) -> int:
         if u.names:
@@ -183,7 +277,38 @@ class NCCLWorkerEngine(BaseWorkerEngine):
         if u.digest != self._digest:
             raise ValueError(f"update_info.digest {u.digest!r} does not match this worker's metadata "
                              f"digest {self._digest!r}")
-        buckets = plan_buckets(self._metas, self.info.bucket_bytes)
+        if u.delta_base is None:
+            self._applier.begin_layerwise()
+            return self._receive_buckets(plan_buckets(self._metas, self.info.bucket_bytes), u,
+                                         lambda buf, bucket: self._applier.load(unpack(buf, bucket)))
+        if self.held != u.delta_base:
+            raise ValueError(f"update_info.delta_base is sync {u.delta_base}, but worker {self.worker_rank} holds "
+                             f"{'no complete sync' if self.held is None else f'sync {self.held}'}")
+        entries = dict(self.comm.read(f"sync{u.sync_id}/delta"))  # name -> changed values (-1: dense), in order
+        by_name = {m.name: m for m in self._metas}
+        order = [by_name[n] if k < 0 else ParamMeta(n, torch.uint8, (sparse_nbytes(1, k, by_name[n].dtype.itemsize),))
+                 for n, k in entries.items()] + [m for m in self._metas if m.name not in entries]
+        params = {n: p.data for n, p in self.model.named_parameters()}
+
+        def apply(buf: torch.Tensor, bucket: Bucket) -> None:
+            later = []
+            for name, t in unpack(buf, bucket):
+                k, pieces, meta = entries.get(name), self._pieces.get(name, ()), by_name[name]
+                if k is None:  # for vLLM's loader, after every in-place write
+                    later.append((name, t))
+                elif k < 0:
+                    write_pieces(t, pieces, params)
+                else:
+                    patch_pieces(meta.shape, *decode(t, 1, k, meta.dtype.itemsize)[0], pieces, params)
+            if later:
+                if not self._applier.active:
+                    self._applier.begin_layerwise()
+                self._applier.load(later)
+
+        return self._receive_buckets(plan_buckets(order, self.info.bucket_bytes), u, apply)
+
+    def _receive_buckets(self, buckets: list[Bucket], u: NCCLUpdateInfo, apply: Any) -> int:
+        """Receive every bucket (the next one arriving while ``apply(buf, bucket)`` runs on this one)."""
 
         def post(b: int) -> tuple[torch.Tensor, Any]:
             # A fresh buffer per bucket: layerwise reload may keep views until a layer is complete.
@@ -199,7 +324,7 @@ class NCCLWorkerEngine(BaseWorkerEngine):
             received += bucket.nbytes
             if u.verify:
                 checksum = fold_checksum(checksum, buf[: bucket.nbytes])
-            self._applier.load(unpack(buf, bucket))
+            apply(buf, bucket)
         if u.verify and (sent := self.comm.read(f"sync{u.sync_id}/sum")) != checksum:
             raise ValueError(f"verify: worker {self.worker_rank} received buckets with checksum {checksum}, "
                              f"the sender sent {sent}")

@@ -73,16 +73,17 @@ class BaseWorkerEngine(WorkerEngine):
         return check_model(self.model, [(m["name"], m["dtype"], m["shape"]) for m in wire],
                            cast_dtypes=self.info.cast_dtypes, partial=tuple(self.info.partial))
 
-    def _check_full_tensor_metadata(self, metas: list[Any] | None = None) -> None:
+    def _check_full_tensor_metadata(self, metas: list[Any] | None = None) -> Any:
         """Full-tensor transports: check the metadata trainer rank 0 published at init (``None``) or
-        an update's, unless it is the one already checked."""
+        an update's, unless it is the one already checked; returns its destinations."""
         from ..layout.buckets import metadata_digest
 
         wire = self.comm.read("model/metas/0") if metas is None else [m.wire() for m in metas]
         digest = metadata_digest(wire)
         if digest != getattr(self, "_checked_digest", None):
-            self._check_model(wire)
+            self._dests = self._check_model(wire)
             self._checked_digest = digest
+        return self._dests
 
     # ---- vLLM's worker calls ------------------------------------------------------------
     def parse_init_info(self, init_dict: dict[str, Any]) -> Any:
