@@ -11,7 +11,7 @@ import torch
 from test_m2n_rounds import SRC, Loopback
 from weightsync.layout import DestPiece, Region, Shard, TensorSource, build_plan, mesh_coordinates, source_regions
 from weightsync.layout.reference import execute_reference, make_local_shards
-from weightsync.transport.delta import Baseline, decode, diff, encode, patch, sparse_nbytes
+from weightsync.transport.delta import Baseline, _layout, decode, diff, encode, patch, sparse_nbytes
 from weightsync.transport.m2n_exec import my_messages, run_rounds
 
 
@@ -27,27 +27,31 @@ def test_diff_is_bitwise():
     assert diff(base, base)[0].numel() == 0  # NaN vs the same NaN: unchanged
 
 
+@pytest.mark.parametrize("rows, where", [(6, "bitmap"), (60, "positions")])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64, torch.uint8])
-def test_encode_decode_patch_into_strided_targets(dtype):
+def test_encode_decode_patch_into_strided_targets(dtype, rows, where):
+    """Six changes in 67 values go as bitmaps (fewer bytes than 6 positions), in 607 as positions."""
     g = torch.Generator().manual_seed(0)
-    olds = [torch.randint(0, 100, (6, 10), generator=g).to(dtype), torch.randint(0, 100, (7,), generator=g).to(dtype)]
+    olds = [torch.randint(0, 100, (rows, 10), generator=g).to(dtype), torch.randint(0, 100, (7,), generator=g).to(dtype)]
     news = [o.clone() for o in olds]
-    news[0][1, 3], news[0][5, 9], news[1][6] = 101, 102, 103
+    news[0][1, 3:6], news[0][3, 0], news[0][5, 9], news[1][6] = 101, 102, 103, 104
+    numels = [o.numel() for o in olds]
+    assert _layout(numels, 6, dtype.itemsize)[0] == (where == "bitmap")
     parts = [diff(n, o) for n, o in zip(news, olds)]
-    buf = encode(parts, dtype.itemsize)
-    assert buf.dtype == torch.uint8 and buf.numel() == sparse_nbytes(2, 3, dtype.itemsize)
-    decoded = decode(buf, 2, 3, dtype.itemsize)
-    assert [p.tolist() for p, _ in decoded] == [[13, 59], [6]]
+    buf = encode(parts, numels, dtype.itemsize)
+    assert buf.dtype == torch.uint8 and buf.numel() == sparse_nbytes(numels, 6, dtype.itemsize)
+    decoded = decode(buf, numels, 6, dtype.itemsize)
+    assert [p.tolist() for p, _ in decoded] == [[13, 14, 15, 30, 59], [6]]
     # the targets: a column slice of a bigger parameter (not contiguous) and a contiguous one
-    param = torch.zeros(6, 16, dtype=dtype)
+    param = torch.zeros(rows, 16, dtype=dtype)
     param[:, 4:14] = olds[0]
     vec = olds[1].clone()
     patch(param[:, 4:14], *decoded[0])
     patch(vec, *decoded[1])
     assert torch.equal(param[:, 4:14], news[0]) and torch.equal(vec, news[1])
     assert param[:, :4].eq(0).all() and param[:, 14:].eq(0).all()  # nothing outside the region
-    with pytest.raises(ValueError, match="the 4 values announced"):
-        decode(buf, 2, 4, dtype.itemsize)
+    with pytest.raises(ValueError, match="the 7 values announced"):
+        decode(buf, numels, 7, dtype.itemsize)
 
 
 def plan_for(shapes: dict[str, tuple[int, ...]], pieces: list[DestPiece], dtype: str = "bfloat16"):
@@ -75,15 +79,22 @@ def test_baseline_is_dense_first_then_sparse_where_smaller():
     assert first.payloads == {} and first.compared == 0  # no version yet: all dense
     assert all(torch.equal(b.tensors[n], shards[n].to(torch.bfloat16)) for n in shards)
     b.version = 1
+    old = {n: t.clone() for n, t in b.tensors.items()}
     shards["rows"][20, 5] += 1.0     # one changed value in the rows
-    shards["cols"][:, 8:32] += 1.0   # every value in the column slice: dense is smaller
+    shards["cols"][:, 8:32] += 1.0   # every value in the column slice
     enc = b.encode(rounds, shards, dtypes, eligible=lambda m: True)
-    by_msg = {(m.dst, m.index): m for r in rounds for m in r}
-    sparse_names = {it.name for k in enc.payloads for it in by_msg[k].items}
-    assert "rows" in sparse_names and "cols" not in sparse_names
-    assert sum(int(c) for c in enc.counts["0"].values()) == 1  # the one changed value in the rows
     assert enc.changed == 1 + 32 * 24 and enc.compared == sum(p.region.numel for p in PIECES)
+    for m in (m for r in rounds for m in r):  # sparse exactly where that is smaller than dense
+        changed = sum(int((shards[it.name].to(torch.bfloat16) != old[it.name])[
+            tuple(slice(o, o + k) for o, k in zip(it.src_offsets, it.region.sizes))].sum()) for it in m.items)
+        smaller = sparse_nbytes([it.region.numel for it in m.items], changed, 2) < m.nbytes
+        assert ((m.dst, m.index) in enc.payloads) == smaller, m
+        assert enc.counts.get("0", {}).get(str(m.index)) == (changed if smaller else None)
     assert all(torch.equal(b.tensors[n], shards[n].to(torch.bfloat16)) for n in shards)
+    b.version = 2
+    for t in shards.values():  # every value changes: every message dense
+        t += 1.0
+    assert b.encode(rounds, shards, dtypes, eligible=lambda m: True).payloads == {}
     assert b.nbytes == sum(s.numel() * 2 for s in shards.values())
 
 
@@ -138,3 +149,16 @@ def test_sparse_and_dense_messages_through_run_rounds_match_the_reference(change
         assert enc.changed <= 3 and moved < dense // 10
     else:
         assert moved <= dense
+
+
+@pytest.mark.parametrize("backend, fields, message", [
+    ("weightsync_m2n", {"delta": True, "cast_dtypes": True}, r"delta needs the wire dtype to be the parameters' dtype"),
+    ("weightsync_nccl", {"delta": "yes"}, r"NCCLTrainerInitInfo.delta must be a bool, got 'yes'"),
+    ("weightsync_m2n", {"delta": True, "delta_baseline": "gpu"}, r"delta_baseline must be 'cpu' or 'device', got 'gpu'"),
+    ("weightsync_ipc", {"delta": True}, r"delta=True is for transports with a wire"),
+], ids=["with cast_dtypes", "not a bool", "baseline place", "ipc"])
+def test_delta_init_infos_that_cannot_work_are_refused_at_construction(backend, fields, message):
+    from weightsync.testing.cluster import Layout, init_info
+
+    with pytest.raises(ValueError, match=message):
+        init_info(Layout(trainers=2, tp=2, backend=backend), **fields)

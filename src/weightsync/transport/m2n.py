@@ -320,9 +320,7 @@ class M2NWorkerEngine(BaseWorkerEngine):
         w = self.worker_rank
         if w not in u.delta_workers:
             return {}
-        if self.held != u.delta_base:
-            raise ValueError(f"update_info.delta_base is sync {u.delta_base}, but worker {w} holds "
-                             f"{'no complete sync' if self.held is None else f'sync {self.held}'}")
+        self._check_holds(u.delta_base)
         return {(r, int(k)): n for r in range(self.info.num_trainer_ranks)
                 for k, n in self.comm.read(f"sync{u.sync_id}/sizes/{r}").get(str(w), {}).items()}
 

@@ -139,7 +139,7 @@ def run_rounds(comm: Communicator, plan_rounds: list[list[Message]], staging: to
                 if sender:
                     bufs.append(sp)
                     continue
-                view = halves[k % 2][base : base + sparse_nbytes(len(m.items), sp, _itemsize(m, dtypes))]
+                view = halves[k % 2][base : base + sparse_nbytes(_numels(m), sp, _itemsize(m, dtypes))]
             elif (view := _direct(m, tensor_of, dtypes, sender)) is not None:
                 kinds.append("direct")
                 bufs.append(view)
@@ -172,7 +172,7 @@ def run_rounds(comm: Communicator, plan_rounds: list[list[Message]], staging: to
 
     def apply(k: int, bufs: list[torch.Tensor], kinds: list[str]) -> None:
         for m, buf, kind in zip(plan_rounds[k], bufs, kinds):
-            patches = decode(buf, len(m.items), sparse[key(m)], _itemsize(m, dtypes)) if kind == "sparse" else None
+            patches = decode(buf, _numels(m), sparse[key(m)], _itemsize(m, dtypes)) if kind == "sparse" else None
             for i, (item, off) in enumerate(zip(m.items, m.offsets)):
                 target = tensor_of(m, i)[_slices(item.param_offsets, item.region.sizes)]
                 if patches is not None:
@@ -204,6 +204,10 @@ def run_rounds(comm: Communicator, plan_rounds: list[list[Message]], staging: to
 
 def _itemsize(m: Message, dtypes: Mapping[str, str]) -> int:
     return dtype_from_name(dtypes[m.items[0].name]).itemsize
+
+
+def _numels(m: Message) -> list[int]:
+    return [item.region.numel for item in m.items]
 
 
 def _direct(m: Message, tensor_of: Callable[[Message, int], torch.Tensor], dtypes: Mapping[str, str],

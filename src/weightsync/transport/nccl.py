@@ -9,6 +9,7 @@ layerwise reload while the next one arrives.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -194,9 +195,10 @@ class NCCLTrainerEngine(BaseTrainerEngine):
             pos, vals = diff(t, kept.to(t.device))
             kept.copy_(t)
             changed, compared, n = changed + pos.numel(), compared + t.numel(), pos.numel()
-            nbytes = sparse_nbytes(1, n, t.element_size())
+            nbytes = sparse_nbytes([t.numel()], n, t.element_size())
             if nbytes < t.numel() * t.element_size():
-                first.append((ParamMeta(m.name, torch.uint8, (nbytes,)), encode([(pos, vals)], t.element_size())))
+                first.append((ParamMeta(m.name, torch.uint8, (nbytes,)),
+                              encode([(pos, vals)], [t.numel()], t.element_size())))
                 entries.append([m.name, n])
             else:
                 first.append((m, kept))
@@ -281,12 +283,11 @@ class NCCLWorkerEngine(BaseWorkerEngine):
             self._applier.begin_layerwise()
             return self._receive_buckets(plan_buckets(self._metas, self.info.bucket_bytes), u,
                                          lambda buf, bucket: self._applier.load(unpack(buf, bucket)))
-        if self.held != u.delta_base:
-            raise ValueError(f"update_info.delta_base is sync {u.delta_base}, but worker {self.worker_rank} holds "
-                             f"{'no complete sync' if self.held is None else f'sync {self.held}'}")
+        self._check_holds(u.delta_base)
         entries = dict(self.comm.read(f"sync{u.sync_id}/delta"))  # name -> changed values (-1: dense), in order
         by_name = {m.name: m for m in self._metas}
-        order = [by_name[n] if k < 0 else ParamMeta(n, torch.uint8, (sparse_nbytes(1, k, by_name[n].dtype.itemsize),))
+        order = [by_name[n] if k < 0 else
+                 ParamMeta(n, torch.uint8, (sparse_nbytes([math.prod(by_name[n].shape)], k, by_name[n].dtype.itemsize),))
                  for n, k in entries.items()] + [m for m in self._metas if m.name not in entries]
         params = {n: p.data for n, p in self.model.named_parameters()}
 
@@ -299,7 +300,7 @@ class NCCLWorkerEngine(BaseWorkerEngine):
                 elif k < 0:
                     write_pieces(t, pieces, params)
                 else:
-                    patch_pieces(meta.shape, *decode(t, 1, k, meta.dtype.itemsize)[0], pieces, params)
+                    patch_pieces(meta.shape, *decode(t, [math.prod(meta.shape)], k, meta.dtype.itemsize)[0], pieces, params)
             if later:
                 if not self._applier.active:
                     self._applier.begin_layerwise()

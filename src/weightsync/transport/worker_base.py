@@ -225,6 +225,12 @@ class BaseWorkerEngine(WorkerEngine):
             self.comm.publish(f"sync{self._sync_id}/phases/{self.worker_rank}", self.phases)
             self.comm.publish(f"sync{self._sync_id}/held/{self.worker_rank}", self.held)
 
+    def _check_holds(self, base: int | None) -> None:
+        """A delta against sync ``base`` patches weights this worker must hold; refuse otherwise."""
+        if self.held != base:
+            raise ValueError(f"update_info.delta_base is sync {base}, but worker {self.worker_rank} holds "
+                             f"{'no complete sync' if self.held is None else f'sync {self.held}'}")
+
     def drop_held(self) -> None:
         """Say this worker no longer holds its last sync's weights (a failed or aborted sync, or
         weights lost otherwise): the next sync sends it everything dense."""

@@ -217,17 +217,18 @@ class FSDP2Trainer:
                       bucket_bytes: int | None = None) -> WeightSource:
         """The source the registered transport ``backend`` reads (``registry.transport(backend).source``):
         local shards (``DTensorModuleSource``, e.g. ``weightsync_m2n``) or bucketed full tensors
-        (``FullTensorSource``, optionally cast to ``dtype``; e.g. ``weightsync_nccl``, ``weightsync_ipc``)."""
+        (``FullTensorSource``; e.g. ``weightsync_nccl``, ``weightsync_ipc``); ``dtype``: the wire dtype
+        of floating-point tensors (an fp32 master sends bf16, cast on the sender)."""
         from ...registry import transport, transport_names
         from ...sources import DTensorModuleSource, FullTensorSource
 
         if backend not in transport_names():
             raise ValueError(f"backend {backend!r} is not a registered transport; choose one of {transport_names()}")
         if transport(backend).source == "local":
-            if dtype is not None or bucket_bytes is not None:
-                raise ValueError(f"backend {backend!r} sends local shards as they are: dtype={dtype} and "
-                                 f"bucket_bytes={bucket_bytes} must be None (workers cast on receipt)")
-            return DTensorModuleSource(self.model, self.world)
+            if bucket_bytes is not None:
+                raise ValueError(f"backend {backend!r} sends local shards without gathering: bucket_bytes="
+                                 f"{bucket_bytes} must be None (its init info's staging size bounds its memory)")
+            return DTensorModuleSource(self.model, self.world, dtype=dtype)
         return FullTensorSource(self.model, dtype=dtype, **({"bucket_bytes": bucket_bytes} if bucket_bytes else {}))
 
     def connect(self, init_info: TrainerInitInfo, client: Any, *, dtype: torch.dtype | None = None) -> TrainerEngine:
