@@ -7,10 +7,9 @@
 Two ``FSDP2Trainer`` rank processes (``weightsync.testing.fsdp2.FSDP2Ranks``, gloo, fp32 master weights
 and AdamW state) train a seeded random ``small_qwen3`` checkpoint (Qwen3, hidden 512, 4 layers, 16k
 vocabulary, tied embeddings: 20.8 M parameters) and sync into vLLM's own ``Qwen3ForCausalLM`` in bf16
-with TP 2 over gloo (``weightsync.testing.cluster``). The wire is bf16: the engines read
-``DTensorModuleSource(trainer.model, world, dtype=torch.bfloat16)`` (``FSDP2Trainer.connect`` refuses
-``dtype=`` for local-shard transports, and ``delta=True`` refuses ``cast_dtypes``), so each rank casts
-its fp32 shard as it sends, and the delta baseline holds the bf16 values last sent.
+with TP 2 over gloo (``weightsync.testing.cluster``). The wire is bf16: ``FSDP2Trainer.connect(..., dtype=torch.bfloat16)`` gives the engines
+``DTensorModuleSource(trainer.model, world, dtype=torch.bfloat16)``, so each rank casts its fp32 shard as
+it sends, and the delta baseline holds the bf16 values last sent.
 
 Per learning rate, from the same checkpoint and the same rollouts (scripted: random prompts and
 responses, reward = the fraction of even token ids, groups of ``--group-size``): ``--dense`` syncs with
@@ -53,13 +52,10 @@ def rank_connect(init_info: Any, client: Any, wire_dtype: str) -> None:
     """This rank's M2N engine on the trainer's model, casting to ``wire_dtype`` on the sender (collective)."""
     import torch
 
-    from weightsync import DTensorModuleSource, WeightTransferTrainerFactory
     from weightsync.testing.actors import STATE
 
     t = STATE["trainer"]
-    source = DTensorModuleSource(t.model, t.world, dtype=getattr(torch, wire_dtype))
-    STATE["engine"] = WeightTransferTrainerFactory.trainer_init(dataclasses.replace(init_info, rank=t.rank),
-                                                                client=client, source=source)
+    STATE["engine"] = t.connect(dataclasses.replace(init_info, rank=t.rank), client, dtype=getattr(torch, wire_dtype))
 
 
 def rank_sync(weight_version: str) -> dict[str, Any]:

@@ -59,11 +59,11 @@ def sparse_nbytes(numels: Sequence[int], n: int, itemsize: int) -> int:
 
 
 def diff(new: torch.Tensor, base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions (int32, flat row-major) and bits of the values of ``new`` that differ bitwise from
-    ``base`` (same shape and dtype, any strides)."""
-    a, b = _bits(new), _bits(base)
-    changed = a != b
-    return changed.reshape(-1).nonzero().squeeze(1).to(torch.int32), a[changed]
+    """Where ``new`` differs bitwise from ``base`` (same shape and dtype, any strides): a bool mask
+    of their shape, and the bits of the values there (row-major)."""
+    a = _bits(new)
+    changed = a != _bits(base)
+    return changed, a[changed]
 
 
 _BIT = {}  # device -> the 8 bit weights
@@ -75,25 +75,25 @@ def _bit_weights(device: torch.device) -> torch.Tensor:
     return _BIT[device]
 
 
-def encode(parts: list[tuple[torch.Tensor, torch.Tensor]], numels: Sequence[int], itemsize: int) -> torch.Tensor:
-    """One sparse message (uint8, on the parts' device) from each item's ``(positions, value bits)``
-    (``numels``: each item's number of values)."""
-    n, device = sum(p.numel() for p, _ in parts), parts[0][0].device
+def encode(parts: list[tuple[torch.Tensor, torch.Tensor]], itemsize: int) -> torch.Tensor:
+    """One sparse message (uint8, on the parts' device) from each item's ``diff`` (mask, value bits)."""
+    numels = [mask.numel() for mask, _ in parts]
+    n, device = sum(v.numel() for _, v in parts), parts[0][0].device
     bitmap, values_at, total = _layout(numels, n, itemsize)
     out = torch.empty(total, dtype=torch.uint8, device=device)
     head = 4 * len(parts)
-    out[:head].view(torch.int32).copy_(torch.tensor([p.numel() for p, _ in parts], dtype=torch.int32))
+    out[:head].view(torch.int32).copy_(torch.tensor([v.numel() for _, v in parts], dtype=torch.int32))
     values, at, k = out[values_at:].view(_INT[itemsize]), head, 0
-    for (pos, vals), numel in zip(parts, numels):
+    for (mask, vals), numel in zip(parts, numels):
         if bitmap:  # bit j of byte i: value 8 i + j changed
             nb = (numel + 7) // 8
-            mask = torch.zeros(nb * 8, dtype=torch.uint8, device=device)
-            mask[pos.to(torch.int64)] = 1
-            out[at : at + nb].copy_((mask.view(nb, 8) * _bit_weights(device)).sum(1, dtype=torch.uint8))
+            bits = torch.zeros(nb * 8, dtype=torch.uint8, device=device)
+            bits[:numel] = mask.reshape(-1)
+            out[at : at + nb].copy_((bits.view(nb, 8) * _bit_weights(device)).sum(1, dtype=torch.uint8))
             at += nb
         else:
-            out[at : at + 4 * pos.numel()].view(torch.int32).copy_(pos)
-            at += 4 * pos.numel()
+            out[at : at + 4 * vals.numel()].view(torch.int32).copy_(mask.reshape(-1).nonzero().squeeze(1))
+            at += 4 * vals.numel()
         values[k : k + vals.numel()].copy_(vals)
         k += vals.numel()
     return out
@@ -177,16 +177,16 @@ class Baseline:
         version afterwards: the caller sets it once every worker holds this sync."""
         enc, against, self.version = Encoded(), self.version, None
         todo: dict[str, list[tuple[Message, int]]] = {}
-        parts: dict[tuple[int, int], list] = {}  # (worker, index) -> per item (positions, values)
+        parts: dict[tuple[int, int], list] = {}  # (worker, index) -> per item diff(), until the message is encoded
+        left: dict[tuple[int, int], int] = {}  # items not compared yet
         size: dict[tuple[int, int], int] = {}
-        msg: dict[tuple[int, int], Message] = {}
         numels: dict[tuple[int, int], list[int]] = {}
         if against is not None:
             for msgs in rounds:
                 for m in msgs:
                     if eligible(m) and _uniform(m, dtypes):
                         key = (m.dst, m.index)
-                        parts[key], size[key], msg[key] = [None] * len(m.items), 0, m
+                        parts[key], size[key], left[key] = [None] * len(m.items), 0, len(m.items)
                         numels[key] = [it.region.numel for it in m.items]
                         for i, item in enumerate(m.items):
                             todo.setdefault(item.name, []).append((m, i))
@@ -197,25 +197,27 @@ class Baseline:
             for m, i in todo.get(name, ()):
                 item = m.items[i]
                 sl = _slices(item.src_offsets, item.region.sizes)
-                a, b = _bits(new[sl]), _bits(base[sl].to(new.device))
-                changed = a != b
+                a = _bits(new[sl])
+                changed = a != _bits(base[sl].to(new.device))
                 n = int(changed.count_nonzero())
                 enc.changed += n
                 enc.compared += item.region.numel
                 key = (m.dst, m.index)
-                if key in parts:
-                    size[key] += n
-                    if sparse_nbytes(numels[key], size[key], wire.itemsize) >= m.nbytes:
-                        del parts[key]  # dense is smaller: keep counting, stop extracting
-                    else:
-                        parts[key][i] = (changed.reshape(-1).nonzero().squeeze(1).to(torch.int32), a[changed])
+                if key not in parts:
+                    continue
+                size[key] += n
+                if sparse_nbytes(numels[key], size[key], wire.itemsize) >= m.nbytes:
+                    del parts[key]  # dense is smaller: keep counting, stop extracting
+                    continue
+                parts[key][i] = (changed, a[changed])
+                left[key] -= 1
+                if not left[key]:  # every item compared: encode now, keep only the payload
+                    enc.payloads[key] = encode(parts.pop(key), wire.itemsize)
+                    enc.counts.setdefault(str(key[0]), {})[str(key[1])] = size[key]
             if base is None or base.shape != shard.shape or base.dtype != wire:
                 self.tensors[name] = new.to(self.device, copy=True)
             else:
                 base.copy_(new)
-        for key, ps in parts.items():
-            enc.payloads[key] = encode(ps, numels[key], dtype_from_name(dtypes[msg[key].items[0].name]).itemsize)
-            enc.counts.setdefault(str(key[0]), {})[str(key[1])] = size[key]
         return enc
 
 

@@ -192,13 +192,12 @@ class NCCLTrainerEngine(BaseTrainerEngine):
                 kept.copy_(t)
                 later.append(m)
                 continue
-            pos, vals = diff(t, kept.to(t.device))
+            mask, vals = diff(t, kept.to(t.device))
             kept.copy_(t)
-            changed, compared, n = changed + pos.numel(), compared + t.numel(), pos.numel()
+            changed, compared, n = changed + vals.numel(), compared + t.numel(), vals.numel()
             nbytes = sparse_nbytes([t.numel()], n, t.element_size())
             if nbytes < t.numel() * t.element_size():
-                first.append((ParamMeta(m.name, torch.uint8, (nbytes,)),
-                              encode([(pos, vals)], [t.numel()], t.element_size())))
+                first.append((ParamMeta(m.name, torch.uint8, (nbytes,)), encode([(mask, vals)], t.element_size())))
                 entries.append([m.name, n])
             else:
                 first.append((m, kept))
