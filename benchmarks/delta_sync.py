@@ -40,6 +40,8 @@ import tempfile
 import time
 from typing import Any
 
+from _report import _f, _legend_below
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 DOCS = os.path.join(os.path.dirname(HERE), "docs")
 MODEL = "small_qwen3"
@@ -247,15 +249,103 @@ def main() -> int:
 
 
 def write_report(result: dict[str, Any], args: argparse.Namespace) -> None:
-    import _report
-
-    text = _report.delta_markdown(result)
+    text = delta_markdown(result)
     print("\n" + text)
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
     with open(os.path.join(HERE, "results", "delta_sync.md"), "w") as f:
         f.write(text)
     os.makedirs(args.img, exist_ok=True)
-    print(f"wrote {_report.delta_plot(result, os.path.join(args.img, 'delta_sync.png'))}")
+    print(f"wrote {delta_plot(result, os.path.join(args.img, 'delta_sync.png'))}")
+
+
+
+# --- report: tables and the plot ---------------------------------------------------------------------
+def _machine_line(result: dict[str, Any]) -> str:
+    m = result["machine"]
+    return (f"Repository HEAD at start {m.get('commit', '?')}; weightsync imported from {m.get('weightsync', '?')}. "
+            f"Machine: {m['cpu']}, {m['cores']} cores, {m['mem_gib']} GiB; {m['backend']}; torch {m['torch']}, "
+            f"vLLM {m['vllm']}, Python {m['python']}. Load average at start {_f(m['loadavg_start'][0])}, "
+            f"at end {_f(m.get('loadavg_end', [None])[0])} (the machine is shared). "
+            f"Run finished {result.get('finished', '?')}, {result.get('seconds_total', 0) / 60:.1f} min.")
+
+
+def delta_tables(result: dict[str, Any]) -> list[str]:
+    """The per-lr summary and the per-step table of ``delta_sync.py``'s result."""
+    rows = result["summary"]
+    lines = [("| lr | steps | values changed per step: mean (step 1 -> last) | delta MB / sync (mean) | dense MB "
+              "| naive MB | delta / dense: mean (max) | delta / naive | steps sent sparser than dense "
+              "| delta sync s (median) | dense M2N s (median) | diff + encode s (median) | first sync of the delta engine s "
+              "(dense, fills the baseline) | trainer extra MiB / rank | train step s (median) |"),
+             "|---:|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(
+            f"| {r['lr']:g} | {r['steps']} | {100 * r['changed_mean']:.2f} % ({100 * r['changed_first']:.2f} -> "
+            f"{100 * r['changed_last']:.2f} %) | {r['delta_mb_mean']:.2f} | {r['dense_mb']:.2f} | {r['naive_mb']:.2f} "
+            f"| {r['ratio_mean']:.3f} ({r['ratio_max']:.3f}) | {r['delta_mb_mean'] / r['naive_mb']:.3f} "
+            f"| {r['sparse_steps']} / {r['steps']} | {r['delta_s']:.3f} | {r['dense_s']:.3f} | {r['diff_s']:.3f} "
+            f"| {r['first_s']:.3f} | {r['baseline_mib']:.1f} | {r['train_s']:.1f} |")
+    runs = [x for x in result["lrs"] if x.get("verified")]
+    n = max((len(x["steps"]) for x in runs), default=0)
+    head = " | ".join(f"lr {x['lr']:g}: changed, delta / dense, s" for x in runs)
+    lines += ["", f"| step | {head} |", "|---:|" + "---|" * len(runs)]
+    for i in range(n):
+        cells = []
+        for x in runs:
+            s = x["steps"][i] if i < len(x["steps"]) else None
+            cells.append("" if s is None else f"{100 * s['changed_fraction']:.2f} %, "
+                         f"{s['bytes_sent'] / s['dense_bytes']:.3f}, {s['seconds']:.3f}")
+        lines.append(f"| {i + 1} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def delta_markdown(result: dict[str, Any]) -> str:
+    out = ["# Delta sync (weightsync_m2n, delta=True; CPU)", "", _machine_line(result), ""]
+    return "\n".join(out + delta_tables(result) + [""])
+
+
+def delta_plot(result: dict[str, Any], path: str) -> str:
+    """Per step and lr: values changed, bytes on the wire against dense and naive, sync seconds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+    plain = FuncFormatter(lambda v, _: f"{v:g}")
+    runs = [x for x in result["lrs"] if x.get("verified")]
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 5.2))
+    for i, x in enumerate(runs):
+        col, lab = f"C{i}", f"lr {x['lr']:g}"
+        steps = list(range(1, len(x["steps"]) + 1))
+        a.plot(steps, [100 * s["changed_fraction"] for s in x["steps"]], "o-", c=col, label=lab)
+        b.plot(steps, [s["bytes_sent"] / 1e6 for s in x["steps"]], "o-", c=col, label=lab)
+        dense_timed = x["dense"][1:] or x["dense"]
+        c.plot(steps, [s["seconds"] for s in x["steps"]], "o-", c=col, label=lab)
+        c.axhline(statistics.median(s["seconds"] for s in dense_timed), ls="--", c=col,
+                  label=f"{lab}: dense M2N sync s (median)")
+    if runs:
+        dense, naive = runs[0]["steps"][0]["dense_bytes"] / 1e6, runs[0]["naive_bytes"] / 1e6
+        b.axhline(dense, ls="--", c="gray", label=f"dense M2N ({dense:.1f} MB)")
+        b.axhline(naive, ls=":", c="black", label=f"naive full_tensor + broadcast ({naive:.1f} MB)")
+    a.axhline(100 * 15 / 16, ls="-.", c="C3", label="break-even for bf16 (~94 %: a 1-bit mask per value + 2-byte values)")
+    for ax, y in ((a, "values changed since the last sync (%)"), (b, "MB on the wire per sync (all trainer ranks)"),
+                  (c, "seconds per sync (slowest trainer rank)")):
+        ax.set_xlabel("GRPO step (each followed by a sync)")
+        ax.set_ylabel(y)
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(plain)
+        ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if f"{v:.0e}"[0] in "25" else ""))
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3, which="both")
+    a.set_title("values changed", fontsize=9)
+    b.set_title("bytes on the wire: delta (solid), dense and naive (gray)", fontsize=9)
+    c.set_title("sync seconds: delta (solid), dense M2N (dashed)", fontsize=9)
+    fig.suptitle("Delta sync after real GRPO steps: 2 FSDP2 ranks (fp32 master, bf16 wire) -> vLLM TP 2 bf16 "
+                 "(CPU, gloo)")
+    _legend_below(fig, (a, b, c))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 if __name__ == "__main__":
