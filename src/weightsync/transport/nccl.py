@@ -5,6 +5,12 @@ CPU. The other trainer ranks take part in the source's gathers (``iter_full``) a
 channel only. The bucket layout is a pure function of the metadata, so only the metadata (when it
 changed) and its digest travel in the update info. Workers apply each bucket through vLLM's
 layerwise reload while the next one arrives.
+
+Delta sync (``delta=True``): rank 0 keeps the full model as last sent. When every worker holds that
+version, rank 0 gathers every tensor first, and the tensors every worker writes in place (each one's
+destinations, published at init) go first, each sparse where smaller (the list is announced on the
+store, so every worker derives the same buckets); the workers patch or copy them into their live
+parameters, then the rest follows dense through layerwise reload.
 """
 
 from __future__ import annotations
