@@ -1,14 +1,15 @@
-"""CUDA-only transfer rows: colocated IPC between two processes on one GPU, and packing throughput
-against the GPU's device-to-device copy bandwidth.
+"""CUDA-only transfer rows: colocated IPC between two processes on one GPU, weightsync's M2N rounds and
+bucket broadcast over NCCL between two ranks on that GPU, and packing throughput against the GPU's
+device-to-device copy bandwidth.
 
 Launch (one CUDA GPU, no vLLM, no internet; well under 5 minutes, ~4x ``--mib`` of GPU memory)::
 
     python benchmarks/gpu_bench.py                  # 4 GiB payload, bf16
     python benchmarks/gpu_bench.py --mib 16384      # larger payload (needs ~64 GiB)
 
-Without CUDA it prints why and exits 0 (``--device cpu`` runs the same code on shared memory, to
-check the plumbing at 1/8 of the dimensions; those numbers are not GPU rows). Rows, all with ``torch.cuda.synchronize``
-around the timed region and the median of ``--repeats`` runs after one warm-up:
+Without CUDA it prints why and exits 0 (``--device cpu`` runs the same code on shared memory and gloo,
+to check the plumbing at 1/8 of the dimensions; those numbers are not GPU rows). Rows, all with
+``torch.cuda.synchronize`` around the timed region and the median of ``--repeats`` runs after one warm-up:
 
 * ``d2d copy``: one ``copy_`` of the whole payload (bytes copied per second);
 * ``pack (bucket)``: weightsync's ``plan_buckets`` + ``pack`` of a Qwen3-8B-shaped tensor list
@@ -19,7 +20,19 @@ around the timed region and the median of ``--repeats`` runs after one warm-up:
 * ``IPC clone``: a second process imports the bucket buffer once (weightsync's ``ExportedBuffer`` /
   ``BufferImporter``, CUDA IPC) and clones each chunk out of it; the producer packs the next chunk only
   after the consumer's acknowledgement over a pipe (the ipc transport's per-chunk handshake);
-* ``IPC handle open``: first import of the handle in the consumer (milliseconds).
+* ``IPC handle open``: first import of the handle in the consumer (milliseconds);
+* transfer rows (``_gpu_transfer.py``; sender = trainer rank 0, receiver = worker 0 of TP 2, over
+  ``weightsync.comm.Communicator``, NCCL, or gloo with ``--device cpu``), each run as two processes and
+  as two threads of one process (``--peers``): ``M2N rounds`` (``run_rounds`` of a 1 -> TP 2 plan, the
+  receiver's half of the payload) beside ``raw p2p`` (one send/recv of the same bytes) and ``raw p2p
+  cap`` (the same bytes in message-cap chunks); ``bcast buckets`` (the nccl transport's pack /
+  broadcast / unpack loop, receiver copying its TP slices out) beside ``raw bcast`` (one broadcast of
+  the payload's size); ``M2N copies, no wire`` (the executor's copies alone, in this process). A pair
+  row runs from a barrier to each party's own stream sync (not a device-wide one), the slower party's
+  median. Each note gives the ratio to its raw row and whether the receiver's checksums matched.
+  NCCL needs ``NCCL_MULTI_RANK_GPU_ENABLE=1`` (NCCL >= 2.30) for two ranks on one GPU; the parties set
+  it. Each row's runs are capped to ~5 s after its warm-up and each mode to 120 s, so a slow or hung
+  pair cannot stall the run (it is reported as skipped).
 
 Prints a markdown table; writes ``gpu_bench.json`` and ``gpu_bench.png`` under ``--out``.
 """
@@ -39,10 +52,13 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
 
+from weightsync.layout import align_up
 from weightsync.layout.buckets import plan_buckets
 from weightsync.transport.packing import pack, unpack
 from weightsync.protocol import ParamMeta
 from weightsync.transport.ipc_handles import BufferImporter, ExportedBuffer
+
+import _gpu_transfer
 
 MiB = 1 << 20
 _H, _I, _Q, _KV, HD, _V = 4096, 12288, 32, 8, 128, 151936  # Qwen3-8B
@@ -164,7 +180,10 @@ def bench_ipc(device: torch.device, bucket: torch.Tensor, exported: ExportedBuff
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=4096, help="payload (MiB of bf16 tensors; the embedding alone is 1.2 GB)")
-    ap.add_argument("--bucket-mib", type=int, default=512, help="bucket size (the ipc transport's default)")
+    ap.add_argument("--bucket-mib", type=int, default=512, help="bucket size (the ipc transport's default; the broadcast rows use it too)")
+    ap.add_argument("--staging-mib", type=int, default=256, help="M2N staging (the m2n transport's default)")
+    ap.add_argument("--peers", default="both", choices=["procs", "threads", "both", "none"],
+                    help="how the transfer rows' two ranks run: two processes, two threads of one, both, or not at all")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: plumbing check only")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
@@ -177,7 +196,7 @@ def main() -> None:
         torch.cuda.set_device(device)
     dtype, total = torch.bfloat16, args.mib * MiB
     metas = qwen3_8b_metas(total, dtype, 1 if device.type == "cuda" else 8)
-    bucket_bytes = max(args.bucket_mib * MiB, max(m.nbytes for m in metas))
+    bucket_bytes = align_up(max(args.bucket_mib * MiB, max(m.nbytes for m in metas)), 256)
     tensors = [torch.randn(m.shape, device=device).to(dtype) for m in metas]
     nbytes = sum(m.nbytes for m in metas)
     buckets = plan_buckets(metas, bucket_bytes)
@@ -222,6 +241,17 @@ def main() -> None:
     rows.append({"row": "IPC handle open", "ms": ipc["open_ms"]})
     print(f"IPC handle open        {ipc['open_ms']:.1f} ms (first import in the consumer)")
     exported.close()
+    del tensors, bucket, exported, row_parallel
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the transfer rows' processes need the memory
+    peers = {"both": ["procs", "threads"], "none": []}.get(args.peers, [args.peers])
+    for r in _gpu_transfer.transfer_rows(metas, device, staging_bytes=args.staging_mib * MiB,
+                                         bucket_bytes=bucket_bytes, repeats=args.repeats, peers=peers):
+        if "skipped" in r:
+            rows.append(r)
+            print(f"{r['row']:<22} skipped: {r['skipped']}", flush=True)
+        else:
+            row(r["row"], r["bytes"], r["seconds"], r["note"])
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (plumbing check, not a GPU row)"
     title = f"GPU rows on {name}, torch {torch.__version__}, payload {nbytes / 1e9:.2f} GB bf16, median of {args.repeats}"
@@ -229,6 +259,8 @@ def main() -> None:
     for r in rows:
         if "gbps" in r:
             lines.append(f"| {r['row']} | {r['bytes'] / 1e9:.2f} | {r['seconds'] * 1e3:.1f} | {r['gbps']:.1f} | {r['note']} |")
+        elif "skipped" in r:
+            lines.append(f"| {r['row']} | | | | skipped: {r['skipped']} |")
         else:
             lines.append(f"| {r['row']} | | {r['ms']:.1f} | | first import in the consumer |")
     print("\n" + "\n".join(lines))
@@ -247,7 +279,7 @@ def main() -> None:
     fig, ax = plt.subplots(figsize=(8, 4))
     ax.barh([r["row"] for r in bars], [r["gbps"] for r in bars])
     ax.set_xlabel("GB/s (payload bytes per second)")
-    ax.set_title(f"{name}: packing and IPC vs device-to-device copy", fontsize=9)
+    ax.set_title(f"{name}: packing, IPC and transfers vs device-to-device copy", fontsize=9)
     ax.invert_yaxis()
     fig.tight_layout()
     path = os.path.join(args.out, "gpu_bench.png")
