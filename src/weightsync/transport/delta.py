@@ -14,9 +14,11 @@ about 1/3 of its values changed with positions, and with bitmaps up to (2 - 1/8)
 
 Trainer side, :class:`Baseline`: per local tensor, the last version this rank sent, in the wire
 dtype (host memory by default). :meth:`Baseline.encode` compares the source's shards with it, builds
-the sparse payloads of one sync's messages, then makes the new values the baseline. Worker side:
-:func:`decode` and :func:`patch`. Which workers take a delta is decided before any data moves
-(``m2n``: each worker says which version it holds).
+the sparse payloads of one sync's M2N messages, then makes the new values the baseline (the broadcast
+transport uses :func:`diff` and :func:`encode` per full tensor). Worker side: :func:`decode`, then
+:func:`patch` (an M2N item's region) or :func:`patch_pieces` / :func:`write_pieces` (a full tensor onto
+the worker's destination pieces). Which workers take a delta is decided before any data moves, from
+the sync each worker reports it holds (``BaseWorkerEngine.held``).
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def diff(new: torch.Tensor, base: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return changed, a[changed]
 
 
-_BIT = {}  # device -> the 8 bit weights
+_BIT: dict[torch.device, torch.Tensor] = {}  # device -> the weights of a byte's 8 bits
 
 
 def _bit_weights(device: torch.device) -> torch.Tensor:
