@@ -15,7 +15,7 @@ import torch
 
 from weightsync.layout.plan import TransferPlan
 from weightsync.layout.records import DestPiece, TensorSource
-from weightsync.layout.regions import Region
+from weightsync.layout.regions import Region, box_slices
 
 __all__ = ["execute_reference", "make_local_shards", "shard_tensor", "write_destinations"]
 
@@ -33,7 +33,7 @@ def _box(tensor: torch.Tensor, offsets: tuple[int, ...], sizes: tuple[int, ...],
         raise ValueError(
             f"{what}: box at offsets {offsets} of sizes {sizes} does not fit a tensor of shape {tuple(tensor.shape)}"
         )
-    return tensor[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
+    return tensor[box_slices(offsets, sizes)]
 
 
 def execute_reference(

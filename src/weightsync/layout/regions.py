@@ -21,6 +21,7 @@ __all__ = [
     "Region",
     "Replicate",
     "Shard",
+    "box_slices",
     "local_region",
     "mesh_coordinates",
     "placements_from_torch",
@@ -129,7 +130,12 @@ class Region:
 
     def slices(self) -> tuple[slice, ...]:
         """Python slices that select this region from the global tensor (``t[region.slices()]``)."""
-        return tuple(slice(o, o + s) for o, s in zip(self.offsets, self.sizes))
+        return box_slices(self.offsets, self.sizes)
+
+
+def box_slices(offsets: Sequence[int], sizes: Sequence[int]) -> tuple[slice, ...]:
+    """Python slices that select the box at ``offsets`` of ``sizes`` (``t[box_slices(o, s)]``)."""
+    return tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
 
 
 def _region_unchecked(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Region:

@@ -36,6 +36,7 @@ from ..engine import SyncStats, TrainerEngine, TrainerInitInfo, WorkerInitInfo, 
 from ..protocol import WeightSource
 from ..registry import transport
 from ..worker import PoisonedError
+from .worker_base import held_key
 
 __all__ = ["BaseTrainerEngine", "SyncFailed", "PoisonedError", "client_result"]
 
@@ -157,11 +158,12 @@ class BaseTrainerEngine(TrainerEngine):
         elif keys:
             self.comm.wait_for(keys, self.init_info.timeout_s)
 
-    def _agree_on_metadata(self) -> None:
+    def _agree_on_metadata(self) -> str:
         """Every trainer rank: publish this rank's metadata (names, dtypes, shapes) and its digest,
         compare the digests; on a mismatch every rank reads rank 0's and the first differing rank's
         metadata and raises the same error naming the first differing parameter. Rank 0's is what
-        the workers check their model against (``model/metas/0``). For the full-tensor transports."""
+        the workers check their model against (``model/metas/0``). For the full-tensor transports.
+        Returns the digest every rank agreed on."""
         from ..layout.buckets import metadata_digest
 
         mine = [m.wire() for m in self.source.metadata]
@@ -176,6 +178,7 @@ class BaseTrainerEngine(TrainerEngine):
                 what = a["name"] if isinstance(a, dict) else b["name"]
                 raise ValueError(f"parameter {what!r}: trainer rank {r}'s metadata differs from trainer rank 0's "
                                  f"at position {i}: {_short(b)} vs {_short(a)}")
+        return digests[0]
 
     def _start_update(self) -> None:
         """Rank 0: start the update on every engine. vLLM's worker refuses while an update is active,
@@ -186,6 +189,12 @@ class BaseTrainerEngine(TrainerEngine):
             self._abort_workers("a previous trainer left this update active")
             self.client.start_weight_update()
         self._started = True
+
+    def _holding(self, base: int | None, num_workers: int) -> list[int]:
+        """Rank 0, delta sync: the workers that reported holding sync ``base`` complete."""
+        if base is None:
+            return []
+        return [w for w in range(num_workers) if self.comm.peek(held_key(base, w)) == base]
 
     def _abort_workers(self, reason: str) -> None:
         """Rank 0: every worker of the update restores its parameters (the abort update), then leaves

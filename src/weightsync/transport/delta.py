@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from ..layout.records import align_up
+from ..layout.regions import box_slices
 from ..layout.schedule import Message
 from ..protocol import dtype_from_name
 
@@ -139,10 +140,6 @@ def patch(target: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -
         bits.index_put_(torch.unravel_index(idx, tuple(bits.shape)), values)
 
 
-def _slices(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[slice, ...]:
-    return tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
-
-
 @dataclass
 class Encoded:
     """One sync's sparse messages on one trainer rank."""
@@ -176,6 +173,15 @@ class Baseline:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
+    def keep(self, name: str, new: torch.Tensor) -> torch.Tensor:
+        """Make ``new`` (in the wire dtype) the baseline of ``name``, in place when it fits; returns it."""
+        base = self.tensors.get(name)
+        if base is None or base.shape != new.shape or base.dtype != new.dtype:
+            base = self.tensors[name] = new.to(self.device, copy=True)
+        else:
+            base.copy_(new)
+        return base
+
     def encode(self, rounds: Iterable[list[Message]], shards: Mapping[str, torch.Tensor], dtypes: Mapping[str, str],
                *, eligible: Callable[[Message], bool]) -> Encoded:
         """Compare the ``eligible`` messages' items with the baseline, keep the sparse payloads of
@@ -203,7 +209,7 @@ class Baseline:
             base = self.tensors.get(name)
             for m, i in todo.get(name, ()):
                 item = m.items[i]
-                sl = _slices(item.src_offsets, item.region.sizes)
+                sl = box_slices(item.src_offsets, item.region.sizes)
                 a = _bits(new[sl])
                 changed = a != _bits(base[sl].to(new.device))
                 n = int(changed.count_nonzero())
@@ -221,10 +227,7 @@ class Baseline:
                 if not left[key]:  # every item compared: encode now, keep only the payload
                     enc.payloads[key] = encode(parts.pop(key), wire.itemsize)
                     enc.counts.setdefault(str(key[0]), {})[str(key[1])] = size[key]
-            if base is None or base.shape != shard.shape or base.dtype != wire:
-                self.tensors[name] = new.to(self.device, copy=True)
-            else:
-                base.copy_(new)
+            self.keep(name, new)
         return enc
 
 
@@ -238,7 +241,7 @@ def _uniform(m: Message, dtypes: Mapping[str, str]) -> bool:
 def write_pieces(full: torch.Tensor, pieces: Iterable[Any], params: Mapping[str, torch.Tensor]) -> None:
     """Copy each piece's region of the full tensor ``full`` into its place in ``params``."""
     for p in pieces:
-        params[p.param][_slices(p.param_offsets, p.region.sizes)].copy_(full[_slices(p.region.offsets, p.region.sizes)])
+        params[p.param][box_slices(p.param_offsets, p.region.sizes)].copy_(full[p.region.slices()])
 
 
 def patch_pieces(shape: tuple[int, ...], positions: torch.Tensor, values: torch.Tensor, pieces: Iterable[Any],

@@ -29,6 +29,7 @@ import torch
 
 from ..comm import Communicator
 from ..engine import DeltaStats, SyncStats, TrainerInitInfo, WorkerInitInfo, WorkerUpdateInfo
+from ..layout.regions import box_slices
 from ..layout.schedule import message_cap
 from ..registry import Transport
 from ..sources import tensor_sources
@@ -121,6 +122,7 @@ class _Plan:
         agree(comm, f"{_P}/digest", self.digest, "plan digest")
         cap = message_cap(staging_bytes, num_trainers, num_workers, buffers=2)  # two halves: rounds overlap
         self.rounds = my_messages(self.gathered.plan, sources, rank=rank, sender=sender, cap=cap)
+        self.nbytes = sum(m.nbytes for r in self.rounds for m in r)  # what this rank sends or receives dense
         self.staging = torch.empty(staging_bytes, dtype=torch.uint8, device=comm.device)
 
 
@@ -193,8 +195,7 @@ class M2NTrainerEngine(BaseTrainerEngine):
         worker reported at its last finish; every rank reads the decision before any data moves)."""
         if self.is_sender:
             base = self._baseline.version
-            holders = [] if base is None else [w for w in range(math.prod(self.init_info.dst_mesh_dims))
-                                               if self.comm.peek(f"sync{base}/held/{w}") == base]
+            holders = self._holding(base, math.prod(self.init_info.dst_mesh_dims))
             self.comm.publish(self._key("delta"), [base, holders])
         base, holders = self.comm.read(self._key("delta"))
         return base, holders
@@ -211,7 +212,7 @@ class M2NTrainerEngine(BaseTrainerEngine):
         enc = self._baseline.encode(self.plan.rounds, shards, self.plan.dtypes, eligible=eligible)
         self.comm.publish(self._key("sizes", self.rank), enc.counts)
         stats.delta = DeltaStats(base=base, workers=holders, changed=enc.changed, compared=enc.compared,
-                                 dense_bytes=sum(m.nbytes for r in self.plan.rounds for m in r),
+                                 dense_bytes=self.plan.nbytes,
                                  diff_seconds=time.perf_counter() - t0, baseline_bytes=self._baseline.nbytes)
         return enc.payloads
 
@@ -256,7 +257,7 @@ def _zero_uncovered(model: torch.nn.Module, pieces: Any) -> None:
             mask = torch.ones(param.shape, dtype=torch.bool, device=param.device)
             for p in pieces:
                 if p.param == name:
-                    mask[tuple(slice(o, o + s) for o, s in zip(p.param_offsets, p.region.sizes))] = False
+                    mask[box_slices(p.param_offsets, p.region.sizes)] = False
             param.data.masked_fill_(mask, 0)
 
 

@@ -14,7 +14,7 @@ import torch
 from ..comm import Communicator
 from ..layout.plan import TransferPlan, build_plan
 from ..layout.records import DestPiece, TensorSource, align_up, dtype_itemsize
-from ..layout.regions import Region
+from ..layout.regions import Region, box_slices
 from ..layout.schedule import ALIGN, Message, pair_messages, rounds
 from ..protocol import dtype_from_name
 from .delta import decode, patch, sparse_nbytes
@@ -157,16 +157,17 @@ def run_rounds(comm: Communicator, plan_rounds: list[list[Message]], staging: to
 
     def pack(k: int, bufs: list[torch.Tensor], kinds: list[str]) -> None:
         for m, buf, kind in zip(plan_rounds[k], bufs, kinds):
+            if kind != "staged" and sums is None:
+                continue  # the shard's own bytes / a ready payload: nothing to copy or fold
             for i, (item, off) in enumerate(zip(m.items, m.offsets)):
-                src = tensor_of(m, i)[_slices(item.src_offsets, item.region.sizes)]
-                if kind == "sparse":  # the payload is ready; the checksum is of the values it makes
-                    if sums is not None:
-                        wire = dtype_from_name(dtypes[item.name])
-                        sums[m.dst] = fold_checksum(sums.get(m.dst, 0), src if src.dtype == wire else src.to(wire))
+                if kind == "sparse":  # the checksum is of the values the payload makes
+                    src = tensor_of(m, i)[box_slices(item.src_offsets, item.region.sizes)]
+                    wire = dtype_from_name(dtypes[item.name])
+                    sums[m.dst] = fold_checksum(sums.get(m.dst, 0), src if src.dtype == wire else src.to(wire))
                     continue
                 view = _view(buf, off, item, dtypes)
-                if kind == "staged":  # a direct message is the shard's own bytes
-                    view.copy_(src)
+                if kind == "staged":
+                    view.copy_(tensor_of(m, i)[box_slices(item.src_offsets, item.region.sizes)])
                 if sums is not None:
                     sums[m.dst] = fold_checksum(sums.get(m.dst, 0), view)
 
@@ -174,7 +175,7 @@ def run_rounds(comm: Communicator, plan_rounds: list[list[Message]], staging: to
         for m, buf, kind in zip(plan_rounds[k], bufs, kinds):
             patches = decode(buf, _numels(m), sparse[key(m)], _itemsize(m, dtypes)) if kind == "sparse" else None
             for i, (item, off) in enumerate(zip(m.items, m.offsets)):
-                target = tensor_of(m, i)[_slices(item.param_offsets, item.region.sizes)]
+                target = tensor_of(m, i)[box_slices(item.param_offsets, item.region.sizes)]
                 if patches is not None:
                     patch(target, *patches[i])
                     received = target
@@ -220,14 +221,10 @@ def _direct(m: Message, tensor_of: Callable[[Message, int], torch.Tensor], dtype
     item, tensor = m.items[0], tensor_of(m, 0)
     if tensor.dtype != dtype_from_name(dtypes[item.name]):
         return None
-    view = tensor[_slices(item.src_offsets if sender else item.param_offsets, item.region.sizes)]
+    view = tensor[box_slices(item.src_offsets if sender else item.param_offsets, item.region.sizes)]
     if not view.is_contiguous() or view.numel() * view.element_size() != m.nbytes:
         return None
     return view.reshape(-1).view(torch.uint8)
-
-
-def _slices(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[slice, ...]:
-    return tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
 
 
 def _view(buf: torch.Tensor, off: int, item: Any, dtypes: Mapping[str, str]) -> torch.Tensor:

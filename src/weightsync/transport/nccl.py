@@ -106,12 +106,11 @@ class NCCLTrainerEngine(BaseTrainerEngine):
         return (0, self.init_info.world_size) if self.is_sender else None
 
     def _handshake(self) -> None:
-        self._agree_on_metadata()  # the workers check it against their model before joining
+        self._init_digest = self._agree_on_metadata()  # the workers check it against their model before joining
         self._sent_digest: str | None = None
         self._buffers: list[torch.Tensor] = []
         self._total = 0
         self._baseline = Baseline.for_engine(self.init_info) if self.is_sender else None  # rank 0 sends
-        self._init_digest = metadata_digest(m.wire() for m in self.source.metadata)
         self._loader_only: set[str] | None = None  # tensors some worker takes only through vLLM's loader
 
     def _preflight(self, verify: bool) -> tuple[list[ParamMeta], list[Bucket]]:
@@ -164,7 +163,7 @@ class NCCLTrainerEngine(BaseTrainerEngine):
                 b.version = None  # overwritten by this dense sync
             return None
         workers = range(self.init_info.world_size - 1)
-        if any(self.comm.peek(f"sync{b.version}/held/{w}") != b.version for w in workers):
+        if len(self._holding(b.version, len(workers))) < len(workers):  # a broadcast: all or none
             b.version = None
             return None
         if self._loader_only is None:
@@ -174,11 +173,7 @@ class NCCLTrainerEngine(BaseTrainerEngine):
     def _keep(self, meta: ParamMeta, tensor: torch.Tensor) -> torch.Tensor:
         """A dense sync's tensor, kept as the next delta's baseline (delta mode)."""
         if self._baseline is not None:
-            kept = self._baseline.tensors.get(meta.name)
-            if kept is None or kept.shape != tensor.shape or kept.dtype != tensor.dtype:
-                self._baseline.tensors[meta.name] = tensor.to(self._baseline.device, copy=True)
-            else:
-                kept.copy_(tensor)
+            self._baseline.keep(meta.name, tensor)
         return tensor
 
     def _encode(self, metas: list[ParamMeta], base: int, stats: SyncStats) -> tuple[list[Bucket], Any]:
@@ -192,13 +187,12 @@ class NCCLTrainerEngine(BaseTrainerEngine):
         later: list[ParamMeta] = []
         changed = compared = 0
         for m, t in checked(self.source.iter_full(), metas):
-            kept = b.tensors[m.name]
             if m.name in self._loader_only or t.dim() == 0:
-                kept.copy_(t)
+                b.keep(m.name, t)
                 later.append(m)
                 continue
-            mask, vals = diff(t, kept.to(t.device))
-            kept.copy_(t)
+            mask, vals = diff(t, b.tensors[m.name].to(t.device))
+            kept = b.keep(m.name, t)
             changed, compared, n = changed + vals.numel(), compared + t.numel(), vals.numel()
             nbytes = sparse_nbytes([t.numel()], n, t.element_size())
             if nbytes < t.numel() * t.element_size():

@@ -28,7 +28,12 @@ from ..comm import Communicator, describe
 from ..registry import TRANSPORTS, transport
 from ..worker import LayerwiseApplier, WorkerEngine
 
-__all__ = ["BaseWorkerEngine"]
+__all__ = ["BaseWorkerEngine", "held_key"]
+
+
+def held_key(sync_id: int, worker: int) -> str:
+    """The store key where ``worker`` says it holds sync ``sync_id`` complete (None: no longer)."""
+    return f"sync{sync_id}/held/{worker}"
 
 
 class BaseWorkerEngine(WorkerEngine):
@@ -223,7 +228,7 @@ class BaseWorkerEngine(WorkerEngine):
         if self.comm is not None and self._sync_id is not None:  # the trainer's stats: SyncStats.worker_phases
             self.held = self._sync_id
             self.comm.publish(f"sync{self._sync_id}/phases/{self.worker_rank}", self.phases)
-            self.comm.publish(f"sync{self._sync_id}/held/{self.worker_rank}", self.held)
+            self.comm.publish(held_key(self._sync_id, self.worker_rank), self.held)
 
     def _check_holds(self, base: int | None) -> None:
         """A delta against sync ``base`` patches weights this worker must hold; refuse otherwise."""
@@ -237,7 +242,7 @@ class BaseWorkerEngine(WorkerEngine):
         held, self.held = self.held, None
         if held is not None and self.comm is not None:
             try:
-                self.comm.publish(f"sync{held}/held/{self.worker_rank}", None)
+                self.comm.publish(held_key(held, self.worker_rank), None)
             except Exception:  # noqa: BLE001 - the store is gone: no sync can follow under this init
                 pass
 
