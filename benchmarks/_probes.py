@@ -36,7 +36,9 @@ __all__ = [
     "naive_send",
     "naive_setup",
     "naive_teardown",
+    "p2p_plan",
     "p2p_run",
+    "plan_pair_bytes",
     "p2p_setup",
     "p2p_teardown",
     "profile_start",
@@ -238,6 +240,37 @@ def p2p_run(sends: list[int], recvs: list[int], nbytes: int, iters: int) -> dict
     for i in range(iters):
         step(i + 1)
     return {"seconds": time.perf_counter() - t0, "recv_bytes": float(iters * nbytes * len(recvs))}
+
+
+def plan_pair_bytes() -> dict[int, int]:
+    """Bytes the live M2N engine's plan moves between this rank and each peer per sync (a trainer:
+    worker rank -> bytes sent; a worker: trainer rank -> bytes received), dense, padding excluded."""
+    sender = hasattr(STATE["engine"], "send_weights")
+    out: dict[int, int] = defaultdict(int)
+    for rnd in STATE["engine"].plan.rounds:
+        for m in rnd:
+            out[m.dst if sender else m.src] += m.nbytes
+    return dict(out)
+
+
+def p2p_plan(sends: dict[int, int], recvs: dict[int, int], iters: int) -> dict[str, float]:
+    """The plan's traffic raw: each step posts one send of ``sends[p]`` bytes to every peer ``p`` and
+    one receive of ``recvs[p]`` bytes from every peer, all at once, from and into ready buffers (no
+    copies, no rounds), then waits for all. One warm-up step untimed. Seconds of the timed steps."""
+    pg = STATE["p2p"]
+    bufs = {("s", p): torch.ones(n, dtype=torch.uint8) for p, n in sends.items()}
+    bufs |= {("r", p): torch.zeros(n, dtype=torch.uint8) for p, n in recvs.items()}
+
+    def step(tag: int) -> None:
+        works = [pg.send([bufs["s", p]], p, tag) for p in sends] + [pg.recv([bufs["r", p]], p, tag) for p in recvs]
+        for w in works:
+            w.wait()
+
+    step(0)
+    t0 = time.perf_counter()
+    for i in range(iters):
+        step(i + 1)
+    return {"seconds": (time.perf_counter() - t0) / iters, "recv_bytes": float(sum(recvs.values()))}
 
 
 def p2p_teardown() -> None:

@@ -96,6 +96,13 @@ def _targets_table(acc: list[dict[str, Any]]) -> list[str]:
             f"{_verdict(a['speedup_over_naive'] is not None and a['speedup_over_naive'] >= 2)} | {how_speed} |"),
             (f"| {mb} | fraction of raw p2p | >= 80 % | {_f(a['fraction_of_p2p'] and 100 * a['fraction_of_p2p'], '.0f')} % | "
             f"{_verdict(a['fraction_of_p2p'] is not None and a['fraction_of_p2p'] >= 0.8)} | {how_p2p} |"),
+            *([(f"| {mb} | fraction of the plan's traffic moved raw | >= 80 % | "
+                 f"{100 * p['fraction_of_raw_plan']:.0f} % | {_verdict(p['fraction_of_raw_plan'] >= 0.8)} | "
+                 f"median (range {_range(p, 'fraction_of_raw_plan', 100)} %) over the same pairs of raw s / "
+                 f"weightsync_m2n s, raw = every (trainer, worker) pair's bytes of one sync as one gloo message, "
+                 f"all posted at once, no copies (median {p['raw_plan_s']:.3f} s); separate rows: "
+                 f"{100 * a['fraction_of_p2p_round']:.0f} % of the balanced raw M2N-shaped round |")]
+              if p and "fraction_of_raw_plan" in p else []),
             (f"| {mb} | trainer extra peak memory | <= 1 staging bucket ({a['staging_mib']:.0f} MiB) | "
             f"{a['trainer_extra_mib']:.0f} MiB | {_verdict(a['trainer_extra_mib'] <= a['staging_mib'])} | "
             "peak RSS during the syncs minus RSS before the engine was built (max over trainer ranks) |"),

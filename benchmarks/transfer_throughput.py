@@ -273,6 +273,17 @@ def run_naive(cluster: LocalCluster, warmup: int, repeats: int, verify: bool) ->
     }
 
 
+def raw_plan_traffic(ts: list[Actor], rs: list[Actor], pair_bytes: list[dict[int, int]]) -> float:
+    """Seconds for the M2N plan's traffic moved raw (``_probes.p2p_plan``: every pair's bytes of one
+    sync as one message, all posted at once, no copies), mean of 3 steps, slowest rank."""
+    T = len(ts)
+    sends = [{T + w: n for w, n in pb.items()} for pb in pair_bytes[:T]]
+    recvs = [dict(pb) for pb in pair_bytes[T:]]
+    res = gather([a.submit("_probes:p2p_plan", s, {}, 3) for a, s in zip(ts, sends)]
+                 + [a.submit("_probes:p2p_plan", {}, r, 3) for a, r in zip(rs, recvs)])
+    return max(r["seconds"] for r in res)
+
+
 def run_paired(cluster: LocalCluster, sc: Scenario, model_dir: str, itemsize: int, repeats: int,
                p2p_mib: int) -> dict[str, Any]:
     """weightsync_m2n, the naive sync (before or after it, alternately) and raw p2p (one pair, ``p2p_mib``
@@ -285,6 +296,7 @@ def run_paired(cluster: LocalCluster, sc: Scenario, model_dir: str, itemsize: in
     cluster.make_engines(init_info(layout, buffer_bytes=sc.staging_mib * MiB), source="local")
     naive_group(ts, rs)
     p2p_group(ts + rs)
+    pair_bytes = on(ts + rs, "plan_pair_bytes")
     samples = []
     try:
         for i in range(1 + repeats):
@@ -294,10 +306,12 @@ def run_paired(cluster: LocalCluster, sc: Scenario, model_dir: str, itemsize: in
             m2n = time.perf_counter() - t0
             naive = naive or naive_sync(ts, rs)
             pair = p2p_pair(ts + rs, len(ts), p2p_mib * MiB)
+            raw = raw_plan_traffic(ts, rs, pair_bytes)
             if i:
                 gbps = max(st["bytes_received_per_worker"].values()) / m2n / 1e9
                 samples.append({"m2n_s": m2n, "naive_s": naive, "p2p_gbps": pair, "m2n_gbps": gbps,
-                                "speedup": naive / m2n, "fraction_of_p2p": gbps / pair})
+                                "speedup": naive / m2n, "fraction_of_p2p": gbps / pair,
+                                "raw_plan_s": raw, "fraction_of_raw_plan": raw / m2n})
     finally:
         on(ts + rs, "naive_teardown")
         on(ts + rs, "p2p_teardown")
@@ -352,7 +366,8 @@ def run_scenario(cluster: LocalCluster, sc: Scenario, args: argparse.Namespace, 
         best = max(p["pair_gbps"], key=p["pair_gbps"].get)
         pr = result["paired"][sc.size] = run_paired(cluster, sc, model_dir, itemsize, max(5, repeats), best)
         print(f"    paired: weightsync_m2n {pr['m2n_s']:.3f} s, naive {pr['naive_s']:.3f} s, speedup "
-              f"{pr['speedup']:.2f}x; {100 * pr['fraction_of_p2p']:.0f} % of raw p2p {pr['p2p_gbps']:.2f} GB/s",
+              f"{pr['speedup']:.2f}x; {100 * pr['fraction_of_p2p']:.0f} % of raw p2p {pr['p2p_gbps']:.2f} GB/s; "
+              f"{100 * pr['fraction_of_raw_plan']:.0f} % of the plan's traffic raw ({pr['raw_plan_s']:.3f} s)",
               flush=True)
     if result["memcpy"] is None:
         result["memcpy"] = on(cluster.active_trainers[:1], "memcpy", 64 * MiB, 8)[0]

@@ -1,5 +1,6 @@
 """``m2n_exec.run_rounds`` in one process, over a loopback data plane that records what each rank
-posts: pipelined rounds (at most two in flight, posted in order), direct messages (one contiguous
+posts: pipelined rounds (``DEPTH`` in flight, posted and waited in order, no two posted buffers sharing
+a byte, so a staging half is reused only after its round was waited for), direct messages (one contiguous
 item sent from the shard / received into the parameter without a staging copy) and staged ones
 (column slices, several items, a dtype cast) give every parameter exactly the reference executor's
 values, and both ends move the same bytes."""
@@ -21,15 +22,22 @@ class Loopback:
 
     def __init__(self, wire: dict | None = None) -> None:
         self.wire = {} if wire is None else wire
-        self.in_flight = self.max_in_flight = 0
+        self.posted: list[list] = []  # works of the rounds posted and not waited for, in order
+        self.max_in_flight = 0
 
     def post(self, sends, recvs):
-        self.in_flight += 1
-        self.max_in_flight = max(self.max_in_flight, self.in_flight)
-        return [("send", t, peer, tag) for t, peer, tag in sends] + [("recv", t, peer, tag) for t, peer, tag in recvs]
+        works = [("send", t, peer, tag) for t, peer, tag in sends] + [("recv", t, peer, tag) for t, peer, tag in recvs]
+        spans = [_span(t) for w in self.posted for _, t, _, _ in w]
+        for _, t, _, _ in works:
+            lo, hi = _span(t)
+            assert all(hi <= a or b <= lo for a, b in spans), "a posted buffer shares bytes with one in flight"
+            spans.append((lo, hi))
+        self.posted.append(works)
+        self.max_in_flight = max(self.max_in_flight, len(self.posted))
+        return works
 
     def wait_all(self, works, what=""):
-        self.in_flight -= 1
+        assert works is self.posted.pop(0)  # waited for in the order posted
         for kind, t, peer, tag in works:
             if kind == "send":
                 self.wire[(peer, tag)] = t.clone()
@@ -40,7 +48,11 @@ class Loopback:
 SRC = 0  # the one trainer rank's data-plane rank; the worker is rank 1
 
 
-@pytest.mark.parametrize("staging", [1 << 12, 1 << 13], ids=["cap-2k", "cap-4k"])
+def _span(t):
+    return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+
+
+@pytest.mark.parametrize("staging", [1 << 11, 1 << 12, 1 << 13], ids=["cap-1k", "cap-2k", "cap-4k"])
 def test_pipelined_rounds_direct_and_staged_match_the_reference(staging, monkeypatch):
     shapes = {"rows": (64, 32), "cols": (32, 48), "small_a": (3, 5), "small_b": (7,)}
     sources = [TensorSource(n, s, "float32", source_regions(s, (1,), [Shard(0)], mesh_coordinates((1,))))
@@ -77,7 +89,8 @@ def test_pipelined_rounds_direct_and_staged_match_the_reference(staging, monkeyp
                           peer_rank=lambda r: r, dtypes=wire_dtypes, sums=recv_sums,
                           tensor_of=lambda m, i: got[m.items[i].param])
     assert sent == received == plan.coverage().lower_bound[0] and not recv_plane.wire
-    assert send_plane.max_in_flight == recv_plane.max_in_flight == 2  # pipelined, never more
+    in_flight = min(m2n_exec.DEPTH, len(send_rounds))  # pipelined, never more
+    assert send_plane.max_in_flight == recv_plane.max_in_flight == in_flight
     for n in params:
         assert torch.equal(got[n], want[n]), n
     assert sent_sums == {0: recv_sums[0]}

@@ -22,7 +22,7 @@ from weightsync.layout import (
     mesh_coordinates,
     source_regions,
 )
-from weightsync.layout.schedule import ALIGN, Message, message_cap, pair_messages, rounds, split_item
+from weightsync.layout.schedule import ALIGN, ALONE, Message, message_cap, pair_messages, rounds, split_item
 
 
 def _it(name, offsets, sizes, src_offsets=None, param_offsets=None, src=0, dst=0, param="p"):
@@ -74,6 +74,18 @@ def test_pair_messages_packs_element_aligned_items_up_to_the_cap():
         2: [Message(0, 2, 0, (items[4],), (0,), 8)],
     }
     assert rounds(got) == [[got[1][0], got[2][0]], [got[1][1]]]
+
+
+def test_pieces_of_at_least_alone_bytes_go_first_each_alone_then_the_small_ones_packed():
+    # alone=40: a (40 B) and c's first piece (c is 80 B, split by cap=64 into 64 + 16 B) are messages of
+    # their own, in order; b (6 B), c's 16 B rest and d (4 B) follow, packed (4-aligned: 0, 8, 24).
+    items = [_it("a", (0,), (10,)), _it("b", (0,), (3,)), _it("c", (0,), (20,)), _it("d", (0,), (1,))]
+    size = {"a": 4, "b": 2, "c": 4, "d": 4}
+    got = pair_messages(items, by="dst", cap=64, itemsize_of=size.__getitem__, alone=40)[0]
+    c0, c1 = split_item(items[2], 4, 64)
+    assert got == [Message(0, 0, 0, (items[0],), (0,), 40), Message(0, 0, 1, (c0,), (0,), 64),
+                   Message(0, 0, 2, (items[1], c1, items[3]), (0, 8, 24), 28)]
+    assert pair_messages(items, by="dst", cap=64, itemsize_of=size.__getitem__)[0][0].items == (items[0], items[1])
 
 
 def test_pair_messages_validates_by_and_cap():
@@ -128,12 +140,14 @@ def _random_plan_inputs(seed):
     return sources, dests, rng.choice([1, 2, 3, 8]) * ALIGN * max(mesh[0] * (mesh[1:] or (1,))[0], workers)
 
 
-def _schedule(sources, dests, staging):
+def _schedule(sources, dests, staging, alone):
     plan = build_plan(sources, dests)
     cap = message_cap(staging, plan.num_src_ranks, plan.num_dst_ranks)
     size = {s.name: dtype_itemsize(s.dtype) for s in sources}.__getitem__
-    send = [pair_messages(plan.items_for_src(r), by="dst", cap=cap, itemsize_of=size) for r in range(plan.num_src_ranks)]
-    recv = [pair_messages(plan.items_for_dst(w), by="src", cap=cap, itemsize_of=size) for w in range(plan.num_dst_ranks)]
+    send = [pair_messages(plan.items_for_src(r), by="dst", cap=cap, itemsize_of=size, alone=alone)
+            for r in range(plan.num_src_ranks)]
+    recv = [pair_messages(plan.items_for_dst(w), by="src", cap=cap, itemsize_of=size, alone=alone)
+            for w in range(plan.num_dst_ranks)]
     return plan, cap, size, send, recv
 
 
@@ -141,33 +155,42 @@ def _cells(region):
     return set(itertools.product(*(range(o, o + s) for o, s in zip(region.offsets, region.sizes))))
 
 
+def _cell_map(item):
+    """(name, param, src, dst, global cell) -> (source cell, param cell) for every element of ``item``."""
+    out = {}
+    for cell in _cells(item.region):
+        shift = [c - o for c, o in zip(cell, item.region.offsets)]
+        out[(item.name, item.param, item.src_rank, item.dst_rank, cell)] = (
+            tuple(o + d for o, d in zip(item.src_offsets, shift)), tuple(o + d for o, d in zip(item.param_offsets, shift)))
+    return out
+
+
+@pytest.mark.parametrize("alone", [ALONE, 16, 1], ids=["alone-default", "alone-16", "alone-1"])
 @pytest.mark.parametrize("seed", range(60))
-def test_random_schedule(seed):
+def test_random_schedule(seed, alone):
     sources, dests, staging = _random_plan_inputs(seed)
-    plan, cap, size, send, recv = _schedule(sources, dests, staging)
+    plan, cap, size, send, recv = _schedule(sources, dests, staging, alone)
 
     for r, w in itertools.product(range(plan.num_src_ranks), range(plan.num_dst_ranks)):
         # (a) both ends cut the pair's items into the same messages
         assert send[r].get(w, []) == recv[w].get(r, []), (r, w)
-        pieces = [it for m in send[r].get(w, []) for it in m.items]
-        # (b) each item's region is covered exactly once, by consecutive pieces whose offsets move with it
+        msgs = send[r].get(w, [])
+        # (b) every element of every item is in exactly one piece, at the same source and param place;
+        # pieces of >= alone bytes each make a message alone, before the messages of smaller ones
         items = [it for it in plan.items_for_src(r) if it.dst_rank == w]
-        pos = 0
+        want, got = {}, {}
         for item in items:
-            want, got = _cells(item.region), set()
-            while pos < len(pieces) and len(got) < len(want):
-                piece = pieces[pos]
-                assert (piece.name, piece.param, piece.src_rank, piece.dst_rank) == (
-                    item.name, item.param, item.src_rank, item.dst_rank)
-                shift = tuple(x - y for x, y in zip(piece.region.offsets, item.region.offsets))
-                for moved, base in ((piece.src_offsets, item.src_offsets), (piece.param_offsets, item.param_offsets)):
-                    assert tuple(x - y for x, y in zip(moved, base)) == shift
-                cells = _cells(piece.region)
-                assert not cells & got and cells <= want
-                got |= cells
-                pos += 1
-            assert got == want, item
-        assert pos == len(pieces)
+            want.update(_cell_map(item))
+        for m in msgs:
+            for piece in m.items:
+                cells = _cell_map(piece)
+                assert not cells.keys() & got.keys()
+                got.update(cells)
+        assert got == want
+        big = [len(m.items) == 1 and m.nbytes >= alone for m in msgs]
+        assert big == sorted(big, reverse=True)
+        assert all(piece.region.numel * size(piece.name) < alone for m, b in zip(msgs, big) if not b
+                   for piece in m.items)
 
     for side in (send, recv):
         for peers in side:
@@ -201,7 +224,7 @@ def test_random_schedule(seed):
                 assert m in send_rounds[m.src][k], (w, k, m.src)
 
     # (e) deterministic: rebuilt from equal inputs, the same schedule
-    again = _schedule(*_random_plan_inputs(seed))
+    again = _schedule(*_random_plan_inputs(seed), alone)
     assert (again[3], again[4]) == (send, recv)
 
 
@@ -210,7 +233,7 @@ def test_random_schedules_do_split_items():
     split = 0
     for seed in range(60):
         sources, dests, staging = _random_plan_inputs(seed)
-        plan, cap, size, send, _ = _schedule(sources, dests, staging)
+        plan, cap, size, send, _ = _schedule(sources, dests, staging, ALONE)
         n_items = sum(len(plan.items_for_src(r)) for r in range(plan.num_src_ranks))
         n_pieces = sum(len(m.items) for s in send for msgs in s.values() for m in msgs)
         split += n_pieces > n_items

@@ -1,7 +1,9 @@
 """Messages and rounds for executing a TransferPlan point-to-point with bounded staging memory.
 
 Both ends of a (trainer, worker) pair cut the pair's items (in plan order) into the same messages
-of at most ``cap`` bytes, splitting an item along its leading dims when it alone is larger. Round k
+of at most ``cap`` bytes, splitting an item along its leading dims when it alone is larger. A piece
+of at least ``alone`` bytes is a message by itself (each end can then send it from, or receive it
+into, its own tensor with no staging copy); the smaller pieces follow, packed together. Round k
 carries the k-th message of every pair: each rank posts its round-k sends and receives together and
 waits for them before round k+1. Every op of round k is matched in round k, so rounds cannot
 deadlock, and a rank never stages more than ``peers x cap`` bytes at a time.
@@ -17,10 +19,13 @@ from dataclasses import dataclass, replace
 from weightsync.layout.records import TransferItem, align_up
 from weightsync.layout.regions import Region
 
-__all__ = ["ALIGN", "Message", "split_item", "pair_messages", "message_cap", "rounds"]
+__all__ = ["ALIGN", "ALONE", "Message", "split_item", "pair_messages", "message_cap", "rounds"]
 
 ALIGN = 64
 """Byte alignment of each message in staging, and the granularity of ``message_cap``."""
+
+ALONE = 256 << 10
+"""Default ``alone`` of :func:`pair_messages`: above it a staging copy costs more than one more message."""
 
 
 @dataclass(frozen=True)
@@ -64,40 +69,45 @@ def split_item(item: TransferItem, itemsize: int, cap: int) -> list[TransferItem
     raise ValueError(f"item of tensor {item.name!r} ({nbytes} bytes) cannot be split below cap={cap} bytes")
 
 
-def pair_messages(items: Iterable[TransferItem], *, by: str, cap: int,
-                  itemsize_of: Callable[[str], int]) -> dict[int, list[Message]]:
+def pair_messages(items: Iterable[TransferItem], *, by: str, cap: int, itemsize_of: Callable[[str], int],
+                  alone: int = ALONE) -> dict[int, list[Message]]:
     """One rank's messages, per peer. ``items`` is the rank's plan view in plan order
-    (``items_for_src`` with ``by="dst"``, ``items_for_dst`` with ``by="src"``)."""
+    (``items_for_src`` with ``by="dst"``, ``items_for_dst`` with ``by="src"``). Per peer: each piece
+    of at least ``alone`` bytes as a message of its own, in order, then the smaller pieces packed
+    in order into messages of at most ``cap`` bytes."""
     if by not in ("src", "dst"):
         raise ValueError(f"by must be 'src' or 'dst', got {by!r}")
     if cap < ALIGN:
         raise ValueError(f"cap must be >= {ALIGN} bytes, got {cap}")
-    per_peer: dict[int, list[tuple[TransferItem, int]]] = {}
+    per_peer: dict[int, tuple[list[tuple[TransferItem, int]], list[tuple[TransferItem, int]]]] = {}
     for item in items:
         size = itemsize_of(item.name)
+        big, small = per_peer.setdefault(getattr(item, f"{by}_rank"), ([], []))
         for piece in split_item(item, size, cap):
-            per_peer.setdefault(getattr(item, f"{by}_rank"), []).append((piece, size))
+            (big if piece.region.numel * size >= alone else small).append((piece, size))
     out: dict[int, list[Message]] = {}
-    for peer, pieces in per_peer.items():
+    for peer, (big, small) in per_peer.items():
         msgs: list[Message] = []
+
+        def flush(cur: list[TransferItem], offs: list[int], used: int) -> None:
+            msgs.append(Message(cur[0].src_rank, cur[0].dst_rank, len(msgs), tuple(cur), tuple(offs), used))
+
+        for piece, size in big:
+            flush([piece], [0], piece.region.numel * size)
         cur: list[TransferItem] = []
         offs: list[int] = []
         used = 0
-
-        def flush() -> None:
-            msgs.append(Message(cur[0].src_rank, cur[0].dst_rank, len(msgs), tuple(cur), tuple(offs), used))
-
-        for piece, size in pieces:
+        for piece, size in small:
             nbytes = piece.region.numel * size
             start = align_up(used, size)  # element-aligned: viewable in place, no padding within one dtype
             if cur and start + nbytes > cap:
-                flush()
+                flush(cur, offs, used)
                 cur, offs, start = [], [], 0
             cur.append(piece)
             offs.append(start)
             used = start + nbytes
         if cur:
-            flush()
+            flush(cur, offs, used)
         out[peer] = msgs
     return out
 

@@ -5,6 +5,7 @@ round executor that moves messages between staging and tensors."""
 from __future__ import annotations
 
 import json
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -105,22 +106,30 @@ def my_messages(plan: TransferPlan, sources: list[TensorSource], *, rank: int, s
     return rounds(pair_messages(items, by="dst" if sender else "src", cap=cap, itemsize_of=size.__getitem__))
 
 
+DEPTH = 4
+"""Rounds a rank keeps posted at once; at most two of them use staging (one half each)."""
+
+
 def run_rounds(comm: Communicator, plan_rounds: list[list[Message]], staging: torch.Tensor, *, sender: bool,
                peer_rank: Callable[[int], int], dtypes: Mapping[str, str],
                tensor_of: Callable[[Message, int], torch.Tensor], sums: dict[int, int] | None = None,
                sparse: Mapping[tuple[int, int], Any] | None = None) -> int:
-    """Execute rounds, pipelined over the two halves of ``staging``; returns payload bytes moved.
+    """Execute rounds, pipelined: up to ``DEPTH`` posted at once; returns payload bytes moved.
 
-    Sender: copy each item's region of its local shard (``tensor_of`` gives the shard) into round k's
-    half and post its sends; pack round k + 1 into the other half while round k is on the wire.
-    Receiver: post round k + 1's receives before applying round k (copy each item into its target
-    region, ``tensor_of`` gives the parameter or fallback buffer; dtype cast if needed). A message
-    that is one item contiguous in this rank's tensor skips the staging copy (``_direct``). Every pair
-    posts its rounds in order, at most two in flight, so the rounds cannot deadlock. With ``sums``,
-    fold every item per peer: the sender what it sent, the receiver what it applied (for a sparse
-    message: the whole region, as it is after the patch). ``sparse`` (delta sync, keyed by (peer,
-    message index)): the sender's sparse payloads, the receiver's counts of changed values; those
-    messages go as :mod:`~weightsync.transport.delta` encodes them, in their dense slot's place."""
+    A message that is one item contiguous in this rank's tensor in the wire dtype is sent from the
+    shard / received into the parameter (``_direct``: no copy); the others of a round go through
+    one half of ``staging``, the halves taken in turn, so a round that needs staging waits for the
+    round that used its half before. Sender: copy each staged item's region of its local shard
+    (``tensor_of`` gives the shard) into the half and post the round's sends while the earlier
+    rounds are on the wire. Receiver: post the round's receives; when a round completes, copy each
+    staged item into its target region (``tensor_of`` gives the parameter or fallback buffer; dtype
+    cast if needed) while the later rounds arrive. Every rank posts its rounds in order and waits
+    for them in order, so the rounds cannot deadlock (the lowest incomplete round is posted by all).
+    With ``sums``, fold every item per peer: the sender what it sent, the receiver what it applied
+    (for a sparse message: the whole region, as it is after the patch). ``sparse`` (delta sync,
+    keyed by (peer, message index)): the sender's sparse payloads, the receiver's counts of changed
+    values; those messages go as :mod:`~weightsync.transport.delta` encodes them, in their dense
+    slot's place."""
     half = staging.numel() // 2 // ALIGN * ALIGN
     halves = (staging[:half], staging[half : 2 * half])
     sparse = sparse or {}
@@ -129,27 +138,33 @@ def run_rounds(comm: Communicator, plan_rounds: list[list[Message]], staging: to
     def key(m: Message) -> tuple[int, int]:
         return (m.dst if sender else m.src, m.index)
 
-    def buffers(k: int) -> tuple[list[torch.Tensor], list[str]]:
+    def buffers(k: int) -> tuple[list[torch.Tensor | int], list[str]]:
         """Round k's buffers and their kinds: "direct" (this rank's own tensor, no copy), "sparse"
-        (a delta: the sender's payload, the receiver's slot) or "staged"."""
-        bufs, kinds, base = [], [], 0
+        (a delta: the sender's payload, the receiver's slot) or "staged"; a slot still to place in
+        staging is its byte count."""
+        bufs: list[torch.Tensor | int] = []
+        kinds = []
         for m in plan_rounds[k]:
             if (sp := sparse.get(key(m))) is not None:
                 kinds.append("sparse")
-                if sender:
-                    bufs.append(sp)
-                    continue
-                view = halves[k % 2][base : base + sparse_nbytes(_numels(m), sp, _itemsize(m, dtypes))]
+                bufs.append(sp if sender else sparse_nbytes(_numels(m), sp, _itemsize(m, dtypes)))
             elif (view := _direct(m, tensor_of, dtypes, sender)) is not None:
                 kinds.append("direct")
                 bufs.append(view)
-                continue
             else:
                 kinds.append("staged")
-                view = halves[k % 2][base : base + m.nbytes]
-            bufs.append(view)
-            base += align_up(m.nbytes, ALIGN)
+                bufs.append(m.nbytes)
         return bufs, kinds
+
+    def place(bufs: list[torch.Tensor | int], area: torch.Tensor) -> list[torch.Tensor]:
+        out, base = [], 0
+        for b in bufs:
+            if isinstance(b, int):
+                out.append(area[base : base + b])
+                base += align_up(b, ALIGN)
+            else:
+                out.append(b)
+        return out
 
     def post(k: int, bufs: list[torch.Tensor]) -> list[Any]:
         ops = [(buf, peer_rank(m.dst if sender else m.src), m.index) for m, buf in zip(plan_rounds[k], bufs)]
@@ -187,19 +202,36 @@ def run_rounds(comm: Communicator, plan_rounds: list[list[Message]], staging: to
                     applied = target if target.dtype == received.dtype else received
                     sums[m.src] = fold_checksum(sums.get(m.src, 0), applied)
 
-    n = len(plan_rounds)
-    in_flight: list[tuple[int, list[torch.Tensor], list[str], list[Any]]] = []  # round, buffers, kinds, works
-    for k in range(n):
-        bufs, kinds = buffers(k)
+    in_flight: deque[tuple[int, list[torch.Tensor], list[str], list[Any], int | None]] = deque()
+    user: list[int | None] = [None, None]  # the posted round that uses each half
+    turn = 0  # the half the next round that needs staging takes
+
+    def complete() -> None:
+        nonlocal moved
+        k, bufs, kinds, works, h = in_flight.popleft()
+        comm.wait_all(works, "M2N round")
+        moved += sum(b.numel() for b in bufs)  # what the data plane filled, padding included
+        if not sender:
+            apply(k, bufs, kinds)  # the later rounds are arriving meanwhile
+        if h is not None:
+            user[h] = None
+
+    for k in range(len(plan_rounds)):
+        slots, kinds = buffers(k)
+        h = None
+        if any(isinstance(b, int) for b in slots):
+            h, turn = turn, 1 - turn
+            while user[h] is not None:  # the round that used this half must be done with it
+                complete()
+            user[h] = k
+        bufs = place(slots, halves[h] if h is not None else halves[0][:0])
         if sender:
-            pack(k, bufs, kinds)  # round k - 1 is on the wire meanwhile (the other half)
-        in_flight.append((k, bufs, kinds, post(k, bufs)))
-        while in_flight and (len(in_flight) == 2 or k == n - 1):
-            done, done_bufs, done_kinds, works = in_flight.pop(0)
-            comm.wait_all(works, "M2N round")
-            moved += sum(b.numel() for b in done_bufs)  # what the data plane filled, padding included
-            if not sender:
-                apply(done, done_bufs, done_kinds)  # round done + 1 is arriving meanwhile
+            pack(k, bufs, kinds)  # the earlier rounds are on the wire meanwhile
+        in_flight.append((k, bufs, kinds, post(k, bufs), h))
+        if len(in_flight) == DEPTH:
+            complete()
+    while in_flight:
+        complete()
     return moved
 
 
