@@ -21,8 +21,11 @@ routed experts TP-sliced (default) or, with ``--ep``, expert-parallel (32 expert
 linear placement), their pieces from :func:`weightsync.layout.experts.fused_expert_pieces`.
 
 Trainer: 1-D FSDP mesh of 256, ``Shard(0)`` (the expert dim of 3-D expert tensors; uneven where rows
-do not divide). Each rank builds the whole plan, then lists its own items: the table reports both,
-and the process's peak RSS over the plan and the listings above its RSS before (``/proc`` VmHWM).
+do not divide). Each rank builds the whole plan, then its compact per-peer listing
+(``TransferPlan.pairs``, what the M2N executor keeps): the table reports both, and the process's peak
+RSS over the plan and the listings above its RSS before (``/proc`` VmHWM). ``--cut`` also times one
+pass over trainer rank 0's rounds cut from that listing (what a rank with more than
+``m2n_exec.KEEP_ITEMS`` items does on every sync) and its peak memory.
 The plan is built ``--repeats`` times (median reported; the machine may be shared). Prints a
 markdown table.
 """
@@ -37,7 +40,7 @@ import resource
 import subprocess
 import sys
 import time
-from functools import cache
+from functools import cache, partial
 from statistics import mean, median
 
 from weightsync.layout import (
@@ -51,6 +54,8 @@ from weightsync.layout import (
     source_regions,
 )
 from weightsync.layout.experts import W2, W13, fused_expert_pieces
+from weightsync.layout.pairs import PairItems
+from weightsync.layout.schedule import iter_rounds, message_cap, peer_messages
 
 HIDDEN, HEAD, Q_HEADS, KV_HEADS, INTER, MOE_INTER, VOCAB = 7168, 128, 64, 8, 18432, 2048, 163845
 
@@ -260,12 +265,14 @@ def measure(args: argparse.Namespace) -> dict:
         plan_times.append(time.perf_counter() - t0)
     t_plan = median(plan_times)
     t0 = time.perf_counter()
-    n_src0 = len(plan.items_for_src(0))  # freed before the next listing
+    src0 = plan.pairs(0, sender=True)  # what the M2N executor keeps per rank: no object per item
+    n_src0 = src0.count()
     t_src = time.perf_counter() - t0
     t0 = time.perf_counter()
-    n_dst0 = len(plan.items_for_dst(0))
+    n_dst0 = plan.pairs(0, sender=False).count()
     t_dst = time.perf_counter() - t0
     _, peak = _rss_mib()
+    cut = _cut_pass(src0, {s.name: 2 for s in sources}, plan.num_src_ranks, plan.num_dst_ranks) if getattr(args, "cut", False) else {}
     t0 = time.perf_counter()
     cov = plan.coverage()
     t_cov = time.perf_counter() - t0
@@ -280,8 +287,25 @@ def measure(args: argparse.Namespace) -> dict:
         "send_max_over_mean": max(cov.send_bytes) / mean(cov.send_bytes),
         "recv_max_gb": max(cov.recv_bytes) / 1e9, "bound_gb": _bound_bytes(model, tp) / 1e9,
         "recv_max_over_bound": max(cov.recv_bytes) / _bound_bytes(model, tp), "rss_before_mib": rss0,
-        "plan_extra_mib": plan_rss - rss0, "peak_extra_mib": peak - rss0,
+        "plan_extra_mib": plan_rss - rss0, "peak_extra_mib": peak - rss0, **cut,
     }
+
+
+def _cut_pass(pairs: PairItems, itemsize: dict[str, int], num_src: int, num_dst: int) -> dict:
+    """One pass over trainer rank 0's rounds cut from the compact plan (64 MiB staging, two halves):
+    what a rank above ``m2n_exec.KEEP_ITEMS`` items does on every sync before any byte moves."""
+    cap = message_cap(64 << 20, num_src, num_dst, buffers=2)
+    _reset_peak()
+    rss0, _ = _rss_mib()
+    t0 = time.perf_counter()
+    n_rounds = n_msgs = 0
+    for rnd in iter_rounds({p: peer_messages(partial(pairs.items, p), cap=cap, itemsize_of=itemsize.__getitem__)
+                            for p in pairs.peers}):
+        n_rounds += 1
+        n_msgs += len(rnd)
+    _, peak = _rss_mib()
+    return {"cut_s": time.perf_counter() - t0, "cut_rounds": n_rounds, "cut_messages": n_msgs,
+            "cut_peak_mib": peak - rss0, "cut_cap": cap}
 
 
 def table(rows: list[dict]) -> str:
@@ -301,6 +325,15 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def cut_line(r: dict) -> str:
+    """The ``--cut`` pass of one row, in words (empty without it)."""
+    if "cut_s" not in r:
+        return ""
+    return (f"{r['model']} {r['layout']}: trainer rank 0's rounds cut from the compact plan in {r['cut_s']:.2f} s "
+            f"({r['cut_rounds']:,} rounds, {r['cut_messages']:,} messages of <= {r['cut_cap'] >> 10} KiB), "
+            f"peak +{r['cut_peak_mib']:.0f} MiB")
+
+
 ALL = [[], ["--model", "dsv3"], ["--model", "dsv3", "--ep"]]
 """The scenarios ``--all`` runs (1T-class TP16 x 16; DeepSeek-V3 TP8 x 16 and EP8 x 16)."""
 
@@ -316,6 +349,8 @@ def main() -> None:
     ap.add_argument("--hsdp", type=int, default=1, help="trainer replica groups (HSDP); 1 = plain FSDP")
     ap.add_argument("--ep", action="store_true", help="dsv3: expert-parallel routed experts (whole, linear)")
     ap.add_argument("--repeats", type=int, default=3, help="plan builds per scenario (median reported)")
+    ap.add_argument("--cut", action="store_true",
+                    help="also time one pass over trainer rank 0's rounds cut from the compact plan (k2: minutes)")
     ap.add_argument("--json", action="store_true", help="print the row as JSON (what --all reads)")
     ap.add_argument("--all", action="store_true", help="run the ALL scenarios, one process each")
     args = ap.parse_args()
@@ -324,12 +359,12 @@ def main() -> None:
     if not args.all:
         row = measure(args)
         print(json.dumps(row) if args.json else f"{row['items']:,} items in all; inputs built in "
-              f"{row['inputs_s']:.2f} s\n\n" + table([row]))
+              f"{row['inputs_s']:.2f} s\n\n" + table([row]) + "\n" + cut_line(row))
         return
     rows = []
     for extra in ALL:
         cmd = [sys.executable, os.path.abspath(__file__), "--json", "--layers", str(args.layers),
-               "--repeats", str(args.repeats), *extra]
+               "--repeats", str(args.repeats), *(["--cut"] if args.cut else []), *extra]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         rows.append(json.loads(out.strip().splitlines()[-1]))
         r = rows[-1]
@@ -338,6 +373,7 @@ def main() -> None:
               f"inputs {r['inputs_s']:.2f} s", flush=True)
     print()
     print(table(rows))
+    print("\n".join(filter(None, map(cut_line, rows))))
     res = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
     os.makedirs(res, exist_ok=True)
     with open(os.path.join(res, "plan_scale.json"), "w") as f:

@@ -95,3 +95,29 @@ def test_pipelined_rounds_direct_and_staged_match_the_reference(staging, monkeyp
         assert torch.equal(got[n], want[n]), n
     assert sent_sums == {0: recv_sums[0]}
     assert direct and all(t.dtype == torch.uint8 for t in direct)  # the rows went without a staging copy
+
+
+def test_rounds_cut_anew_equal_the_kept_ones_on_both_ends(monkeypatch):
+    """Above ``KEEP_ITEMS`` a rank's rounds are cut from the compact plan on every pass: the same
+    messages, on both ends, pass after pass (2 trainer ranks -> 3 workers, rows and columns)."""
+    shapes = {"a": (12, 10), "b": (9, 14), "c": (5,)}
+    sources = [TensorSource(n, s, "float32", source_regions(s, (2,), [Shard(0)], mesh_coordinates((2,))))
+               for n, s in shapes.items()]
+    dests = [[DestPiece("a", Region((4 * w, 0), (4, 10)), "pa", (0, 0)),
+              DestPiece("b", Region((0, 5 * w), (9, min(5, 14 - 5 * w))), "pb", (0, 0)),
+              DestPiece("c", Region((0,), (5,)), "pc", (0,))] for w in range(3)]
+    plan = build_plan(sources, dests)
+
+    def both(cap):
+        return ([my_messages(plan, sources, rank=r, sender=True, cap=cap) for r in range(2)],
+                [my_messages(plan, sources, rank=w, sender=False, cap=cap) for w in range(3)])
+
+    kept = both(128)
+    monkeypatch.setattr(m2n_exec, "KEEP_ITEMS", 0)
+    anew = both(128)
+    for k, a in zip(kept[0] + kept[1], anew[0] + anew[1]):
+        assert a._kept is None and k._kept is not None
+        assert list(a) == list(a) == list(k) and len(a) == len(k) >= 2 and a.nbytes == k.nbytes
+    send = {(m.src, m.dst, m.index): m for rs in anew[0] for rnd in rs for m in rnd}
+    recv = {(m.src, m.dst, m.index): m for rs in anew[1] for rnd in rs for m in rnd}
+    assert send == recv and len(send) > 3

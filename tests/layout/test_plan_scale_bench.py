@@ -24,9 +24,10 @@ def test_linear_experts_are_contiguous_and_uneven_ranks_hold_one_more():
 @pytest.mark.parametrize("ep", [False, True])
 def test_dsv3_toy_plan_sends_each_worker_its_shard(ep):
     args = argparse.Namespace(model="dsv3", layers=4, experts=16, trainer_ranks=6, tp=4, replicas=2,
-                              hsdp=1, ep=ep, repeats=1)
+                              hsdp=1, ep=ep, repeats=1, cut=True)
     row = plan_scale.measure(args)
     assert row["workers"] == 8 and row["coverage_ratio"] == 1.0
+    assert row["items_src0"] > 0 and row["cut_messages"] >= row["cut_rounds"] > 0
     assert row["recv_max_over_bound"] == pytest.approx(1.0)
     w13 = [p for p in plan_scale._worker_pieces(plan_scale._dsv3_model(4, 16), 4, 1, ep)
            if p.name == "model.layers.3.mlp.experts.gate_up_proj"]

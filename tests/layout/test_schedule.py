@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections import Counter
 
 import pytest
 
@@ -238,3 +239,24 @@ def test_random_schedules_do_split_items():
         n_pieces = sum(len(m.items) for s in send for msgs in s.values() for m in msgs)
         split += n_pieces > n_items
     assert split >= 10
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_pairs_give_each_pairs_items_once_in_the_same_order_on_both_ends(seed):
+    sources, dests, _ = _random_plan_inputs(seed)
+    plan = build_plan(sources, dests)
+    size = {s.name: dtype_itemsize(s.dtype) for s in sources}
+    senders = [plan.pairs(r, sender=True) for r in range(plan.num_src_ranks)]
+    receivers = [plan.pairs(w, sender=False) for w in range(plan.num_dst_ranks)]
+    for r, sp in enumerate(senders):
+        listed = plan.items_for_src(r)
+        assert sp.peers == tuple(sorted({it.dst_rank for it in listed}))
+        assert sp.count() == len(listed) and sp.nbytes(dtype_itemsize) == sum(it.numel * size[it.name] for it in listed)
+        for w in range(plan.num_dst_ranks):
+            got = list(sp.items(w))
+            assert got == list(receivers[w].items(r))  # one sequence on both ends
+            assert Counter(got) == Counter(it for it in listed if it.dst_rank == w) and sp.count(w) == len(got)
+    for w, rp in enumerate(receivers):
+        assert rp.count() == len(plan.items_for_dst(w))
+    with pytest.raises(ValueError, match="rank must be an int"):
+        plan.pairs(plan.num_src_ranks, sender=True)

@@ -19,6 +19,7 @@ import gc
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
+from weightsync.layout.pairs import PairItems
 from weightsync.layout.plan_compact import Compact, compact_plan
 from weightsync.layout.plan_template import RecvProto, SendProto
 from weightsync.layout.records import (
@@ -65,6 +66,7 @@ class TransferPlan:
     def __init__(self, compact: Compact, itemsize_of: Callable[[str], int]) -> None:
         self._c = compact
         self._itemsize_of = itemsize_of
+        self._members: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def digest(self) -> str:
@@ -140,6 +142,17 @@ class TransferPlan:
                     out += [new_item(src, rank, name, region, src_offsets, params[piece], param_offsets)
                             for src, region, src_offsets, piece, param_offsets in protos]
         return out
+
+    def pairs(self, rank: int, *, sender: bool) -> PairItems:
+        """Trainer ``rank``'s (``sender``) or worker ``rank``'s items per peer, compact: what the
+        M2N executor cuts into messages, without listing every item (see :mod:`weightsync.layout.pairs`)."""
+        self._check(rank, self.num_src_ranks if sender else self.num_dst_ranks, "rank")
+        if self._members is None:
+            members: list[list[int]] = [[] for _ in self._c.templates]
+            for t, sig in enumerate(self._c.tensor_sig):
+                members[sig].append(t)
+            self._members = tuple(map(tuple, members))
+        return PairItems(self._c, self._members, rank, sender=sender)
 
     def iter_items(self) -> Iterator[TransferItem]:
         """Every item of the plan, in the global order (lazy; model-scale plans are huge)."""

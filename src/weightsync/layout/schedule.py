@@ -13,13 +13,14 @@ Pure: plain data in, frozen dataclasses out.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 
 from weightsync.layout.records import TransferItem, align_up
 from weightsync.layout.regions import Region
 
-__all__ = ["ALIGN", "ALONE", "Message", "split_item", "pair_messages", "message_cap", "rounds"]
+__all__ = ["ALIGN", "ALONE", "Message", "split_item", "peer_messages", "pair_messages", "message_cap", "iter_rounds",
+           "rounds"]
 
 ALIGN = 64
 """Byte alignment of each message in staging, and the granularity of ``message_cap``."""
@@ -69,47 +70,53 @@ def split_item(item: TransferItem, itemsize: int, cap: int) -> list[TransferItem
     raise ValueError(f"item of tensor {item.name!r} ({nbytes} bytes) cannot be split below cap={cap} bytes")
 
 
-def pair_messages(items: Iterable[TransferItem], *, by: str, cap: int, itemsize_of: Callable[[str], int],
-                  alone: int = ALONE) -> dict[int, list[Message]]:
-    """One rank's messages, per peer. ``items`` is the rank's plan view in plan order
-    (``items_for_src`` with ``by="dst"``, ``items_for_dst`` with ``by="src"``). Per peer: each piece
-    of at least ``alone`` bytes as a message of its own, in order, then the smaller pieces packed
-    in order into messages of at most ``cap`` bytes."""
-    if by not in ("src", "dst"):
-        raise ValueError(f"by must be 'src' or 'dst', got {by!r}")
+def peer_messages(items: Callable[[], Iterable[TransferItem]], *, cap: int, itemsize_of: Callable[[str], int],
+                  alone: int = ALONE) -> Iterator[Message]:
+    """One pair's messages, made as they are consumed. ``items()`` gives the pair's items in order
+    (it is called twice: once for the pieces of at least ``alone`` bytes, each a message of its own,
+    then for the smaller pieces, packed in order into messages of at most ``cap`` bytes)."""
     if cap < ALIGN:
         raise ValueError(f"cap must be >= {ALIGN} bytes, got {cap}")
-    per_peer: dict[int, tuple[list[tuple[TransferItem, int]], list[tuple[TransferItem, int]]]] = {}
-    for item in items:
+    index = 0
+    for item in items():
         size = itemsize_of(item.name)
-        big, small = per_peer.setdefault(getattr(item, f"{by}_rank"), ([], []))
         for piece in split_item(item, size, cap):
-            (big if piece.region.numel * size >= alone else small).append((piece, size))
-    out: dict[int, list[Message]] = {}
-    for peer, (big, small) in per_peer.items():
-        msgs: list[Message] = []
-
-        def flush(cur: list[TransferItem], offs: list[int], used: int) -> None:
-            msgs.append(Message(cur[0].src_rank, cur[0].dst_rank, len(msgs), tuple(cur), tuple(offs), used))
-
-        for piece, size in big:
-            flush([piece], [0], piece.region.numel * size)
-        cur: list[TransferItem] = []
-        offs: list[int] = []
-        used = 0
-        for piece, size in small:
-            nbytes = piece.region.numel * size
+            if (nbytes := piece.region.numel * size) >= alone:
+                yield Message(piece.src_rank, piece.dst_rank, index, (piece,), (0,), nbytes)
+                index += 1
+    cur: list[TransferItem] = []
+    offs: list[int] = []
+    used = 0
+    for item in items():
+        size = itemsize_of(item.name)
+        for piece in split_item(item, size, cap):
+            if (nbytes := piece.region.numel * size) >= alone:
+                continue
             start = align_up(used, size)  # element-aligned: viewable in place, no padding within one dtype
             if cur and start + nbytes > cap:
-                flush(cur, offs, used)
+                yield Message(cur[0].src_rank, cur[0].dst_rank, index, tuple(cur), tuple(offs), used)
+                index += 1
                 cur, offs, start = [], [], 0
             cur.append(piece)
             offs.append(start)
             used = start + nbytes
-        if cur:
-            flush(cur, offs, used)
-        out[peer] = msgs
-    return out
+    if cur:
+        yield Message(cur[0].src_rank, cur[0].dst_rank, index, tuple(cur), tuple(offs), used)
+
+
+def pair_messages(items: Iterable[TransferItem], *, by: str, cap: int, itemsize_of: Callable[[str], int],
+                  alone: int = ALONE) -> dict[int, list[Message]]:
+    """One rank's messages, per peer (:func:`peer_messages` of each peer's items). ``items`` is the
+    rank's plan view in order (``items_for_src`` with ``by="dst"``, ``items_for_dst`` with ``by="src"``)."""
+    if by not in ("src", "dst"):
+        raise ValueError(f"by must be 'src' or 'dst', got {by!r}")
+    if cap < ALIGN:
+        raise ValueError(f"cap must be >= {ALIGN} bytes, got {cap}")
+    per_peer: dict[int, list[TransferItem]] = {}
+    for item in items:
+        per_peer.setdefault(getattr(item, f"{by}_rank"), []).append(item)
+    return {peer: list(peer_messages(lambda lst=lst: lst, cap=cap, itemsize_of=itemsize_of, alone=alone))
+            for peer, lst in per_peer.items()}
 
 
 def message_cap(staging_bytes: int, num_src: int, num_dst: int, *, buffers: int = 1) -> int:
@@ -124,7 +131,21 @@ def message_cap(staging_bytes: int, num_src: int, num_dst: int, *, buffers: int 
     return cap
 
 
-def rounds(messages: dict[int, list[Message]]) -> list[list[Message]]:
-    """Round k = the k-th message of every peer (peers in ascending order)."""
-    n = max((len(m) for m in messages.values()), default=0)
-    return [[messages[p][k] for p in sorted(messages) if k < len(messages[p])] for k in range(n)]
+def iter_rounds(messages: Mapping[int, Iterable[Message]]) -> Iterator[list[Message]]:
+    """Round k = the k-th message of every peer (peers in ascending order), made as consumed."""
+    its = [iter(messages[p]) for p in sorted(messages)]
+    while its:
+        rnd, live = [], []
+        for it in its:
+            m = next(it, None)
+            if m is not None:
+                rnd.append(m)
+                live.append(it)
+        its = live
+        if rnd:
+            yield rnd
+
+
+def rounds(messages: Mapping[int, Iterable[Message]]) -> list[list[Message]]:
+    """``iter_rounds`` as a list."""
+    return list(iter_rounds(messages))

@@ -122,7 +122,7 @@ class _Plan:
         agree(comm, f"{_P}/digest", self.digest, "plan digest")
         cap = message_cap(staging_bytes, num_trainers, num_workers, buffers=2)  # two halves: rounds overlap
         self.rounds = my_messages(self.gathered.plan, sources, rank=rank, sender=sender, cap=cap)
-        self.nbytes = sum(m.nbytes for r in self.rounds for m in r)  # what this rank sends or receives dense
+        self.nbytes = self.rounds.nbytes  # what this rank sends or receives dense
         self.staging = torch.empty(staging_bytes, dtype=torch.uint8, device=comm.device)
 
 

@@ -6,23 +6,25 @@ from __future__ import annotations
 
 import json
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 
 from ..comm import Communicator
+from ..layout.pairs import PairItems
 from ..layout.plan import TransferPlan, build_plan
 from ..layout.records import DestPiece, TensorSource, align_up, dtype_itemsize
 from ..layout.regions import Region, box_slices
-from ..layout.schedule import ALIGN, Message, pair_messages, rounds
+from ..layout.schedule import ALIGN, Message, iter_rounds, peer_messages
 from ..protocol import dtype_from_name
 from .delta import decode, patch, sparse_nbytes
 from .packing import fold_checksum
 
 __all__ = ["FALLBACK", "sources_to_wire", "sources_from_wire", "dests_to_wire", "Gathered", "gather_plan",
-           "run_rounds"]
+           "Rounds", "my_messages", "run_rounds"]
 
 FALLBACK = "fallback:"
 """Prefix of the pseudo-parameter a fallback tensor lands in (whole), before ``load_weights``."""
@@ -99,18 +101,47 @@ def agree(comm: Communicator, prefix: str, value: str, what: str) -> None:
             raise ValueError(f"{what} differs between ranks: rank {comm.rank} has {value!r}, rank {r} has {theirs!r}")
 
 
-def my_messages(plan: TransferPlan, sources: list[TensorSource], *, rank: int, sender: bool, cap: int) -> list[list[Message]]:
-    """This rank's messages grouped into rounds (same cuts as its peers')."""
+KEEP_ITEMS = 1 << 20
+"""A rank with at most this many items keeps its rounds cut once (~100 B per item); above it they are
+cut anew from the compact plan on every sync, so memory stays O(one round) at any model size."""
+
+
+class Rounds:
+    """This rank's messages grouped into rounds (the same cuts as its peers'), from the compact
+    plan (:meth:`TransferPlan.pairs`): iterable any number of times, kept when small."""
+
+    def __init__(self, pairs: PairItems, itemsize_of: Callable[[str], int], cap: int) -> None:
+        def make() -> Iterator[list[Message]]:
+            return iter_rounds({p: peer_messages(partial(pairs.items, p), cap=cap, itemsize_of=itemsize_of)
+                                for p in pairs.peers})
+
+        self._make = make
+        self.items = pairs.count()
+        self._kept = list(make()) if self.items <= KEEP_ITEMS else None
+        self._len = None if self._kept is None else len(self._kept)
+        self.nbytes = (pairs.nbytes(dtype_itemsize) if self._kept is None  # what this rank sends or receives dense
+                       else sum(m.nbytes for r in self._kept for m in r))
+
+    def __iter__(self) -> Iterator[list[Message]]:
+        return iter(self._kept) if self._kept is not None else self._make()
+
+    def __len__(self) -> int:
+        if self._len is None:  # cut once more just to count (only above KEEP_ITEMS)
+            self._len = sum(1 for _ in self._make())
+        return self._len
+
+
+def my_messages(plan: TransferPlan, sources: list[TensorSource], *, rank: int, sender: bool, cap: int) -> Rounds:
+    """This rank's rounds (see :class:`Rounds`)."""
     size = {s.name: dtype_itemsize(s.dtype) for s in sources}
-    items = plan.items_for_src(rank) if sender else plan.items_for_dst(rank)
-    return rounds(pair_messages(items, by="dst" if sender else "src", cap=cap, itemsize_of=size.__getitem__))
+    return Rounds(plan.pairs(rank, sender=sender), size.__getitem__, cap)
 
 
 DEPTH = 4
 """Rounds a rank keeps posted at once; at most two of them use staging (one half each)."""
 
 
-def run_rounds(comm: Communicator, plan_rounds: list[list[Message]], staging: torch.Tensor, *, sender: bool,
+def run_rounds(comm: Communicator, plan_rounds: Iterable[list[Message]], staging: torch.Tensor, *, sender: bool,
                peer_rank: Callable[[int], int], dtypes: Mapping[str, str],
                tensor_of: Callable[[Message, int], torch.Tensor], sums: dict[int, int] | None = None,
                sparse: Mapping[tuple[int, int], Any] | None = None) -> int:
@@ -138,13 +169,13 @@ def run_rounds(comm: Communicator, plan_rounds: list[list[Message]], staging: to
     def key(m: Message) -> tuple[int, int]:
         return (m.dst if sender else m.src, m.index)
 
-    def buffers(k: int) -> tuple[list[torch.Tensor | int], list[str]]:
-        """Round k's buffers and their kinds: "direct" (this rank's own tensor, no copy), "sparse"
+    def buffers(rnd: list[Message]) -> tuple[list[torch.Tensor | int], list[str]]:
+        """The round's buffers and their kinds: "direct" (this rank's own tensor, no copy), "sparse"
         (a delta: the sender's payload, the receiver's slot) or "staged"; a slot still to place in
         staging is its byte count."""
         bufs: list[torch.Tensor | int] = []
         kinds = []
-        for m in plan_rounds[k]:
+        for m in rnd:
             if (sp := sparse.get(key(m))) is not None:
                 kinds.append("sparse")
                 bufs.append(sp if sender else sparse_nbytes(_numels(m), sp, _itemsize(m, dtypes)))
@@ -166,12 +197,12 @@ def run_rounds(comm: Communicator, plan_rounds: list[list[Message]], staging: to
                 out.append(b)
         return out
 
-    def post(k: int, bufs: list[torch.Tensor]) -> list[Any]:
-        ops = [(buf, peer_rank(m.dst if sender else m.src), m.index) for m, buf in zip(plan_rounds[k], bufs)]
+    def post(rnd: list[Message], bufs: list[torch.Tensor]) -> list[Any]:
+        ops = [(buf, peer_rank(m.dst if sender else m.src), m.index) for m, buf in zip(rnd, bufs)]
         return comm.post(ops, []) if sender else comm.post([], ops)
 
-    def pack(k: int, bufs: list[torch.Tensor], kinds: list[str]) -> None:
-        for m, buf, kind in zip(plan_rounds[k], bufs, kinds):
+    def pack(rnd: list[Message], bufs: list[torch.Tensor], kinds: list[str]) -> None:
+        for m, buf, kind in zip(rnd, bufs, kinds):
             if kind != "staged" and sums is None:
                 continue  # the shard's own bytes / a ready payload: nothing to copy or fold
             for i, (item, off) in enumerate(zip(m.items, m.offsets)):
@@ -186,8 +217,8 @@ def run_rounds(comm: Communicator, plan_rounds: list[list[Message]], staging: to
                 if sums is not None:
                     sums[m.dst] = fold_checksum(sums.get(m.dst, 0), view)
 
-    def apply(k: int, bufs: list[torch.Tensor], kinds: list[str]) -> None:
-        for m, buf, kind in zip(plan_rounds[k], bufs, kinds):
+    def apply(rnd: list[Message], bufs: list[torch.Tensor], kinds: list[str]) -> None:
+        for m, buf, kind in zip(rnd, bufs, kinds):
             patches = decode(buf, _numels(m), sparse[key(m)], _itemsize(m, dtypes)) if kind == "sparse" else None
             for i, (item, off) in enumerate(zip(m.items, m.offsets)):
                 target = tensor_of(m, i)[box_slices(item.param_offsets, item.region.sizes)]
@@ -202,32 +233,32 @@ def run_rounds(comm: Communicator, plan_rounds: list[list[Message]], staging: to
                     applied = target if target.dtype == received.dtype else received
                     sums[m.src] = fold_checksum(sums.get(m.src, 0), applied)
 
-    in_flight: deque[tuple[int, list[torch.Tensor], list[str], list[Any], int | None]] = deque()
-    user: list[int | None] = [None, None]  # the posted round that uses each half
+    in_flight: deque[tuple[list[Message], list[torch.Tensor], list[str], list[Any], int | None]] = deque()
+    busy = [False, False]  # whether a posted round uses each half
     turn = 0  # the half the next round that needs staging takes
 
     def complete() -> None:
         nonlocal moved
-        k, bufs, kinds, works, h = in_flight.popleft()
+        rnd, bufs, kinds, works, h = in_flight.popleft()
         comm.wait_all(works, "M2N round")
         moved += sum(b.numel() for b in bufs)  # what the data plane filled, padding included
         if not sender:
-            apply(k, bufs, kinds)  # the later rounds are arriving meanwhile
+            apply(rnd, bufs, kinds)  # the later rounds are arriving meanwhile
         if h is not None:
-            user[h] = None
+            busy[h] = False
 
-    for k in range(len(plan_rounds)):
-        slots, kinds = buffers(k)
+    for rnd in plan_rounds:
+        slots, kinds = buffers(rnd)
         h = None
         if any(isinstance(b, int) for b in slots):
             h, turn = turn, 1 - turn
-            while user[h] is not None:  # the round that used this half must be done with it
+            while busy[h]:  # the round that used this half must be done with it
                 complete()
-            user[h] = k
+            busy[h] = True
         bufs = place(slots, halves[h] if h is not None else halves[0][:0])
         if sender:
-            pack(k, bufs, kinds)  # the earlier rounds are on the wire meanwhile
-        in_flight.append((k, bufs, kinds, post(k, bufs), h))
+            pack(rnd, bufs, kinds)  # the earlier rounds are on the wire meanwhile
+        in_flight.append((rnd, bufs, kinds, post(rnd, bufs), h))
         if len(in_flight) == DEPTH:
             complete()
     while in_flight:
