@@ -7,7 +7,7 @@ on the same group in the same run (the ratio is the number that matters).
   and the embedding, dim-1 halves of o/down_proj, norms whole) run by
   :func:`weightsync.transport.m2n_exec.run_rounds` over :class:`weightsync.comm.Communicator`, the
   receiver copying into its parameters; ``raw p2p``: one send/recv of the same bytes; ``raw p2p
-  cap``: the same bytes in message-cap chunks, two in flight (the executor's messages without copies).
+  cap``: the same bytes in message-cap chunks, ``DEPTH`` in flight (the executor's messages without copies).
 * ``bcast buckets``: the nccl transport's bucket path (``plan_buckets``, ``pack`` into two buffers,
   ``Communicator.broadcast``; the receiver takes a fresh buffer per bucket, receives the next while it
   copies its TP-rank-0 slices out of ``unpack``'s views); ``raw bcast``: one broadcast of a buffer of the
@@ -47,7 +47,7 @@ from weightsync.layout import DestPiece, Region, Shard, TensorSource, align_up, 
 from weightsync.layout import source_regions
 from weightsync.layout.buckets import plan_buckets
 from weightsync.layout.schedule import message_cap
-from weightsync.transport.m2n_exec import my_messages, run_rounds
+from weightsync.transport.m2n_exec import DEPTH, my_messages, run_rounds
 from weightsync.transport.packing import fold_checksum, pack, unpack
 
 MiB = 1 << 20
@@ -206,7 +206,7 @@ def _party_rows(comm: Communicator, device: torch.device, spec: dict) -> dict[st
             for off in range(0, lower, chunk):
                 op = [(flat[off : min(off + chunk, lower)], 1 if sender else 0, off // chunk)]
                 in_flight.append(comm.post(op, []) if sender else comm.post([], op))
-                if len(in_flight) == 2:
+                if len(in_flight) == DEPTH:
                     comm.wait_all(in_flight.pop(0))
             for works in in_flight:
                 comm.wait_all(works)
@@ -215,7 +215,7 @@ def _party_rows(comm: Communicator, device: torch.device, spec: dict) -> dict[st
     out["p2p"] = _measure(comm, "p2p", raw_p2p(lower), device, spec)
     out["p2p"].update(bytes=lower, note="one send/recv of the same bytes")
     out["p2p_cap"] = _measure(comm, "p2p_cap", raw_p2p(cap), device, spec)
-    out["p2p_cap"].update(bytes=lower, note=f"same bytes in {cap // MiB} MiB messages, 2 in flight")
+    out["p2p_cap"].update(bytes=lower, note=f"same bytes in {cap // MiB} MiB messages, {DEPTH} in flight")
 
     out["raw_bcast"] = _measure(comm, "raw_bcast", lambda: comm.broadcast(raw, src=0), device, spec)
     out["raw_bcast"].update(bytes=total, note="one broadcast of a buffer of the payload's size")

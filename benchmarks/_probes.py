@@ -222,41 +222,10 @@ def p2p_setup(host: str, port: int, rank: int, world: int) -> None:
     STATE["p2p"] = _group(host, port, rank, world, "p2p/")[1]
 
 
-def p2p_run(sends: list[int], recvs: list[int], nbytes: int, iters: int) -> dict[str, float]:
-    """``iters`` steps; in each this rank posts one ``nbytes`` send to every rank in ``sends`` and one
-    receive from every rank in ``recvs``, then waits for all (one M2N round). Pages are touched
-    beforehand and one warm-up step is not timed. Returns seconds and bytes received."""
-    pg = STATE["p2p"]
-    bufs = {("s", p): torch.ones(nbytes, dtype=torch.uint8) for p in sends}
-    bufs |= {("r", p): torch.zeros(nbytes, dtype=torch.uint8) for p in recvs}
-
-    def step(tag: int) -> None:
-        works = [pg.send([bufs["s", p]], p, tag) for p in sends] + [pg.recv([bufs["r", p]], p, tag) for p in recvs]
-        for w in works:
-            w.wait()
-
-    step(0)
-    t0 = time.perf_counter()
-    for i in range(iters):
-        step(i + 1)
-    return {"seconds": time.perf_counter() - t0, "recv_bytes": float(iters * nbytes * len(recvs))}
-
-
-def plan_pair_bytes() -> dict[int, int]:
-    """Bytes the live M2N engine's plan moves between this rank and each peer per sync (a trainer:
-    worker rank -> bytes sent; a worker: trainer rank -> bytes received), dense, padding excluded."""
-    sender = hasattr(STATE["engine"], "send_weights")
-    out: dict[int, int] = defaultdict(int)
-    for rnd in STATE["engine"].plan.rounds:
-        for m in rnd:
-            out[m.dst if sender else m.src] += m.nbytes
-    return dict(out)
-
-
-def p2p_plan(sends: dict[int, int], recvs: dict[int, int], iters: int) -> dict[str, float]:
-    """The plan's traffic raw: each step posts one send of ``sends[p]`` bytes to every peer ``p`` and
-    one receive of ``recvs[p]`` bytes from every peer, all at once, from and into ready buffers (no
-    copies, no rounds), then waits for all. One warm-up step untimed. Seconds of the timed steps."""
+def _p2p_steps(sends: dict[int, int], recvs: dict[int, int], iters: int) -> float:
+    """Seconds of ``iters`` steps after one untimed warm-up; in each this rank posts one send of
+    ``sends[p]`` bytes to every peer ``p`` and one receive of ``recvs[p]`` bytes from every peer, all
+    at once, from and into ready buffers (pages touched beforehand), then waits for all."""
     pg = STATE["p2p"]
     bufs = {("s", p): torch.ones(n, dtype=torch.uint8) for p, n in sends.items()}
     bufs |= {("r", p): torch.zeros(n, dtype=torch.uint8) for p, n in recvs.items()}
@@ -270,7 +239,31 @@ def p2p_plan(sends: dict[int, int], recvs: dict[int, int], iters: int) -> dict[s
     t0 = time.perf_counter()
     for i in range(iters):
         step(i + 1)
-    return {"seconds": (time.perf_counter() - t0) / iters, "recv_bytes": float(sum(recvs.values()))}
+    return time.perf_counter() - t0
+
+
+def p2p_run(sends: list[int], recvs: list[int], nbytes: int, iters: int) -> dict[str, float]:
+    """``iters`` M2N-shaped rounds: one ``nbytes`` message to every rank in ``sends`` and from every
+    rank in ``recvs`` per step. Returns seconds and bytes received."""
+    seconds = _p2p_steps(dict.fromkeys(sends, nbytes), dict.fromkeys(recvs, nbytes), iters)
+    return {"seconds": seconds, "recv_bytes": float(iters * nbytes * len(recvs))}
+
+
+def plan_pair_bytes() -> dict[int, int]:
+    """Bytes the live M2N engine's plan moves between this rank and each peer per sync (a trainer:
+    worker rank -> bytes sent; a worker: trainer rank -> bytes received), dense, as its messages carry them."""
+    sender = hasattr(STATE["engine"], "send_weights")
+    out: dict[int, int] = defaultdict(int)
+    for rnd in STATE["engine"].plan.rounds:
+        for m in rnd:
+            out[m.dst if sender else m.src] += m.nbytes
+    return dict(out)
+
+
+def p2p_plan(sends: dict[int, int], recvs: dict[int, int], iters: int) -> dict[str, float]:
+    """The plan's traffic moved raw: every pair's bytes of one sync as one message, no copies, no
+    rounds (``sends`` / ``recvs``: peer -> bytes). Seconds per step and bytes received per step."""
+    return {"seconds": _p2p_steps(sends, recvs, iters) / iters, "recv_bytes": float(sum(recvs.values()))}
 
 
 def p2p_teardown() -> None:

@@ -123,10 +123,19 @@ class Rounds:
                        else sum(m.nbytes for r in self._kept for m in r))
 
     def __iter__(self) -> Iterator[list[Message]]:
-        return iter(self._kept) if self._kept is not None else self._make()
+        if self._kept is not None:
+            return iter(self._kept)
+        return self._counted()
+
+    def _counted(self) -> Iterator[list[Message]]:
+        n = 0
+        for rnd in self._make():
+            n += 1
+            yield rnd
+        self._len = n
 
     def __len__(self) -> int:
-        if self._len is None:  # cut once more just to count (only above KEEP_ITEMS)
+        if self._len is None:  # not cut through yet: once more just to count (only above KEEP_ITEMS)
             self._len = sum(1 for _ in self._make())
         return self._len
 
