@@ -1,12 +1,13 @@
 """Messages and rounds for executing a TransferPlan point-to-point with bounded staging memory.
 
-Both ends of a (trainer, worker) pair cut the pair's items (in plan order) into the same messages
-of at most ``cap`` bytes, splitting an item along its leading dims when it alone is larger. A piece
-of at least ``alone`` bytes is a message by itself (each end can then send it from, or receive it
-into, its own tensor with no staging copy); the smaller pieces follow, packed together. Round k
-carries the k-th message of every pair: each rank posts its round-k sends and receives together and
-waits for them before round k+1. Every op of round k is matched in round k, so rounds cannot
-deadlock, and a rank never stages more than ``peers x cap`` bytes at a time.
+Both ends of a (trainer, worker) pair cut the pair's items (in the one order both see) into the same
+messages of at most ``cap`` bytes, splitting an item along its leading dims when it alone is larger.
+A piece of at least ``alone`` bytes is a message by itself (each end can then send it from, or
+receive it into, its own tensor with no staging copy); the smaller pieces follow, packed together.
+Round k carries the k-th message of every pair: each rank posts its round-k sends and receives
+together, and posts and waits for its rounds in order (the executor keeps a few posted at once).
+Every op of round k is matched in round k, so rounds cannot deadlock, and one round of a rank
+stages at most ``peers x cap`` bytes.
 
 Pure: plain data in, frozen dataclasses out.
 """
@@ -77,29 +78,32 @@ def peer_messages(items: Callable[[], Iterable[TransferItem]], *, cap: int, item
     then for the smaller pieces, packed in order into messages of at most ``cap`` bytes)."""
     if cap < ALIGN:
         raise ValueError(f"cap must be >= {ALIGN} bytes, got {cap}")
+
+    def pieces() -> Iterator[tuple[TransferItem, int, int]]:  # (piece, itemsize, bytes), in order
+        for item in items():
+            size = itemsize_of(item.name)
+            for piece in split_item(item, size, cap):
+                yield piece, size, piece.region.numel * size
+
     index = 0
-    for item in items():
-        size = itemsize_of(item.name)
-        for piece in split_item(item, size, cap):
-            if (nbytes := piece.region.numel * size) >= alone:
-                yield Message(piece.src_rank, piece.dst_rank, index, (piece,), (0,), nbytes)
-                index += 1
+    for piece, _, nbytes in pieces():
+        if nbytes >= alone:
+            yield Message(piece.src_rank, piece.dst_rank, index, (piece,), (0,), nbytes)
+            index += 1
     cur: list[TransferItem] = []
     offs: list[int] = []
     used = 0
-    for item in items():
-        size = itemsize_of(item.name)
-        for piece in split_item(item, size, cap):
-            if (nbytes := piece.region.numel * size) >= alone:
-                continue
-            start = align_up(used, size)  # element-aligned: viewable in place, no padding within one dtype
-            if cur and start + nbytes > cap:
-                yield Message(cur[0].src_rank, cur[0].dst_rank, index, tuple(cur), tuple(offs), used)
-                index += 1
-                cur, offs, start = [], [], 0
-            cur.append(piece)
-            offs.append(start)
-            used = start + nbytes
+    for piece, size, nbytes in pieces():
+        if nbytes >= alone:
+            continue
+        start = align_up(used, size)  # element-aligned: viewable in place, no padding within one dtype
+        if cur and start + nbytes > cap:
+            yield Message(cur[0].src_rank, cur[0].dst_rank, index, tuple(cur), tuple(offs), used)
+            index += 1
+            cur, offs, start = [], [], 0
+        cur.append(piece)
+        offs.append(start)
+        used = start + nbytes
     if cur:
         yield Message(cur[0].src_rank, cur[0].dst_rank, index, tuple(cur), tuple(offs), used)
 
