@@ -40,7 +40,7 @@ import resource
 import subprocess
 import sys
 import time
-from functools import cache, partial
+from functools import cache
 from statistics import mean, median
 
 from weightsync.layout import (
@@ -54,8 +54,8 @@ from weightsync.layout import (
     source_regions,
 )
 from weightsync.layout.experts import W2, W13, fused_expert_pieces
-from weightsync.layout.pairs import PairItems
-from weightsync.layout.schedule import iter_rounds, message_cap, peer_messages
+from weightsync.layout.plan import PairItems
+from weightsync.layout.schedule import message_cap
 
 HIDDEN, HEAD, Q_HEADS, KV_HEADS, INTER, MOE_INTER, VOCAB = 7168, 128, 64, 8, 18432, 2048, 163845
 
@@ -299,8 +299,7 @@ def _cut_pass(pairs: PairItems, itemsize: dict[str, int], num_src: int, num_dst:
     rss0, _ = _rss_mib()
     t0 = time.perf_counter()
     n_rounds = n_msgs = 0
-    for rnd in iter_rounds({p: peer_messages(partial(pairs.items, p), cap=cap, itemsize_of=itemsize.__getitem__)
-                            for p in pairs.peers}):
+    for rnd in pairs.rounds(cap=cap, itemsize_of=itemsize.__getitem__):
         n_rounds += 1
         n_msgs += len(rnd)
     _, peak = _rss_mib()

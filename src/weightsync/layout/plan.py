@@ -9,6 +9,14 @@ vLLM parameters. :func:`build_plan` intersects them into a :class:`TransferPlan`
     agree on plan.digest over the control plane   # before any data moves
     trainer rank r: plan.items_for_src(r); worker d: plan.items_for_dst(d)
 
+At model scale (a 1T-parameter MoE exported as per-expert 2-D tensors) those listings are millions
+of objects and hundreds of MB per rank. :meth:`TransferPlan.pairs` gives a rank's side compact
+instead (:class:`PairItems`): for each peer, the signatures whose tensors it exchanges with this rank
+and the planned copies of one tensor of that signature (shared by every tensor that has it). The
+items between one (trainer, worker) pair come out of :meth:`PairItems.items` in *pair order*:
+signatures in plan order, then their tensors in sources order, then the copies of each in plan
+order; both ends of a pair see the same sequence, and the M2N executor cuts it into messages.
+
 Pure: no torch import; the plan is built from compact per-layout templates
 (:mod:`weightsync.layout.plan_compact`) so model-scale plans take seconds, not hours.
 """
@@ -18,8 +26,9 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
+from typing import Any
 
-from weightsync.layout.pairs import PairItems
 from weightsync.layout.plan_compact import Compact, compact_plan
 from weightsync.layout.plan_template import RecvProto, SendProto
 from weightsync.layout.records import (
@@ -30,9 +39,11 @@ from weightsync.layout.records import (
     dtype_itemsize,
     new_item,
 )
+from weightsync.layout.schedule import Message, iter_rounds, peer_messages
 
 __all__ = [
     "DestPiece",
+    "PairItems",
     "PlanCoverage",
     "TensorSource",
     "TransferItem",
@@ -145,7 +156,7 @@ class TransferPlan:
 
     def pairs(self, rank: int, *, sender: bool) -> PairItems:
         """Trainer ``rank``'s (``sender``) or worker ``rank``'s items per peer, compact: what the
-        M2N executor cuts into messages, without listing every item (see :mod:`weightsync.layout.pairs`)."""
+        M2N executor cuts into messages, without listing every item (see :class:`PairItems`)."""
         self._check(rank, self.num_src_ranks if sender else self.num_dst_ranks, "rank")
         if self._members is None:
             members: list[list[int]] = [[] for _ in self._c.templates]
@@ -183,6 +194,56 @@ class TransferPlan:
     def bytes_per_dst(self, itemsize_of: Callable[[str], int] | None = None) -> tuple[int, ...]:
         """Bytes each worker receives."""
         return self.coverage(itemsize_of).recv_bytes
+
+
+class PairItems:
+    """What one rank sends to (``sender``) or receives from each peer; build it with
+    :meth:`TransferPlan.pairs`. Holds O(peers x signatures) entries, not one per item."""
+
+    def __init__(self, compact: Compact, members: Sequence[tuple[int, ...]], rank: int, *, sender: bool) -> None:
+        self._c, self._members, self.rank, self.sender = compact, members, rank, sender
+        runs: dict[int, list[tuple[int, tuple[Any, ...]]]] = {}
+        wc = compact.worker_class
+        for sig, tpl in enumerate(compact.templates):
+            protos = tpl.protos_for_src(rank, wc) if sender else tpl.protos_for_dst(rank, wc)
+            by_peer: dict[int, list[Any]] = {}
+            for p in protos:  # SendProto.dst / RecvProto.src first: the peer
+                by_peer.setdefault(p[0], []).append(p)
+            for peer, ps in by_peer.items():
+                runs.setdefault(peer, []).append((sig, tuple(ps)))
+        self._runs = {peer: tuple(runs[peer]) for peer in sorted(runs)}
+
+    @property
+    def peers(self) -> tuple[int, ...]:
+        """The peers this rank exchanges anything with, ascending."""
+        return tuple(self._runs)
+
+    def count(self, peer: int | None = None) -> int:
+        """Number of items with ``peer`` (all peers when None)."""
+        peers = self._runs if peer is None else (peer,)
+        return sum(len(self._members[sig]) * len(ps) for p in peers for sig, ps in self._runs.get(p, ()))
+
+    def nbytes(self, itemsize_of: Callable[[str], int]) -> int:
+        """Bytes of all items (``itemsize_of`` maps a dtype name to bytes per element)."""
+        dtypes = self._c.sig_dtype
+        return sum(len(self._members[sig]) * sum(p.region.numel for p in ps) * itemsize_of(dtypes[sig])
+                   for runs in self._runs.values() for sig, ps in runs)
+
+    def items(self, peer: int) -> Iterator[TransferItem]:
+        """The items with ``peer``, in pair order (made as they are consumed)."""
+        names, params = self._c.names, self._c.params
+        src, dst = (self.rank, peer) if self.sender else (peer, self.rank)
+        for sig, protos in self._runs.get(peer, ()):
+            for t in self._members[sig]:
+                name, pn = names[t], params[t]
+                for p in protos:
+                    yield new_item(src, dst, name, p.region, p.src_offsets, pn[p.piece], p.param_offsets)
+
+    def rounds(self, *, cap: int, itemsize_of: Callable[[str], int]) -> Iterator[list[Message]]:
+        """This rank's rounds: every peer's items cut by :func:`~weightsync.layout.schedule.peer_messages`
+        (``itemsize_of`` maps a tensor name to bytes per element), made as they are consumed."""
+        return iter_rounds({p: peer_messages(partial(self.items, p), cap=cap, itemsize_of=itemsize_of)
+                            for p in self.peers})
 
 
 def build_plan(

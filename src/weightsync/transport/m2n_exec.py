@@ -14,11 +14,10 @@ from typing import Any
 import torch
 
 from ..comm import Communicator
-from ..layout.pairs import PairItems
-from ..layout.plan import TransferPlan, build_plan
+from ..layout.plan import PairItems, TransferPlan, build_plan
 from ..layout.records import DestPiece, TensorSource, align_up, dtype_itemsize
 from ..layout.regions import Region, box_slices
-from ..layout.schedule import ALIGN, Message, iter_rounds, peer_messages
+from ..layout.schedule import ALIGN, Message
 from ..protocol import dtype_from_name
 from .delta import decode, patch, sparse_nbytes
 from .packing import fold_checksum
@@ -111,13 +110,9 @@ class Rounds:
     plan (:meth:`TransferPlan.pairs`): iterable any number of times, kept when small."""
 
     def __init__(self, pairs: PairItems, itemsize_of: Callable[[str], int], cap: int) -> None:
-        def make() -> Iterator[list[Message]]:
-            return iter_rounds({p: peer_messages(partial(pairs.items, p), cap=cap, itemsize_of=itemsize_of)
-                                for p in pairs.peers})
-
-        self._make = make
+        self._make = partial(pairs.rounds, cap=cap, itemsize_of=itemsize_of)
         self.items = pairs.count()
-        self._kept = list(make()) if self.items <= KEEP_ITEMS else None
+        self._kept = list(self._make()) if self.items <= KEEP_ITEMS else None
         self._len = None if self._kept is None else len(self._kept)
         self.nbytes = (pairs.nbytes(dtype_itemsize) if self._kept is None  # what this rank sends or receives dense
                        else sum(m.nbytes for r in self._kept for m in r))
