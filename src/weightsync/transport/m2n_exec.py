@@ -141,8 +141,8 @@ def my_messages(plan: TransferPlan, sources: list[TensorSource], *, rank: int, s
     return Rounds(plan.pairs(rank, sender=sender), size.__getitem__, cap)
 
 
-DEPTH = 4
-"""Rounds a rank keeps posted at once; at most two of them use staging (one half each)."""
+DEPTH = 8
+"""Rounds a rank keeps posted at once (those that stage also share the staging ring)."""
 
 
 def run_rounds(comm: Communicator, plan_rounds: Iterable[list[Message]], staging: torch.Tensor, *, sender: bool,
@@ -152,21 +152,21 @@ def run_rounds(comm: Communicator, plan_rounds: Iterable[list[Message]], staging
     """Execute rounds, pipelined: up to ``DEPTH`` posted at once; returns payload bytes moved.
 
     A message that is one item contiguous in this rank's tensor in the wire dtype is sent from the
-    shard / received into the parameter (``_direct``: no copy); the others of a round go through
-    one half of ``staging``, the halves taken in turn, so a round that needs staging waits for the
-    round that used its half before. Sender: copy each staged item's region of its local shard
-    (``tensor_of`` gives the shard) into the half and post the round's sends while the earlier
-    rounds are on the wire. Receiver: post the round's receives; when a round completes, copy each
-    staged item into its target region (``tensor_of`` gives the parameter or fallback buffer; dtype
-    cast if needed) while the later rounds arrive. Every rank posts its rounds in order and waits
+    shard / received into the parameter (``_direct``: no copy); the others of a round go through one
+    span of ``staging``, used as a ring: each round takes the bytes its staged messages need, after
+    the previous round's, and first waits for the posted rounds still holding any of them (the
+    oldest: rounds take the ring in order). Sender: copy each staged item's region of its local
+    shard (``tensor_of`` gives the shard) into the span and post the round's sends while the
+    earlier rounds are on the wire. Receiver: post the round's receives; when a round completes,
+    copy each staged item into its target region (``tensor_of`` gives the parameter or fallback
+    buffer; dtype cast if needed) while the later rounds arrive. Every rank posts its rounds in order and waits
     for them in order, so the rounds cannot deadlock (the lowest incomplete round is posted by all).
     With ``sums``, fold every item per peer: the sender what it sent, the receiver what it applied
     (for a sparse message: the whole region, as it is after the patch). ``sparse`` (delta sync,
     keyed by (peer, message index)): the sender's sparse payloads, the receiver's counts of changed
     values; those messages go as :mod:`~weightsync.transport.delta` encodes them, in their dense
     slot's place."""
-    half = staging.numel() // 2 // ALIGN * ALIGN
-    halves = (staging[:half], staging[half : 2 * half])
+    ring = staging.numel() // ALIGN * ALIGN
     sparse = sparse or {}
     moved = 0
 
@@ -237,32 +237,30 @@ def run_rounds(comm: Communicator, plan_rounds: Iterable[list[Message]], staging
                     applied = target if target.dtype == received.dtype else received
                     sums[m.src] = fold_checksum(sums.get(m.src, 0), applied)
 
-    in_flight: deque[tuple[list[Message], list[torch.Tensor], list[str], list[Any], int | None]] = deque()
-    busy = [False, False]  # whether a posted round uses each half
-    turn = 0  # the half the next round that needs staging takes
+    in_flight: deque[tuple[list[Message], list[torch.Tensor], list[str], list[Any], tuple[int, int]]] = deque()
+    head = 0  # where the next round's staged messages go in the ring
 
     def complete() -> None:
         nonlocal moved
-        rnd, bufs, kinds, works, h = in_flight.popleft()
+        rnd, bufs, kinds, works, _ = in_flight.popleft()
         comm.wait_all(works, "M2N round")
         moved += sum(b.numel() for b in bufs)  # what the data plane filled, padding included
         if not sender:
             apply(rnd, bufs, kinds)  # the later rounds are arriving meanwhile
-        if h is not None:
-            busy[h] = False
 
     for rnd in plan_rounds:
         slots, kinds = buffers(rnd)
-        h = None
-        if any(isinstance(b, int) for b in slots):
-            h, turn = turn, 1 - turn
-            while busy[h]:  # the round that used this half must be done with it
-                complete()
-            busy[h] = True
-        bufs = place(slots, halves[h] if h is not None else halves[0][:0])
+        need = sum(align_up(b, ALIGN) for b in slots if isinstance(b, int))
+        if need > ring:
+            raise ValueError(f"a round needs {need} bytes of staging, more than the {ring} there are")
+        start = head if head + need <= ring else 0  # a round's staging is one span of the ring
+        while need and any(s < e and start < e and s < start + need for *_, (s, e) in in_flight):
+            complete()  # the rounds holding those bytes are the oldest: done with them first
+        head = start + need
+        bufs = place(slots, staging[start:head])
         if sender:
             pack(rnd, bufs, kinds)  # the earlier rounds are on the wire meanwhile
-        in_flight.append((rnd, bufs, kinds, post(rnd, bufs), h))
+        in_flight.append((rnd, bufs, kinds, post(rnd, bufs), (start, head)))
         if len(in_flight) == DEPTH:
             complete()
     while in_flight:
