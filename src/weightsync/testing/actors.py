@@ -71,13 +71,47 @@ def _client(addr: ActorAddress) -> Connection:
     return conn
 
 
+_IDLE: dict[ActorAddress, list[Connection]] = {}
+"""Open connections not in use, per actor (a call takes one, or opens one, and puts it back)."""
+_IDLE_LOCK = threading.Lock()
+_IDLE_PID = os.getpid()
+
+
+def _take(addr: ActorAddress) -> Connection:
+    global _IDLE_PID
+    with _IDLE_LOCK:
+        if _IDLE_PID != os.getpid():  # a forked child must not share its parent's sockets
+            _IDLE.clear()
+            _IDLE_PID = os.getpid()
+        idle = _IDLE.get(addr)
+        if idle:
+            return idle.pop()
+    return _client(addr)
+
+
+def _forget(addr: ActorAddress) -> None:
+    """Close the idle connections to an actor that is going away."""
+    with _IDLE_LOCK:
+        conns = _IDLE.pop(addr, [])
+    for conn in conns:
+        conn.close()
+
+
 def call(addr: ActorAddress, fn: str, *args: Any, timeout_s: float | None = 600.0, **kwargs: Any) -> Any:
-    """Run ``fn`` (``"module:function"``) in the actor at ``addr`` and return its result."""
-    with _client(addr) as conn:
+    """Run ``fn`` (``"module:function"``) in the actor at ``addr`` and return its result. The
+    connection is kept for the next call (an actor serves each connection until it closes), so a
+    call costs one request and one reply; one that failed on the wire or timed out is closed."""
+    conn = _take(addr)
+    try:
         conn.send((fn, args, kwargs))
         if not conn.poll(timeout_s):
             raise TimeoutError(f"{fn} in actor {addr.name} did not answer within {timeout_s}s")
         status, value = conn.recv()
+    except BaseException:
+        conn.close()
+        raise
+    with _IDLE_LOCK:
+        _IDLE.setdefault(addr, []).append(conn)
     if status == "ok":
         return value
     raise RemoteError(f"{fn} in actor {addr.name} failed: {value}")
@@ -85,18 +119,19 @@ def call(addr: ActorAddress, fn: str, *args: Any, timeout_s: float | None = 600.
 
 def _serve_connection(conn: Any, jobs: "queue.Queue[Any]") -> None:
     with conn:
-        try:
-            request = conn.recv()
-        except EOFError:
-            return
-        done = threading.Event()
-        box: list[Any] = []
-        jobs.put((request, box, done))
-        done.wait()
-        try:
-            conn.send(box[0])
-        except (BrokenPipeError, ConnectionResetError, OSError):
-            pass
+        while True:
+            try:
+                request = conn.recv()
+            except (EOFError, OSError):
+                return
+            done = threading.Event()
+            box: list[Any] = []
+            jobs.put((request, box, done))
+            done.wait()
+            try:
+                conn.send(box[0])
+            except (BrokenPipeError, ConnectionResetError, OSError):
+                return
 
 
 def _actor_main(name: str, env: dict[str, str], ready: Any) -> None:
@@ -161,6 +196,8 @@ class Actor:
         return self.process.is_alive()
 
     def kill(self) -> None:
+        if self._address is not None:
+            _forget(self._address)
         self.process.kill()
         self.process.join(5)
 
@@ -173,6 +210,8 @@ class Actor:
             self.process.join(5)
             if self.process.is_alive():
                 self.kill()
+        if self._address is not None:
+            _forget(self._address)
         self._pool.shutdown(wait=False)
 
 

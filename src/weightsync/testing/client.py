@@ -29,6 +29,10 @@ class LocalWeightSyncClient:
             raise ValueError("replicas must be a non-empty list of non-empty worker lists")
         self.replicas = [list(r) for r in replicas]
         self.timeout_s = timeout_s
+        self._pool: ThreadPoolExecutor | None = None  # made on first use, in the process that calls
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_pool": None}
 
     @property
     def workers(self) -> list[ActorAddress]:
@@ -37,14 +41,15 @@ class LocalWeightSyncClient:
     def _fan(self, method: str, *args: Any, per_replica: list[tuple[Any, ...]] | None = None) -> list[Any]:
         workers = self.workers
         calls = [(a, per_replica[i] if per_replica else args) for i, r in enumerate(self.replicas) for a in r]
-        with ThreadPoolExecutor(len(workers)) as pool:
-            futs = [pool.submit(call, a, _RECEIVER + method, *a_args, timeout_s=self.timeout_s) for a, a_args in calls]
-            errors, results = [], []
-            for a, f in zip(workers, futs):
-                try:
-                    results.append(f.result())
-                except (RemoteError, TimeoutError, OSError, EOFError) as e:
-                    errors.append(f"{a.name}: {e}")
+        if self._pool is None:  # roomy: an abort must not queue behind a hung update's calls
+            self._pool = ThreadPoolExecutor(8 * len(workers), thread_name_prefix="weightsync-client")
+        futs = [self._pool.submit(call, a, _RECEIVER + method, *a_args, timeout_s=self.timeout_s) for a, a_args in calls]
+        errors, results = [], []
+        for a, f in zip(workers, futs):
+            try:
+                results.append(f.result())
+            except (RemoteError, TimeoutError, OSError, EOFError) as e:
+                errors.append(f"{a.name}: {e}")
         if errors:
             raise RemoteCallError(f"{method} failed on {len(errors)} worker(s): " + "\n".join(errors))
         return results
