@@ -27,6 +27,7 @@ import torch.distributed as dist
 from weightsync.testing.actors import STATE
 
 __all__ = [
+    "cpu_seconds",
     "instrument",
     "mem_peak",
     "mem_reset",
@@ -222,10 +223,11 @@ def p2p_setup(host: str, port: int, rank: int, world: int) -> None:
     STATE["p2p"] = _group(host, port, rank, world, "p2p/")[1]
 
 
-def _p2p_steps(sends: dict[int, int], recvs: dict[int, int], iters: int) -> float:
-    """Seconds of ``iters`` steps after one untimed warm-up; in each this rank posts one send of
-    ``sends[p]`` bytes to every peer ``p`` and one receive of ``recvs[p]`` bytes from every peer, all
-    at once, from and into ready buffers (pages touched beforehand), then waits for all."""
+def _p2p_steps(sends: dict[int, int], recvs: dict[int, int], iters: int) -> tuple[float, float]:
+    """Seconds and this process's CPU seconds (all threads) of ``iters`` steps after one untimed
+    warm-up; in each this rank posts one send of ``sends[p]`` bytes to every peer ``p`` and one receive
+    of ``recvs[p]`` bytes from every peer, all at once, from and into ready buffers (pages touched
+    beforehand), then waits for all."""
     pg = STATE["p2p"]
     bufs = {("s", p): torch.ones(n, dtype=torch.uint8) for p, n in sends.items()}
     bufs |= {("r", p): torch.zeros(n, dtype=torch.uint8) for p, n in recvs.items()}
@@ -236,16 +238,16 @@ def _p2p_steps(sends: dict[int, int], recvs: dict[int, int], iters: int) -> floa
             w.wait()
 
     step(0)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for i in range(iters):
         step(i + 1)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def p2p_run(sends: list[int], recvs: list[int], nbytes: int, iters: int) -> dict[str, float]:
     """``iters`` M2N-shaped rounds: one ``nbytes`` message to every rank in ``sends`` and from every
     rank in ``recvs`` per step. Returns seconds and bytes received."""
-    seconds = _p2p_steps(dict.fromkeys(sends, nbytes), dict.fromkeys(recvs, nbytes), iters)
+    seconds, _ = _p2p_steps(dict.fromkeys(sends, nbytes), dict.fromkeys(recvs, nbytes), iters)
     return {"seconds": seconds, "recv_bytes": float(iters * nbytes * len(recvs))}
 
 

@@ -115,6 +115,19 @@ def _cpu_s(r: dict[str, Any]) -> float | None:
     return ph["cpu_trainers"] + ph["cpu_workers"] if "cpu_trainers" in ph else None
 
 
+def _cpu_budget(a: dict[str, Any], cores: int) -> str:
+    """One sentence: the paired runs' CPU seconds (every trainer and worker process, all threads) of one
+    M2N sync and of one step of the plan's traffic moved raw, against what the machine's cores offer."""
+    p = a["paired"]
+    busy = [x["m2n_cpu_s"] / (cores * x["m2n_s"]) for x in p["samples"]]
+    raw_busy = [x["raw_plan_cpu_s"] / (cores * x["raw_plan_s"]) for x in p["samples"]]
+    return (f"- {a['model_mb']:.0f} MB, CPU (paired medians, the trainer and worker processes together): "
+            f"an M2N sync used {p['m2n_cpu_s']:.3f} CPU s in {p['m2n_s']:.3f} s, "
+            f"{100 * statistics.median(busy):.0f} % of the {cores} cores; a raw step of the same traffic "
+            f"{p['raw_plan_cpu_s']:.3f} CPU s in {p['raw_plan_s']:.3f} s, {100 * statistics.median(raw_busy):.0f} %. "
+            f"M2N's extra CPU per sync: {p['m2n_cpu_s'] - p['raw_plan_cpu_s']:.3f} s.")
+
+
 def _where(a: dict[str, Any]) -> str:
     """One sentence: where the headline row's seconds go, and the like-for-like comparison."""
     ph = a["phases"]
@@ -195,6 +208,7 @@ def markdown(result: dict[str, Any]) -> str:
         out += ["## Targets: weightsync_m2n, 2 trainers -> TP 2", ""] + _targets_table(acc)
         out += ["", "Where weightsync_m2n's time goes (medians; trainer rank 0, slowest worker):", ""]
         out += [_where(a) for a in acc]
+        out += [_cpu_budget(a, m["cores"]) for a in acc if a["paired"] and "m2n_cpu_s" in a["paired"]]
         out.append("")
     for sweep, title in (("size", "Model-size sweep"), ("layout", "Rank-layout sweep"), ("staging", "Staging sweep")):
         sel = [r for r in rows if r["sweep"] == sweep]

@@ -273,15 +273,16 @@ def run_naive(cluster: LocalCluster, warmup: int, repeats: int, verify: bool) ->
     }
 
 
-def raw_plan_traffic(ts: list[Actor], rs: list[Actor], pair_bytes: list[dict[int, int]]) -> float:
+def raw_plan_traffic(ts: list[Actor], rs: list[Actor], pair_bytes: list[dict[int, int]]) -> tuple[float, float]:
     """Seconds for the M2N plan's traffic moved raw (``_probes.p2p_plan``: every pair's bytes of one
-    sync as one message, all posted at once, no copies), mean of 3 steps, slowest rank."""
+    sync as one message, all posted at once, no copies), mean of 3 steps, slowest rank; and the CPU
+    seconds per step of all those processes together."""
     T = len(ts)
     sends = [{T + w: n for w, n in pb.items()} for pb in pair_bytes[:T]]
     recvs = [dict(pb) for pb in pair_bytes[T:]]
     res = gather([a.submit("_probes:p2p_plan", s, {}, 3) for a, s in zip(ts, sends)]
                  + [a.submit("_probes:p2p_plan", {}, r, 3) for a, r in zip(rs, recvs)])
-    return max(r["seconds"] for r in res)
+    return max(r["seconds"] for r in res), sum(r["cpu_s"] for r in res)
 
 
 def run_paired(cluster: LocalCluster, sc: Scenario, model_dir: str, itemsize: int, repeats: int,
@@ -301,17 +302,20 @@ def run_paired(cluster: LocalCluster, sc: Scenario, model_dir: str, itemsize: in
     try:
         for i in range(1 + repeats):
             naive = naive_sync(ts, rs) if i % 2 else 0.0  # alternate the order: no side always goes first
+            cpu0 = on(ts + rs, "cpu_seconds")
             t0 = time.perf_counter()
             st = cluster.sync(weight_version=f"p{i}")
             m2n = time.perf_counter() - t0
+            m2n_cpu = sum(b - a for a, b in zip(cpu0, on(ts + rs, "cpu_seconds")))
             naive = naive or naive_sync(ts, rs)
             pair = p2p_pair(ts + rs, len(ts), p2p_mib * MiB)
-            raw = raw_plan_traffic(ts, rs, pair_bytes)
+            raw, raw_cpu = raw_plan_traffic(ts, rs, pair_bytes)
             if i:
                 gbps = max(st["bytes_received_per_worker"].values()) / m2n / 1e9
                 samples.append({"m2n_s": m2n, "naive_s": naive, "p2p_gbps": pair, "m2n_gbps": gbps,
                                 "speedup": naive / m2n, "fraction_of_p2p": gbps / pair,
-                                "raw_plan_s": raw, "fraction_of_raw_plan": raw / m2n})
+                                "raw_plan_s": raw, "fraction_of_raw_plan": raw / m2n,
+                                "m2n_cpu_s": m2n_cpu, "raw_plan_cpu_s": raw_cpu})
     finally:
         on(ts + rs, "naive_teardown")
         on(ts + rs, "p2p_teardown")
