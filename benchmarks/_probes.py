@@ -264,8 +264,14 @@ def plan_pair_bytes() -> dict[int, int]:
 
 def p2p_plan(sends: dict[int, int], recvs: dict[int, int], iters: int) -> dict[str, float]:
     """The plan's traffic moved raw: every pair's bytes of one sync as one message, no copies, no
-    rounds (``sends`` / ``recvs``: peer -> bytes). Seconds per step and bytes received per step."""
-    return {"seconds": _p2p_steps(sends, recvs, iters) / iters, "recv_bytes": float(sum(recvs.values()))}
+    rounds (``sends`` / ``recvs``: peer -> bytes). Seconds, CPU seconds and bytes received, per step."""
+    seconds, cpu = _p2p_steps(sends, recvs, iters)
+    return {"seconds": seconds / iters, "cpu_s": cpu / iters, "recv_bytes": float(sum(recvs.values()))}
+
+
+def cpu_seconds() -> float:
+    """This process's CPU seconds so far (all threads: the data plane's own threads included)."""
+    return time.process_time()
 
 
 def p2p_teardown() -> None:

@@ -26,6 +26,7 @@ class Loopback:
         self.wire = {} if wire is None else wire
         self.posted: list[list] = []  # works of the rounds posted and not waited for, in order
         self.max_in_flight = 0
+        self.highest = 0  # the highest byte address a posted buffer reached
 
     def post(self, sends, recvs):
         works = [("send", t, peer, tag) for t, peer, tag in sends] + [("recv", t, peer, tag) for t, peer, tag in recvs]
@@ -34,6 +35,7 @@ class Loopback:
             lo, hi = _span(t)
             assert all(hi <= a or b <= lo for a, b in spans), "a posted buffer shares bytes with one in flight"
             spans.append((lo, hi))
+            self.highest = max(self.highest, hi)
         self.posted.append(works)
         self.max_in_flight = max(self.max_in_flight, len(self.posted))
         return works
@@ -99,10 +101,11 @@ def test_pipelined_rounds_direct_and_staged_match_the_reference(staging, monkeyp
     assert direct and all(t.dtype == torch.uint8 for t in direct)  # the rows went without a staging copy
 
 
-def test_staging_is_a_ring_a_round_takes_only_the_bytes_it_needs():
+def test_a_round_stages_only_the_bytes_it_needs_in_the_lowest_free_span():
     """Rounds that each stage a quarter of the staging buffer keep four in flight (not two halves'
-    worth), wrapping around the ring, with no posted buffer sharing a byte; a round that needs more
-    staging than there is raises before it is posted."""
+    worth), reusing the spans the oldest rounds free, with no posted buffer sharing a byte; rounds
+    that stage less stay in the low bytes; a round that needs more staging than there is raises
+    before it is posted."""
     shard = torch.arange(16 * 8, dtype=torch.float32).reshape(16, 8)
     rounds = [[Message(0, 0, k, (TransferItem(0, 0, "t", Region((0, k), (16, 1)), (0, k), "p", (0, k)),), (0,), 64)]
               for k in range(8)]  # column k: 64 bytes, strided in the shard, so sent from a staging copy
@@ -111,6 +114,10 @@ def test_staging_is_a_ring_a_round_takes_only_the_bytes_it_needs():
                        dtypes={"t": "float32"}, tensor_of=lambda m, i: shard)
     assert moved == 8 * 64 and plane.max_in_flight == min(4, m2n_exec.DEPTH)
     assert [plane.wire[(1, k)].view(torch.float32).tolist() for k in range(8)] == shard.T.tolist()
+    staging, plane = torch.empty(1024, dtype=torch.uint8), Loopback()
+    run_rounds(plane, rounds * 2, staging, sender=True, peer_rank=lambda w: 1 + w, dtypes={"t": "float32"},
+               tensor_of=lambda m, i: shard)  # 16 rounds, at most DEPTH x 64 bytes in flight, of 1024
+    assert plane.highest == staging.data_ptr() + min(8, m2n_exec.DEPTH) * 64
     with pytest.raises(ValueError, match="needs 64 bytes of staging, more than the 0 there are"):
         run_rounds(Loopback(), rounds, torch.empty(0, dtype=torch.uint8), sender=True, peer_rank=lambda w: 1 + w,
                    dtypes={"t": "float32"}, tensor_of=lambda m, i: shard)

@@ -142,7 +142,7 @@ def my_messages(plan: TransferPlan, sources: list[TensorSource], *, rank: int, s
 
 
 DEPTH = 8
-"""Rounds a rank keeps posted at once (those that stage also share the staging ring)."""
+"""Rounds a rank keeps posted at once (those that stage share the staging buffer, each its own span)."""
 
 
 def run_rounds(comm: Communicator, plan_rounds: Iterable[list[Message]], staging: torch.Tensor, *, sender: bool,
@@ -153,9 +153,9 @@ def run_rounds(comm: Communicator, plan_rounds: Iterable[list[Message]], staging
 
     A message that is one item contiguous in this rank's tensor in the wire dtype is sent from the
     shard / received into the parameter (``_direct``: no copy); the others of a round go through one
-    span of ``staging``, used as a ring: each round takes the bytes its staged messages need, after
-    the previous round's, and first waits for the posted rounds still holding any of them (the
-    oldest: rounds take the ring in order). Sender: copy each staged item's region of its local
+    span of ``staging``, just the bytes they need, the lowest span free of the posted rounds' (when
+    none is, the oldest posted rounds are waited for until one is; spans low in the buffer are
+    reused first, so only as much of it is touched as the rounds in flight stage at once). Sender: copy each staged item's region of its local
     shard (``tensor_of`` gives the shard) into the span and post the round's sends while the
     earlier rounds are on the wire. Receiver: post the round's receives; when a round completes,
     copy each staged item into its target region (``tensor_of`` gives the parameter or fallback
@@ -238,7 +238,14 @@ def run_rounds(comm: Communicator, plan_rounds: Iterable[list[Message]], staging
                     sums[m.src] = fold_checksum(sums.get(m.src, 0), applied)
 
     in_flight: deque[tuple[list[Message], list[torch.Tensor], list[str], list[Any], tuple[int, int]]] = deque()
-    head = 0  # where the next round's staged messages go in the ring
+
+    def spot(need: int) -> int | None:
+        """The lowest offset with ``need`` bytes of staging free of every posted round's span."""
+        spans = [span for *_, span in in_flight if span[0] < span[1]]
+        for at in sorted({0, *(e for _, e in spans)}):
+            if at + need <= ring and all(e <= at or at + need <= s for s, e in spans):
+                return at
+        return None
 
     def complete() -> None:
         nonlocal moved
@@ -253,14 +260,13 @@ def run_rounds(comm: Communicator, plan_rounds: Iterable[list[Message]], staging
         need = sum(align_up(b, ALIGN) for b in slots if isinstance(b, int))
         if need > ring:
             raise ValueError(f"a round needs {need} bytes of staging, more than the {ring} there are")
-        start = head if head + need <= ring else 0  # a round's staging is one span of the ring
-        while need and any(s < e and start < e and s < start + need for *_, (s, e) in in_flight):
-            complete()  # the rounds holding those bytes are the oldest: done with them first
-        head = start + need
-        bufs = place(slots, staging[start:head])
+        start = 0
+        while need and (start := spot(need)) is None:
+            complete()  # the oldest round frees its span first
+        bufs = place(slots, staging[start : start + need])
         if sender:
             pack(rnd, bufs, kinds)  # the earlier rounds are on the wire meanwhile
-        in_flight.append((rnd, bufs, kinds, post(rnd, bufs), (start, head)))
+        in_flight.append((rnd, bufs, kinds, post(rnd, bufs), (start, start + need)))
         if len(in_flight) == DEPTH:
             complete()
     while in_flight:
