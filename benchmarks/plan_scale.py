@@ -292,8 +292,9 @@ def measure(args: argparse.Namespace) -> dict:
 
 
 def _cut_pass(pairs: PairItems, itemsize: dict[str, int], num_src: int, num_dst: int) -> dict:
-    """One pass over trainer rank 0's rounds cut from the compact plan (64 MiB staging; a round stages at most half of it):
-    what a rank above ``m2n_exec.KEEP_ITEMS`` items does on every sync before any byte moves."""
+    """One pass over trainer rank 0's rounds cut from the compact plan (64 MiB staging; a round stages
+    at most half of it): what a rank above ``m2n_exec.KEEP_ITEMS`` items does on every sync before any
+    byte moves."""
     cap = message_cap(64 << 20, num_src, num_dst, buffers=2)
     _reset_peak()
     rss0, _ = _rss_mib()

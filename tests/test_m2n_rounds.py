@@ -1,6 +1,6 @@
 """``m2n_exec.run_rounds`` in one process, over a loopback data plane that records what each rank
 posts: pipelined rounds (``DEPTH`` in flight, posted and waited in order, no two posted buffers sharing
-a byte, so a staging half is reused only after its round was waited for), direct messages (one contiguous
+a byte, so staging is reused only after its round was waited for), direct messages (one contiguous
 item sent from the shard / received into the parameter without a staging copy) and staged ones
 (column slices, several items, a dtype cast) give every parameter exactly the reference executor's
 values, and both ends move the same bytes."""

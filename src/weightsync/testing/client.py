@@ -43,7 +43,8 @@ class LocalWeightSyncClient:
         calls = [(a, per_replica[i] if per_replica else args) for i, r in enumerate(self.replicas) for a in r]
         if self._pool is None:  # roomy: an abort must not queue behind a hung update's calls
             self._pool = ThreadPoolExecutor(8 * len(workers), thread_name_prefix="weightsync-client")
-        futs = [self._pool.submit(call, a, _RECEIVER + method, *a_args, timeout_s=self.timeout_s) for a, a_args in calls]
+        futs = [self._pool.submit(call, a, _RECEIVER + method, *a_args, timeout_s=self.timeout_s)
+                for a, a_args in calls]
         errors, results = [], []
         for a, f in zip(workers, futs):
             try:

@@ -120,7 +120,7 @@ class _Plan:
         self.gathered = gather_plan(comm, sources, num_workers, _P)
         self.digest = self.gathered.plan.digest
         agree(comm, f"{_P}/digest", self.digest, "plan digest")
-        cap = message_cap(staging_bytes, num_trainers, num_workers, buffers=2)  # a round stages <= half: two fit in the ring
+        cap = message_cap(staging_bytes, num_trainers, num_workers, buffers=2)  # a round stages <= half of it
         self.rounds = my_messages(self.gathered.plan, sources, rank=rank, sender=sender, cap=cap)
         self.nbytes = self.rounds.nbytes  # what this rank sends or receives dense
         self.staging = torch.empty(staging_bytes, dtype=torch.uint8, device=comm.device)

@@ -153,20 +153,21 @@ def run_rounds(comm: Communicator, plan_rounds: Iterable[list[Message]], staging
 
     A message that is one item contiguous in this rank's tensor in the wire dtype is sent from the
     shard / received into the parameter (``_direct``: no copy); the others of a round go through one
-    span of ``staging``, just the bytes they need, the lowest span free of the posted rounds' (when
-    none is, the oldest posted rounds are waited for until one is; spans low in the buffer are
-    reused first, so only as much of it is touched as the rounds in flight stage at once). Sender: copy each staged item's region of its local
-    shard (``tensor_of`` gives the shard) into the span and post the round's sends while the
-    earlier rounds are on the wire. Receiver: post the round's receives; when a round completes,
-    copy each staged item into its target region (``tensor_of`` gives the parameter or fallback
-    buffer; dtype cast if needed) while the later rounds arrive. Every rank posts its rounds in order and waits
-    for them in order, so the rounds cannot deadlock (the lowest incomplete round is posted by all).
+    span of ``staging``, just the bytes they need, at the lowest offset no posted round holds (when
+    there is none, the oldest posted rounds are waited for until there is; low bytes are reused
+    first, so only as much of the buffer is touched as the rounds in flight stage at once). Sender:
+    copy each staged item's region of its local shard (``tensor_of`` gives the shard) into the span
+    and post the round's sends while the earlier rounds are on the wire. Receiver: post the round's
+    receives; when a round completes, copy each staged item into its target region (``tensor_of``
+    gives the parameter or fallback buffer; dtype cast if needed) while the later rounds arrive.
+    Every rank posts its rounds in order and waits for them in order, so the rounds cannot deadlock
+    (the lowest incomplete round is posted by all).
     With ``sums``, fold every item per peer: the sender what it sent, the receiver what it applied
     (for a sparse message: the whole region, as it is after the patch). ``sparse`` (delta sync,
     keyed by (peer, message index)): the sender's sparse payloads, the receiver's counts of changed
     values; those messages go as :mod:`~weightsync.transport.delta` encodes them, in their dense
     slot's place."""
-    ring = staging.numel() // ALIGN * ALIGN
+    room = staging.numel() // ALIGN * ALIGN
     sparse = sparse or {}
     moved = 0
 
@@ -243,7 +244,7 @@ def run_rounds(comm: Communicator, plan_rounds: Iterable[list[Message]], staging
         """The lowest offset with ``need`` bytes of staging free of every posted round's span."""
         spans = [span for *_, span in in_flight if span[0] < span[1]]
         for at in sorted({0, *(e for _, e in spans)}):
-            if at + need <= ring and all(e <= at or at + need <= s for s, e in spans):
+            if at + need <= room and all(e <= at or at + need <= s for s, e in spans):
                 return at
         return None
 
@@ -258,8 +259,8 @@ def run_rounds(comm: Communicator, plan_rounds: Iterable[list[Message]], staging
     for rnd in plan_rounds:
         slots, kinds = buffers(rnd)
         need = sum(align_up(b, ALIGN) for b in slots if isinstance(b, int))
-        if need > ring:
-            raise ValueError(f"a round needs {need} bytes of staging, more than the {ring} there are")
+        if need > room:
+            raise ValueError(f"a round needs {need} bytes of staging, more than the {room} there are")
         start = 0
         while need and (start := spot(need)) is None:
             complete()  # the oldest round frees its span first
