@@ -43,16 +43,33 @@ class ActorAddress:
 _HANDED_OUT: set[int] = set()
 
 
+def _ephemeral_low() -> int:
+    """The lowest port of the kernel's ephemeral range (0 when it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def free_port() -> int:
-    """A port free on 127.0.0.1 now and not handed out before by this process: the OS may give the
-    same ephemeral port to two binds in a row, and two groups of one test would then race for it."""
-    while True:
+    """A port free on 127.0.0.1 now and not handed out before by this process. It is drawn at random
+    below the kernel's ephemeral range where there is room: a port the OS hands out (an outgoing
+    connection's, a port-0 listener's) could otherwise take it between this check and its user's bind."""
+    low = _ephemeral_low()
+    first = 20000 if low > 24000 else low // 2  # (Ray's workers take 10002-19999)
+    for attempt in range(1000):
+        port = first + secrets.randbelow(low - first) if low >= 4096 and attempt < 999 else 0
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
             port = s.getsockname()[1]
         if port not in _HANDED_OUT:
             _HANDED_OUT.add(port)
             return port
+    raise RuntimeError("no free port on 127.0.0.1")
 
 
 def _resolve(fn: str) -> Any:
