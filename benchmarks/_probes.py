@@ -27,7 +27,6 @@ import torch.distributed as dist
 from weightsync.testing.actors import STATE
 
 __all__ = [
-    "cpu_seconds",
     "instrument",
     "mem_peak",
     "mem_reset",
@@ -268,10 +267,6 @@ def p2p_plan(sends: dict[int, int], recvs: dict[int, int], iters: int) -> dict[s
     seconds, cpu = _p2p_steps(sends, recvs, iters)
     return {"seconds": seconds / iters, "cpu_s": cpu / iters, "recv_bytes": float(sum(recvs.values()))}
 
-
-def cpu_seconds() -> float:
-    """This process's CPU seconds so far (all threads: the data plane's own threads included)."""
-    return time.process_time()
 
 
 def p2p_teardown() -> None:
