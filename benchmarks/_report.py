@@ -352,7 +352,8 @@ def plots(result: dict[str, Any], out_dir: str) -> list[str]:
         b.set_ylabel("extra peak RSS (MiB, max over ranks)")
         for ax in (a, b):
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
+            if ax.get_legend_handles_labels()[0]:  # a run without a staging sweep leaves b empty
+                ax.legend(fontsize=8)
         fig.tight_layout()
         paths.append(os.path.join(out_dir, "transfer_memory.png"))
         fig.savefig(paths[-1], dpi=110)

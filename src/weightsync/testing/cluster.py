@@ -197,6 +197,11 @@ class LocalCluster:
         self.layout, self._keys = None, None
 
     def close(self) -> None:
+        if self.layout is not None:  # vLLM's groups unlink their shared memory (the actors exit hard)
+            futs = [a.submit(_T + "teardown", timeout_s=30) for a in self.trainers if a.alive()]
+            futs += [a.submit(_R + "teardown", timeout_s=30) for a in self.receivers if a.alive()]
+            for f in futs:
+                f.exception()  # best effort: a peer a test killed leaves its group broken
         for a in self.trainers + self.receivers:
             a.close()
         self.trainers, self.receivers, self.layout = [], [], None
