@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import socket
+import threading
 import time
 import traceback
 
@@ -93,5 +94,44 @@ def test_store_reads_raise_a_reported_failure_at_once_and_name_the_key_on_timeou
     with pytest.raises(DataPlaneError, match="a party failed: trainer rank 0: RuntimeError: boom$"):
         peer.read("nothing")
     assert time.monotonic() - t0 < 1
+    peer.shutdown()
+    host.shutdown()
+
+
+def test_await_key_wakes_when_the_key_is_set_or_a_party_marks_it_failed():
+    host = Communicator.connect("127.0.0.1", 0, name="trainer rank 0", timeout_s=5, host_store=True)
+    peer = Communicator.connect("127.0.0.1", host.port, name="trainer rank 1", timeout_s=5)
+    later = threading.Timer(0.3, host.publish, ("sync1/verdict", "ok"))
+    later.start()
+    t0 = time.monotonic()
+    assert peer.await_key("sync1/verdict") == "ok"
+    assert 0.25 < time.monotonic() - t0 < 2
+    host.fail_keys(["sync1/verdict"])  # a value already set stays
+    assert peer.await_key("sync1/verdict") == "ok"
+
+    def failing() -> None:
+        host.fail("RuntimeError: a worker refused the update")
+        host.fail_keys(["sync2/started", "sync2/verdict"])
+
+    threading.Timer(0.3, failing).start()
+    t0 = time.monotonic()
+    with pytest.raises(DataPlaneError, match="a party failed: trainer rank 0: RuntimeError: a worker refused"):
+        peer.await_key("sync2/started")
+    assert time.monotonic() - t0 < 1
+    with pytest.raises(DataPlaneError, match="a party failed"):
+        peer.await_key("sync2/verdict")
+    host.shutdown()  # the store's host is gone: a waiter raises at once, naming the key
+    t0 = time.monotonic()
+    with pytest.raises(DataPlaneError, match="store is unreachable while waiting for 'sync3/verdict'"):
+        peer.await_key("sync3/verdict")
+    assert time.monotonic() - t0 < 1
+    peer.shutdown()
+
+
+def test_await_key_names_the_key_on_timeout():
+    host = Communicator.connect("127.0.0.1", 0, name="trainer rank 0", timeout_s=0.3, host_store=True)
+    peer = Communicator.connect("127.0.0.1", host.port, name="trainer rank 1", timeout_s=0.3)
+    with pytest.raises(DataPlaneError, match=r"timed out after 0.3s on trainer rank 1 waiting for 'sync1/started'"):
+        peer.await_key("sync1/started")
     peer.shutdown()
     host.shutdown()

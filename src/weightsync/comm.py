@@ -3,7 +3,10 @@
 Trainer rank 0 hosts the store; every party of a sync group (trainer ranks and vLLM workers)
 connects to it with :meth:`Communicator.connect`. The store carries small JSON values only:
 agreement, verdicts, byte counts, checksums, and the first failure (``fail``), which wakes every
-party waiting on the store at once. It never carries weights.
+party waiting on the store at once. It never carries weights. Most waits poll the store with a
+backoff (``read``); the keys every failure path sets as well (``fail_keys``: a sync's "started" and
+"verdict", which the trainer ranks > 0 wait for) are awaited with one blocking request instead
+(``await_key``), woken the moment they are set.
 
 Parties that move data then :meth:`~Communicator.join` a process group built on that store and
 independent of the trainer's and vLLM's own groups: gloo on CPU, NCCL on CUDA. On an unregistered
@@ -37,6 +40,8 @@ __all__ = ["Communicator", "DataPlaneError", "SyncAborted", "decode_unique_id", 
 
 NCCL_UNIQUE_ID_BYTES = 128
 _ERROR = "error"
+_FAILED = "failed"
+"""The value a failing party sets on the keys others block on (``fail_keys``), so that they wake."""
 _STORE_POLL_S = 0.005
 """Longest pause between two looks at the store while waiting for a key."""
 _FIRST_POLL_S = 5e-5
@@ -210,6 +215,31 @@ class Communicator:
             if time.monotonic() > deadline:
                 raise DataPlaneError(f"timed out after {limit}s on {self.name} waiting for {key!r}")
             time.sleep(pause)
+
+    def await_key(self, key: str) -> Any:
+        """``read`` for a key that every failure path sets too (``fail_keys``): a blocking wait on the
+        store, woken the moment the key is set (no polling: one request, however many ranks wait).
+        ``DataPlaneError`` when the key says a party failed, the store's host is gone, or on timeout."""
+        try:
+            self.store.wait([key], timedelta(seconds=self.timeout_s))
+            raw = self.store.get(key)
+        except Exception as e:  # noqa: BLE001 - timed out, or the store's host (trainer rank 0) is gone
+            if isinstance(e, dist.DistStoreError) and "timeout" in str(e):
+                raise DataPlaneError(f"timed out after {self.timeout_s}s on {self.name} waiting for {key!r}") from None
+            raise DataPlaneError(f"{self.name}: the sync group's store is unreachable while waiting for "
+                                 f"{key!r} ({str(e).splitlines()[0][:200]})") from None
+        if raw == _FAILED.encode():
+            raise DataPlaneError(f"a party failed: {self.peer_error() or 'unknown'}")
+        return json.loads(raw)
+
+    def fail_keys(self, keys: list[str]) -> None:
+        """Set each of ``keys`` that is not set yet to the failure mark, waking the parties blocked
+        on it in ``await_key`` (a value already set stays)."""
+        for key in keys:
+            try:
+                self.store.compare_set(key, "", _FAILED)
+            except Exception:  # noqa: BLE001 - the store's host may be gone already
+                return
 
     def wait_for(self, keys: list[str], timeout_s: float) -> bool:
         """Wait until every key is set, ignoring reported failures (e.g. a store host that lingers

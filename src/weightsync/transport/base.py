@@ -258,7 +258,7 @@ class BaseTrainerEngine(TrainerEngine):
                     self._start_update()
                     self.comm.publish(self._key("started"), _OK)
                 else:  # no rank enters the source's collectives before the engines accepted the update
-                    self.comm.read(self._key("started"))
+                    self.comm.await_key(self._key("started"))
                     self._started = True
             with stats.timed("transfer"):
                 fut = self._transfer(prepared, stats, verify)
@@ -282,7 +282,7 @@ class BaseTrainerEngine(TrainerEngine):
                 self.comm.publish(self._key("verdict"), _OK)
                 self._outcome_step = f"sync{self.sync_id}"
             else:
-                self.comm.read(self._key("verdict"))
+                self.comm.await_key(self._key("verdict"))
                 self._acknowledge(f"sync{self.sync_id}")
         except BaseException as e:
             raise self._failed_sync(e, fut) from e
@@ -293,6 +293,7 @@ class BaseTrainerEngine(TrainerEngine):
         """Every rank: record the first failure and wake every party; rank 0 also waits for its
         update call and aborts the update on every worker. Returns what every rank raises."""
         self.comm.fail(describe(error), error)
+        self.comm.fail_keys([self._key("started"), self._key("verdict")])  # the ranks > 0 block on them
         reason = self.comm.peer_error() or f"trainer rank {self.rank}: {describe(error)}"
         if self.is_sender:
             if fut is not None:
