@@ -107,6 +107,28 @@ def test_source_disagreeing_with_metadata_fails_every_rank_fast_and_workers_roll
 
 @vllm
 @pytest.mark.parametrize("backend", TRANSPORTS)
+def test_a_source_raising_on_one_rank_fails_every_rank_fast_with_its_error(cluster, backend):
+    """Not a ValueError of ours: the source's own failure (e.g. a collective of the trainer's) on rank 1."""
+    layout, source = Layout(trainers=2, tp=2, backend=backend), SOURCES[backend]
+    cluster.setup(layout)
+    cluster.make_engines(info(backend), source=source)
+    cluster.sync(weight_version="good")
+    cluster.train_step(1)
+    cluster.make_engines(info(backend), source=source, fault="rank1_raises")
+    t0 = time.perf_counter()
+    errors = on_every_trainer(cluster, "weightsync.testing.trainer:send_weights", "bad")
+    elapsed = time.perf_counter() - t0
+    assert "RuntimeError: the source's own collective failed" in errors[1], errors[1]
+    assert "trainer rank 1: RuntimeError: the source's own collective failed" in errors[0], errors[0]
+    assert elapsed < 5, f"failed after {elapsed:.1f} s"
+    cluster.make_engines(info(backend), source=source)
+    cluster.sync(weight_version="after", verify=True)
+    assert mismatches(cluster) == {}
+    assert cluster.client().weight_versions() == ["after"] * layout.num_workers
+
+
+@vllm
+@pytest.mark.parametrize("backend", TRANSPORTS)
 def test_by_default_a_failed_sync_poisons_without_a_model_copy_and_a_reinit_verifies(cluster, backend):
     """``rollback=False`` (the default): no snapshot. A failure after data moved (the full-tensor
     transports gather and send earlier tensors first) says the weights may be partly updated; the

@@ -32,7 +32,7 @@ __all__ = ["BAD_NAME", "EXTRA_NAME", "FAULTS", "faulty", "JsonRoundTripClient", 
 BAD_NAME = "model.layers.1.mlp.up_proj.weight"
 EXTRA_NAME = "model.layers.1.mlp.extra_proj.weight"
 FAULTS = ("shape", "dtype", "name", "stops_early", "missing", "duplicate", "rank1_differs", "rank1_swapped", "complex",
-          "omitted", "extra")
+          "omitted", "extra", "rank1_raises")
 
 
 class _Faulty(WeightSource):
@@ -71,6 +71,8 @@ class _Faulty(WeightSource):
                     name = name + ".typo"
                 elif self.fault == "stops_early":
                     return
+                elif self.fault == "rank1_raises" and self.rank == 1:
+                    raise RuntimeError("the source's own collective failed")
                 elif self.fault in ("missing", "omitted"):
                     continue
                 elif self.fault == "extra":

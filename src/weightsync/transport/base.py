@@ -9,7 +9,8 @@ Trainer side (:class:`BaseTrainerEngine`), on every trainer rank::
         plan) and every worker checks it against its model and for coverage
         (:mod:`weightsync.agreement`): a mismatch fails init on every rank, naming the parameter.
     send_weights: preflight (``_preflight`` on every rank; any rank's error is every rank's, before
-        anything moves) -> rank 0 starts the update on the engines and tells the others ->
+        anything moves: a ``ValueError`` on every rank, or the rank's own exception there and a
+        ``RuntimeError`` naming it on the others; the engines stay ready for the next sync) -> rank 0 starts the update on the engines and tells the others ->
         ``_transfer`` on every rank (rank 0 calls ``update_weights`` inside it) -> every rank reports ->
         rank 0 finishes the update (the version advances) and publishes the verdict.
 
@@ -248,7 +249,13 @@ class BaseTrainerEngine(TrainerEngine):
                 prepared, error = self._preflight(verify), ""
             except ValueError as e:
                 prepared, error = None, str(e)
+            except BaseException as e:  # the source's own failure: the other ranks raise it now, not at a timeout
+                self.comm.publish(self._key("preflight", self.rank), {"rank": self.rank, "error": describe(e)})
+                raise
             errors = self._from_every_trainer("preflight", error)
+            if failed := next((e for e in errors if isinstance(e, dict)), None):
+                raise RuntimeError(f"weight sync {self.sync_id}: trainer rank {failed['rank']}: {failed['error']} "
+                                   "(in its preflight: nothing moved, the engines were not asked to update)")
             if any(errors):  # nothing moved; the engines were not asked to update
                 raise ValueError(next(e for e in errors if e))
         fut, self._started = None, False
