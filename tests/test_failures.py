@@ -121,6 +121,10 @@ def test_a_source_raising_on_one_rank_fails_every_rank_fast_with_its_error(clust
     assert "RuntimeError: the source's own collective failed" in errors[1], errors[1]
     assert "trainer rank 1: RuntimeError: the source's own collective failed" in errors[0], errors[0]
     assert elapsed < 5, f"failed after {elapsed:.1f} s"
+    assert cluster.client().weight_versions() == ["good"] * layout.num_workers
+    poisoned = [a.call("weightsync.testing.probes:engine_poisoned") for a in cluster.active_receivers]
+    # M2N reads its local shards in the preflight: nothing moved, the engines were not asked to update
+    assert [p is not None for p in poisoned] == [backend != "weightsync_m2n"] * layout.num_workers, poisoned
     cluster.make_engines(info(backend), source=source)
     cluster.sync(weight_version="after", verify=True)
     assert mismatches(cluster) == {}

@@ -10,7 +10,8 @@ Trainer side (:class:`BaseTrainerEngine`), on every trainer rank::
         (:mod:`weightsync.agreement`): a mismatch fails init on every rank, naming the parameter.
     send_weights: preflight (``_preflight`` on every rank; any rank's error is every rank's, before
         anything moves: a ``ValueError`` on every rank, or the rank's own exception there and a
-        ``RuntimeError`` naming it on the others; the engines stay ready for the next sync) -> rank 0 starts the update on the engines and tells the others ->
+        ``RuntimeError`` naming it on the others; the engines stay ready for the next sync) ->
+        rank 0 starts the update on the engines and tells the others ->
         ``_transfer`` on every rank (rank 0 calls ``update_weights`` inside it) -> every rank reports ->
         rank 0 finishes the update (the version advances) and publishes the verdict.
 
@@ -250,7 +251,10 @@ class BaseTrainerEngine(TrainerEngine):
             except ValueError as e:
                 prepared, error = None, str(e)
             except BaseException as e:  # the source's own failure: the other ranks raise it now, not at a timeout
-                self.comm.publish(self._key("preflight", self.rank), {"rank": self.rank, "error": describe(e)})
+                try:
+                    self.comm.publish(self._key("preflight", self.rank), {"rank": self.rank, "error": describe(e)})
+                except Exception:  # noqa: BLE001 - the store is gone: this rank's own error is what matters
+                    pass
                 raise
             errors = self._from_every_trainer("preflight", error)
             if failed := next((e for e in errors if isinstance(e, dict)), None):
