@@ -5,7 +5,9 @@ version as they were, a re-init recovers, and verified syncs do not leak."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
+import tempfile
 import time
 
 import pytest
@@ -291,9 +293,14 @@ def kill_mid_sync(cluster, layout, info, source, pick) -> float:
     cluster.make_engines(info, source=source, bucket_bytes=(1 << 16) if victim in cluster.trainers else None)
     cluster.sync(weight_version="good")
     cluster.train_step(1)
-    cluster.on_trainers("weightsync.testing.faults:slow_data_plane", 0.3)
+    counts = [os.path.join(tempfile.mkdtemp(), a.name) for a in cluster.active_trainers]
+    for a, path in zip(cluster.active_trainers, counts):
+        a.call("weightsync.testing.faults:slow_data_plane", 0.3, path)
     futs = [a.submit("weightsync.testing.trainer:send_weights", "bad") for a in cluster.active_trainers]
-    time.sleep(1.0)
+    deadline = time.monotonic() + 60  # a trainer rank is 3 slowed calls (0.9 s) into the sync
+    while not any(os.path.exists(p) and os.path.getsize(p) >= 3 for p in counts):
+        assert time.monotonic() < deadline, "the sync did not get under way"
+        time.sleep(0.05)
     t0 = time.perf_counter()
     victim.kill()
     survivors = [(a, f) for a, f in zip(cluster.active_trainers, futs) if a is not victim]

@@ -149,9 +149,12 @@ class CorruptingClient(JsonRoundTripClient):
 _ORIGINALS: dict[str, Any] = {}
 
 
-def slow_data_plane(seconds: float) -> None:
+def slow_data_plane(seconds: float, count_to: str | None = None) -> None:
     """Inside a process: every data-plane post (an M2N round), broadcast and control-channel publish
-    (the colocated transport's chunk hand-off) first sleeps ``seconds`` (0 restores)."""
+    (the colocated transport's chunk hand-off) first sleeps ``seconds`` (0 restores). With
+    ``count_to``, each such call first appends a byte to that file: a test can see a sync get under
+    way while the process is busy in it (an actor serves one call at a time)."""
+    import os
     import time
 
     from ..comm import Communicator
@@ -165,6 +168,9 @@ def slow_data_plane(seconds: float) -> None:
 
     def slow(fn: Any) -> Any:
         def wrapper(*a: Any, **k: Any) -> Any:
+            if count_to is not None:
+                with open(count_to, "ab") as f:
+                    f.write(b".")
             time.sleep(seconds)
             return fn(*a, **k)
         return wrapper
