@@ -208,12 +208,11 @@ class Communicator:
                 if self.store.check([key]):
                     return json.loads(self.store.get(key))
             except Exception as e:  # noqa: BLE001 - the store's host is gone
-                raise DataPlaneError(f"{self.name}: the sync group's store is unreachable while waiting for "
-                                     f"{key!r} ({str(e).splitlines()[0][:200]})") from None
+                raise self._unreachable(key, e) from None
             if (err := self.peer_error()) is not None:
                 raise DataPlaneError(f"a party failed: {err}")
             if time.monotonic() > deadline:
-                raise DataPlaneError(f"timed out after {limit}s on {self.name} waiting for {key!r}")
+                raise self._timed_out(key, limit)
             time.sleep(pause)
 
     def await_key(self, key: str) -> Any:
@@ -225,12 +224,18 @@ class Communicator:
             raw = self.store.get(key)
         except Exception as e:  # noqa: BLE001 - timed out, or the store's host (trainer rank 0) is gone
             if isinstance(e, dist.DistStoreError) and "timeout" in str(e):
-                raise DataPlaneError(f"timed out after {self.timeout_s}s on {self.name} waiting for {key!r}") from None
-            raise DataPlaneError(f"{self.name}: the sync group's store is unreachable while waiting for "
-                                 f"{key!r} ({str(e).splitlines()[0][:200]})") from None
+                raise self._timed_out(key, self.timeout_s) from None
+            raise self._unreachable(key, e) from None
         if raw == _FAILED.encode():
             raise DataPlaneError(f"a party failed: {self.peer_error() or 'unknown'}")
         return json.loads(raw)
+
+    def _timed_out(self, key: str, limit: float) -> DataPlaneError:
+        return DataPlaneError(f"timed out after {limit}s on {self.name} waiting for {key!r}")
+
+    def _unreachable(self, key: str, error: BaseException) -> DataPlaneError:
+        return DataPlaneError(f"{self.name}: the sync group's store is unreachable while waiting for {key!r} "
+                              f"({str(error).splitlines()[0][:200]})")
 
     def fail_keys(self, keys: list[str]) -> None:
         """Set each of ``keys`` that is not set yet to the failure mark, waking the parties blocked

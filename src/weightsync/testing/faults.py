@@ -154,7 +154,6 @@ def slow_data_plane(seconds: float, count_to: str | None = None) -> None:
     (the colocated transport's chunk hand-off) first sleeps ``seconds`` (0 restores). With
     ``count_to``, each such call first appends a byte to that file: a test can see a sync get under
     way while the process is busy in it (an actor serves one call at a time)."""
-    import os
     import time
 
     from ..comm import Communicator
