@@ -1,9 +1,10 @@
 """``m2n_exec.run_rounds`` in one process, over a loopback data plane that records what each rank
-posts: pipelined rounds (``DEPTH`` in flight, posted and waited in order, no two posted buffers sharing
-a byte, so staging is reused only after its round was waited for), direct messages (one contiguous
-item sent from the shard / received into the parameter without a staging copy) and staged ones
-(column slices, several items, a dtype cast) give every parameter exactly the reference executor's
-values, and both ends move the same bytes."""
+posts: pipelined rounds (staged rounds ``DEPTH`` in flight and waited in order, no two posted buffers
+sharing a byte, so staging is reused only after its round was waited for), direct messages (one
+contiguous item sent from the shard / received into the parameter without a staging copy, posted as
+their round comes and waited for at the end) and staged ones (column slices, several items, a dtype
+cast) give every parameter exactly the reference executor's values, and both ends move the same
+bytes; on a plane whose ops run in issue order (NCCL) a round is posted whole."""
 
 from __future__ import annotations
 
@@ -19,14 +20,19 @@ from weightsync.transport.m2n_exec import my_messages, run_rounds
 
 
 class Loopback:
-    """Sender side records each send's bytes when its round is waited for (as the wire would carry
-    them then); receiver side fills each receive from those records at its wait."""
+    """Sender side records each send's bytes when it is waited for (as the wire would carry them
+    then); receiver side fills each receive from those records at its wait. ``ordered``: the plane
+    runs ops in issue order (NCCL), so the executor must post each round whole."""
 
-    def __init__(self, wire: dict | None = None) -> None:
+    def __init__(self, wire: dict | None = None, *, ordered: bool = False, staging: torch.Tensor | None = None) -> None:
         self.wire = {} if wire is None else wire
-        self.posted: list[list] = []  # works of the rounds posted and not waited for, in order
-        self.max_in_flight = 0
+        self.ordered = ordered
+        self.staging = staging  # to tell staged rounds (their order is checked) from direct messages
+        self.posted: list[list] = []  # works posted and not waited for, in post order
+        self.max_in_flight = 0  # staged rounds posted at once
         self.highest = 0  # the highest byte address a posted buffer reached
+        self.rounds: list[set] = []  # per post: its (peer, tag)s
+        self.waited: list[set] = []  # per wait: its (peer, tag)s
 
     def post(self, sends, recvs):
         works = [("send", t, peer, tag) for t, peer, tag in sends] + [("recv", t, peer, tag) for t, peer, tag in recvs]
@@ -37,16 +43,28 @@ class Loopback:
             spans.append((lo, hi))
             self.highest = max(self.highest, hi)
         self.posted.append(works)
-        self.max_in_flight = max(self.max_in_flight, len(self.posted))
+        self.rounds.append({(peer, tag) for _, _, peer, tag in works})
+        self.max_in_flight = max(self.max_in_flight, sum(map(self._staged, self.posted)))
         return works
 
     def wait_all(self, works, what=""):
-        assert works is self.posted.pop(0)  # waited for in the order posted
-        for kind, t, peer, tag in works:
+        ids = {id(w) for w in works}
+        at = next(i for i, posted in enumerate(self.posted) if {id(w) for w in posted} == ids)
+        if self.staging is not None and self._staged(self.posted[at]):  # staged rounds: waited for in post order
+            assert not any(map(self._staged, self.posted[:at]))
+        done = self.posted.pop(at)
+        self.waited.append({(peer, tag) for _, _, peer, tag in done})
+        for kind, t, peer, tag in done:
             if kind == "send":
                 self.wire[(peer, tag)] = t.clone()
             else:
                 t.copy_(self.wire.pop((SRC, tag)))
+
+    def _staged(self, works) -> bool:
+        if self.staging is None:
+            return True  # not told: every group counts
+        lo, hi = _span(self.staging)
+        return any(lo <= _span(t)[0] < hi for _, t, _, _ in works)
 
 
 SRC = 0  # the one trainer rank's data-plane rank; the worker is rank 1
@@ -79,26 +97,69 @@ def test_pipelined_rounds_direct_and_staged_match_the_reference(staging, monkeyp
     real = m2n_exec._direct
     monkeypatch.setattr(m2n_exec, "_direct", lambda m, *a: direct.append(r) or r if (r := real(m, *a)) is not None
                         else None)
-    send_plane = Loopback()
+    send_staging, recv_staging = torch.empty(staging, dtype=torch.uint8), torch.empty(staging, dtype=torch.uint8)
+    send_plane = Loopback(staging=send_staging)
     send_rounds = my_messages(plan, sources, rank=0, sender=True, cap=staging // 2)
     recv_rounds = my_messages(plan, sources, rank=0, sender=False, cap=staging // 2)
     assert len(send_rounds) == len(recv_rounds) >= 2
     sent_sums, recv_sums = {}, {}
-    sent = run_rounds(send_plane, send_rounds, torch.empty(staging, dtype=torch.uint8), sender=True,
+    sent = run_rounds(send_plane, send_rounds, send_staging, sender=True,
                       peer_rank=lambda w: 1 + w, dtypes=wire_dtypes, sums=sent_sums,
                       tensor_of=lambda m, i: shards[m.items[i].name])
     wire = {(SRC, tag): t for (_, tag), t in send_plane.wire.items()}
-    recv_plane = Loopback(wire)
-    received = run_rounds(recv_plane, recv_rounds, torch.empty(staging, dtype=torch.uint8), sender=False,
+    recv_plane = Loopback(wire, staging=recv_staging)
+    received = run_rounds(recv_plane, recv_rounds, recv_staging, sender=False,
                           peer_rank=lambda r: r, dtypes=wire_dtypes, sums=recv_sums,
                           tensor_of=lambda m, i: got[m.items[i].param])
     assert sent == received == plan.coverage().lower_bound[0] and not recv_plane.wire
-    for plane in (send_plane, recv_plane):  # pipelined, never more than DEPTH (fewer when staging is full)
-        assert 2 <= plane.max_in_flight <= min(m2n_exec.DEPTH, len(send_rounds))
+    # staged rounds pipelined (the sender stages the column slices), never more than DEPTH of them
+    assert 2 <= send_plane.max_in_flight <= m2n_exec.DEPTH and 1 <= recv_plane.max_in_flight <= m2n_exec.DEPTH
     for n in params:
         assert torch.equal(got[n], want[n]), n
     assert sent_sums == {0: recv_sums[0]}
     assert direct and all(t.dtype == torch.uint8 for t in direct)  # the rows went without a staging copy
+
+
+@pytest.mark.parametrize("ordered", [False, True], ids=["gloo", "nccl-ordered"])
+def test_direct_messages_go_early_and_whole_rounds_on_an_ordered_plane(ordered):
+    """One trainer rank -> 2 workers: worker 0's rows are contiguous in the shard (direct), worker 1's
+    columns are not (staged), so each round mixes both. Where ops run on their own (gloo) the
+    direct sends are posted apart, as their round comes, and waited for after every staged round,
+    the last posted first; where they run in issue order (NCCL) each round is posted whole. Either
+    way the worker gets exactly the reference's values and the checksums agree."""
+    shape = (16, 8)
+    sources = [TensorSource("t", shape, "float32", source_regions(shape, (1,), [Shard(0)], mesh_coordinates((1,))))]
+    dests = [[DestPiece("t", Region((0, 0), (8, 8)), "p", (0, 0))],  # whole rows: direct
+             [DestPiece("t", Region((0, 2), (16, 4)), "p", (0, 0))]]  # columns 2..5: strided, staged
+    plan = build_plan(sources, dests)
+    shard = torch.randn(shape)
+    cap = 64  # 2 of worker 0's rows, 4 of worker 1's: 4 rounds of one message to each worker
+    rounds = my_messages(plan, sources, rank=0, sender=True, cap=cap)
+    assert len(rounds) == 4 and all(len(rnd) == 2 for rnd in rounds)
+    staging = torch.empty(2 * cap, dtype=torch.uint8)
+    plane, sums = Loopback(ordered=ordered, staging=staging), {}
+    run_rounds(plane, rounds, staging, sender=True, peer_rank=lambda w: 1 + w, dtypes={"t": "float32"},
+               tensor_of=lambda m, i: shard, sums=sums)
+    if ordered:
+        assert plane.rounds == [{(1, k), (2, k)} for k in range(4)]
+    else:
+        assert plane.rounds == [group for k in range(4) for group in ({(1, k)}, {(2, k)})]
+    assert plane.waited == ([{(1, k), (2, k)} for k in range(4)] if ordered else
+                            [{(2, k)} for k in range(4)] + [{(1, k)} for k in (3, 2, 1, 0)])
+    want = [shard[:8], shard[:, 2:6]]
+    for w in (0, 1):
+        got = torch.cat([plane.wire[(1 + w, k)].view(torch.float32) for k in range(4)])
+        assert torch.equal(got, want[w].reshape(-1))
+    recv_sums = {}
+    for w in (0, 1):
+        param = torch.zeros(want[w].shape)
+        recv = Loopback({(SRC, k): plane.wire[(1 + w, k)] for k in range(4)})
+        run_rounds(recv, my_messages(plan, sources, rank=w, sender=False, cap=cap),
+                   torch.empty(2 * cap, dtype=torch.uint8), sender=False, peer_rank=lambda r: r,
+                   dtypes={"t": "float32"}, tensor_of=lambda m, i: param, sums=(got := {}))
+        assert torch.equal(param, want[w])
+        recv_sums[w] = got[0]
+    assert sums == recv_sums
 
 
 def test_a_round_stages_only_the_bytes_it_needs_in_the_lowest_free_span():

@@ -129,6 +129,12 @@ class Communicator:
         return cls(connect_store(host, port, timeout_s, is_master=host_store), name=name, timeout_s=timeout_s)
 
     @property
+    def ordered(self) -> bool:
+        """Whether this party's point-to-point ops run in the order posted (NCCL: one stream), so a
+        round's ops must be posted together (``m2n_exec.run_rounds``); gloo runs each op on its own."""
+        return self.device.type == "cuda"
+
+    @property
     def port(self) -> int:
         """The store's port (the one picked, for a host started on port 0)."""
         return int(self.store.port)

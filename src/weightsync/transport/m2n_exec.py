@@ -20,7 +20,7 @@ from ..layout.regions import Region, box_slices
 from ..layout.schedule import ALIGN, Message
 from ..protocol import dtype_from_name
 from .delta import decode, patch, sparse_nbytes
-from .packing import fold_checksum
+from .packing import fold_checksum, fold_value
 
 __all__ = ["FALLBACK", "sources_to_wire", "sources_from_wire", "dests_to_wire", "Gathered", "gather_plan",
            "Rounds", "my_messages", "run_rounds"]
@@ -142,33 +142,41 @@ def my_messages(plan: TransferPlan, sources: list[TensorSource], *, rank: int, s
 
 
 DEPTH = 8
-"""Rounds a rank keeps posted at once (those that stage share the staging buffer, each its own span)."""
+"""Staged rounds a rank keeps posted at once (they share the staging buffer, each its own span)."""
 
 
 def run_rounds(comm: Communicator, plan_rounds: Iterable[list[Message]], staging: torch.Tensor, *, sender: bool,
                peer_rank: Callable[[int], int], dtypes: Mapping[str, str],
                tensor_of: Callable[[Message, int], torch.Tensor], sums: dict[int, int] | None = None,
                sparse: Mapping[tuple[int, int], Any] | None = None) -> int:
-    """Execute rounds, pipelined: up to ``DEPTH`` posted at once; returns payload bytes moved.
+    """Execute rounds; returns payload bytes moved.
 
-    A message that is one item contiguous in this rank's tensor in the wire dtype is sent from the
-    shard / received into the parameter (``_direct``: no copy); the others of a round go through one
-    span of ``staging``, just the bytes they need, at the lowest offset no posted round holds (when
-    there is none, the oldest posted rounds are waited for until there is; low bytes are reused
-    first, so only as much of the buffer is touched as the rounds in flight stage at once). Sender:
-    copy each staged item's region of its local shard (``tensor_of`` gives the shard) into the span
-    and post the round's sends while the earlier rounds are on the wire. Receiver: post the round's
-    receives; when a round completes, copy each staged item into its target region (``tensor_of``
-    gives the parameter or fallback buffer; dtype cast if needed) while the later rounds arrive.
-    Every rank posts its rounds in order and waits for them in order, so the rounds cannot deadlock
-    (the lowest incomplete round is posted by all).
-    With ``sums``, fold every item per peer: the sender what it sent, the receiver what it applied
-    (for a sparse message: the whole region, as it is after the patch). ``sparse`` (delta sync,
-    keyed by (peer, message index)): the sender's sparse payloads, the receiver's counts of changed
-    values; those messages go as :mod:`~weightsync.transport.delta` encodes them, in their dense
-    slot's place."""
+    A message whose bytes are ready in this rank's own memory needs no staging: one item contiguous
+    in this rank's tensor in the wire dtype (``_direct``: sent from the shard, received into the
+    parameter) or a sender's sparse payload. Those are posted as their round comes, without waiting
+    for anything, and waited for once every round is posted, the last posted first (this rank
+    sleeps about once for all of them, not once a round). On a data plane whose point-to-point ops
+    run in issue order (``comm.ordered``: NCCL, one stream) a round is posted whole, so only rounds
+    with no staged message go early. The other messages of a round go through one span of
+    ``staging``, just the bytes they need, at the lowest offset no posted staged round holds (when
+    there is none, the oldest are waited for until there is; low bytes are reused first, so only as
+    much of the buffer is touched as the rounds in flight stage at once), up to ``DEPTH`` staged
+    rounds posted at once. Sender: copy each staged item's region of its local shard (``tensor_of``
+    gives the shard) into the span and post while the earlier rounds are on the wire. Receiver: when
+    a staged round completes, copy each item into its target region (``tensor_of`` gives the
+    parameter or fallback buffer; dtype cast if needed) while the later rounds arrive.
+    No deadlock: a rank posts round k's ops only after those of rounds < k, and waits only for
+    posted staged rounds in order (or, at the end, for everything). Take the lowest round with a
+    blocked op: its peer has not posted the counterpart, so that peer is blocked on a lower round.
+    With ``sums``, fold per peer what moved, message by message in index order on both ends: the
+    sender what it sent, the receiver what it applied (for a sparse message: the whole region, as it
+    is after the patch). ``sparse`` (delta sync, keyed by (peer, message index)): the sender's sparse
+    payloads, the receiver's counts of changed values; those messages go as
+    :mod:`~weightsync.transport.delta` encodes them, in their dense slot's place."""
     room = staging.numel() // ALIGN * ALIGN
     sparse = sparse or {}
+    whole_rounds = getattr(comm, "ordered", False)
+    folded: dict[tuple[int, int], int] = {}  # (peer, message index) -> that message's checksum
     moved = 0
 
     def key(m: Message) -> tuple[int, int]:
@@ -206,25 +214,36 @@ def run_rounds(comm: Communicator, plan_rounds: Iterable[list[Message]], staging
         ops = [(buf, peer_rank(m.dst if sender else m.src), m.index) for m, buf in zip(rnd, bufs)]
         return comm.post(ops, []) if sender else comm.post([], ops)
 
+    def fold(m: Message, views: Iterable[torch.Tensor]) -> None:
+        acc = 0
+        for view in views:
+            acc = fold_checksum(acc, view)
+        folded[key(m)] = acc
+
     def pack(rnd: list[Message], bufs: list[torch.Tensor], kinds: list[str]) -> None:
         for m, buf, kind in zip(rnd, bufs, kinds):
             if kind != "staged" and sums is None:
                 continue  # the shard's own bytes / a ready payload: nothing to copy or fold
+            views = []
             for i, (item, off) in enumerate(zip(m.items, m.offsets)):
                 if kind == "sparse":  # the checksum is of the values the payload makes
                     src = tensor_of(m, i)[box_slices(item.src_offsets, item.region.sizes)]
                     wire = dtype_from_name(dtypes[item.name])
-                    sums[m.dst] = fold_checksum(sums.get(m.dst, 0), src if src.dtype == wire else src.to(wire))
+                    views.append(src if src.dtype == wire else src.to(wire))
                     continue
                 view = _view(buf, off, item, dtypes)
                 if kind == "staged":
                     view.copy_(tensor_of(m, i)[box_slices(item.src_offsets, item.region.sizes)])
-                if sums is not None:
-                    sums[m.dst] = fold_checksum(sums.get(m.dst, 0), view)
+                views.append(view)
+            if sums is not None:
+                fold(m, views)
 
     def apply(rnd: list[Message], bufs: list[torch.Tensor], kinds: list[str]) -> None:
         for m, buf, kind in zip(rnd, bufs, kinds):
+            if kind == "direct" and sums is None:
+                continue  # it arrived in place
             patches = decode(buf, _numels(m), sparse[key(m)], _itemsize(m, dtypes)) if kind == "sparse" else None
+            views = []
             for i, (item, off) in enumerate(zip(m.items, m.offsets)):
                 target = tensor_of(m, i)[box_slices(item.param_offsets, item.region.sizes)]
                 if patches is not None:
@@ -232,13 +251,15 @@ def run_rounds(comm: Communicator, plan_rounds: Iterable[list[Message]], staging
                     received = target
                 else:
                     received = _view(buf, off, item, dtypes)
-                    if kind == "staged":  # a direct message arrived in place
+                    if kind == "staged":
                         target.copy_(received)
-                if sums is not None:  # what was applied, read back in the wire dtype
-                    applied = target if target.dtype == received.dtype else received
-                    sums[m.src] = fold_checksum(sums.get(m.src, 0), applied)
+                views.append(target if target.dtype == received.dtype else received)  # in the wire dtype
+            if sums is not None:  # what was applied
+                fold(m, views)
 
-    in_flight: deque[tuple[list[Message], list[torch.Tensor], list[str], list[Any], tuple[int, int]]] = deque()
+    Posted = tuple[list[Message], list[torch.Tensor], list[str], list[Any], tuple[int, int]]
+    in_flight: deque[Posted] = deque()  # staged rounds, oldest first
+    early: list[Posted] = []  # messages in this rank's own memory, waited for at the end
 
     def spot(need: int) -> int | None:
         """The lowest offset with ``need`` bytes of staging free of every posted round's span."""
@@ -248,30 +269,47 @@ def run_rounds(comm: Communicator, plan_rounds: Iterable[list[Message]], staging
                 return at
         return None
 
-    def complete() -> None:
+    def complete(posted: Posted) -> None:
         nonlocal moved
-        rnd, bufs, kinds, works, _ = in_flight.popleft()
-        comm.wait_all(works, "M2N round")
+        rnd, bufs, kinds, works, _ = posted
+        comm.wait_all(works[::-1], "M2N round")  # the last posted first: the others are done by then
         moved += sum(b.numel() for b in bufs)  # what the data plane filled, padding included
         if not sender:
             apply(rnd, bufs, kinds)  # the later rounds are arriving meanwhile
 
     for rnd in plan_rounds:
         slots, kinds = buffers(rnd)
+        own = [kind == "direct" or (sender and kind == "sparse") for kind in kinds]
+        if all(own) or (any(own) and not whole_rounds):
+            mine = [i for i, o in enumerate(own) if o]
+            early_rnd, early_bufs = [rnd[i] for i in mine], [slots[i] for i in mine]
+            early_kinds = [kinds[i] for i in mine]
+            if sender:
+                pack(early_rnd, early_bufs, early_kinds)  # (only folds)
+            early.append((early_rnd, early_bufs, early_kinds, post(early_rnd, early_bufs), (0, 0)))
+            rest = [i for i, o in enumerate(own) if not o]
+            if not rest:
+                continue
+            rnd, slots, kinds = [rnd[i] for i in rest], [slots[i] for i in rest], [kinds[i] for i in rest]
         need = sum(align_up(b, ALIGN) for b in slots if isinstance(b, int))
         if need > room:
             raise ValueError(f"a round needs {need} bytes of staging, more than the {room} there are")
         start = 0
         while need and (start := spot(need)) is None:
-            complete()  # the oldest round frees its span first
+            complete(in_flight.popleft())  # the oldest round frees its span first
         bufs = place(slots, staging[start : start + need])
         if sender:
             pack(rnd, bufs, kinds)  # the earlier rounds are on the wire meanwhile
         in_flight.append((rnd, bufs, kinds, post(rnd, bufs), (start, start + need)))
         if len(in_flight) == DEPTH:
-            complete()
+            complete(in_flight.popleft())
     while in_flight:
-        complete()
+        complete(in_flight.popleft())
+    while early:
+        complete(early.pop())
+    if sums is not None:
+        for (peer, _), value in sorted(folded.items()):
+            sums[peer] = fold_value(sums.get(peer, 0), value)
     return moved
 
 

@@ -33,7 +33,7 @@ import torch
 from ..layout.buckets import Bucket, BucketEntry
 from ..protocol import dtype_from_name
 
-__all__ = ["CHUNK_BYTES", "ROW_WORDS", "fold_checksum", "pack", "unpack"]
+__all__ = ["CHUNK_BYTES", "ROW_WORDS", "fold_checksum", "fold_value", "pack", "unpack"]
 
 CHUNK_BYTES = 16 << 20
 """Bytes of the int64 work buffer one :func:`fold_checksum` call allocates (bounds its memory)."""
@@ -151,5 +151,10 @@ def fold_checksum(acc: int, t: torch.Tensor) -> int:
         sums.add_bytes(block)
     out = acc
     for value in (nbytes, *sums.finish()):
-        out = (out * _P + value) % _MOD
+        out = fold_value(out, value)
     return out
+
+
+def fold_value(acc: int, value: int) -> int:
+    """Fold the integer ``value`` (e.g. another checksum) into the running checksum ``acc``."""
+    return (acc * _P + value) % _MOD
