@@ -41,6 +41,9 @@ __all__ = ["Communicator", "DataPlaneError", "SyncAborted", "decode_unique_id", 
 NCCL_UNIQUE_ID_BYTES = 128
 _ERROR = "error"
 _FAILED = "failed"
+_ABSENT = "\x00"
+"""Never a published value (those are JSON): ``compare_set(key, _ABSENT, _ABSENT)`` answers it for a
+key not set, and sets nothing (a non-empty expected value is never written to a missing key)."""
 """The value a failing party sets on the keys others block on (``fail_keys``), so that they wake."""
 _STORE_POLL_S = 0.005
 """Longest pause between two looks at the store while waiting for a key."""
@@ -84,6 +87,12 @@ def decode_unique_id(b64: str) -> bytes:
     if len(raw) != NCCL_UNIQUE_ID_BYTES:
         raise ValueError(f"nccl_unique_id_b64 must decode to {NCCL_UNIQUE_ID_BYTES} bytes, got {len(raw)}")
     return raw
+
+
+def _get_if_set(store: Any, key: str) -> bytes | None:
+    """``key``'s raw value, or None when it is not set: one store request (``check`` + ``get`` are two)."""
+    raw = store.compare_set(key, _ABSENT, _ABSENT)
+    return None if raw == _ABSENT.encode() else raw
 
 
 def _nccl_group(store: Any, rank: int, world_size: int, timeout: timedelta) -> Any:
@@ -200,7 +209,8 @@ class Communicator:
         if store is None:
             return None
         try:
-            return store.get(_ERROR).decode() if store.check([_ERROR]) else None
+            raw = _get_if_set(store, _ERROR)
+            return None if raw is None else raw.decode()
         except Exception as e:  # noqa: BLE001 - the store's host (trainer rank 0) is gone
             return f"the sync group's store is unreachable ({str(e).splitlines()[0][:200]})"
 
@@ -211,8 +221,8 @@ class Communicator:
         deadline = time.monotonic() + limit
         for pause in _pauses():
             try:
-                if self.store.check([key]):
-                    return json.loads(self.store.get(key))
+                if (raw := _get_if_set(self.store, key)) is not None:
+                    return json.loads(raw)
             except Exception as e:  # noqa: BLE001 - the store's host is gone
                 raise self._unreachable(key, e) from None
             if (err := self.peer_error()) is not None:
@@ -268,7 +278,8 @@ class Communicator:
 
     def peek(self, key: str) -> Any | None:
         """The JSON value under ``key`` if set, else None (never blocks)."""
-        return json.loads(self.store.get(key)) if self.store.check([key]) else None
+        raw = _get_if_set(self.store, key)
+        return None if raw is None else json.loads(raw)
 
     # ---- data plane -------------------------------------------------------------------
     def wait(self, work: Any, what: str = "operation") -> None:
