@@ -100,7 +100,8 @@ def _targets_table(acc: list[dict[str, Any]]) -> list[str]:
                  f"{100 * p['fraction_of_raw_plan']:.0f} % | {_verdict(p['fraction_of_raw_plan'] >= 0.8)} | "
                  f"median (range {_range(p, 'fraction_of_raw_plan', 100)} %) over the same pairs of raw s / "
                  f"weightsync_m2n s, raw = every (trainer, worker) pair's bytes of one sync as one gloo message, "
-                 f"all posted at once, no copies (median {p['raw_plan_s']:.3f} s); separate rows: "
+                 f"all posted at once, no copies (median {p['raw_plan_s']:.3f} s); {_steps(p)}{_first(p)}; "
+                 f"separate rows: "
                  f"{100 * a['fraction_of_p2p_round']:.0f} % of the balanced raw M2N-shaped round |")]
               if p and "fraction_of_raw_plan" in p else []),
             (f"| {mb} | trainer extra peak memory | <= 1 staging bucket ({a['staging_mib']:.0f} MiB) + 1 MiB | "
@@ -110,6 +111,20 @@ def _targets_table(acc: list[dict[str, Any]]) -> list[str]:
             "is for the rest (plan, bookkeeping) |"),
         ]
     return lines
+
+
+def _steps(paired: dict[str, Any]) -> str:
+    if "m2n_first_s" in paired:
+        return "each side the mean of 3 runs after a warm-up run"
+    return "weightsync_m2n one sync, raw the mean of 3 steps after a warm-up step"  # runs saved before 2026-12-02c
+
+
+def _first(paired: dict[str, Any]) -> str:
+    """The ratio for M2N's warm-up sync (the first after the naive sync and the raw probes), if recorded."""
+    if "fraction_of_raw_plan_first" not in paired:
+        return ""
+    return (f" (M2N's warm-up sync, the first after the other sides' work: "
+            f"{100 * paired['fraction_of_raw_plan_first']:.0f} %, range {_range(paired, 'fraction_of_raw_plan_first', 100)} %)")
 
 
 def _cpu_s(r: dict[str, Any]) -> float | None:

@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import _report
@@ -285,11 +286,33 @@ def raw_plan_traffic(ts: list[Actor], rs: list[Actor], pair_bytes: list[dict[int
     return max(r["seconds"] for r in res), sum(r["cpu_s"] for r in res)
 
 
+STEPS = 3
+"""Timed runs per side of a pair, after one untimed warm-up, back to back: how ``_probes.p2p_plan``
+times the raw step, so that every side of a pair is measured alike."""
+
+
+def steady(fn: Callable[[], Any], then: Callable[[], Any] | None = None) -> tuple[float, float, Any]:
+    """``fn`` once (a warm-up, right after the other sides' work), ``then`` (untimed), then ``fn``
+    ``STEPS`` times back to back: the warm-up's seconds, the timed runs' mean seconds, the last result."""
+    t0 = time.perf_counter()
+    fn()
+    first = time.perf_counter() - t0
+    if then is not None:
+        then()
+    t0 = time.perf_counter()
+    for _ in range(STEPS):
+        out = fn()
+    return first, (time.perf_counter() - t0) / STEPS, out
+
+
 def run_paired(cluster: LocalCluster, sc: Scenario, model_dir: str, itemsize: int, repeats: int,
                p2p_mib: int) -> dict[str, Any]:
-    """weightsync_m2n, the naive sync (before or after it, alternately) and raw p2p (one pair, ``p2p_mib``
-    messages) back to back, ``repeats`` times after a warm-up, on the same processes: on a shared machine each ratio is taken between
-    measurements made moments apart, and the medians of the ratios are reported."""
+    """weightsync_m2n, the naive sync (before or after it, alternately), raw p2p (one pair, ``p2p_mib``
+    messages) and the plan's traffic moved raw back to back, ``repeats`` times after a warm-up, on the
+    same processes: on a shared machine each ratio is taken between measurements made moments apart,
+    and the medians of the ratios are reported. Each sync side is one warm-up sync and the mean of
+    ``STEPS`` more, as the raw step is timed; the warm-up sync (the first after the other sides' work)
+    is kept as ``*_first_s``."""
     layout = Layout(trainers=sc.trainers, tp=sc.tp, replicas=sc.replicas, model=model_dir,
                     dtype="float32" if itemsize == 4 else "bfloat16", backend="weightsync_m2n")
     cluster.setup(layout)
@@ -301,21 +324,21 @@ def run_paired(cluster: LocalCluster, sc: Scenario, model_dir: str, itemsize: in
     samples = []
     try:
         for i in range(1 + repeats):
-            naive = naive_sync(ts, rs) if i % 2 else 0.0  # alternate the order: no side always goes first
-            on(ts + rs, "timers")  # from here: each process's CPU seconds (all threads)
-            t0 = time.perf_counter()
-            st = cluster.sync(weight_version=f"p{i}")
-            m2n = time.perf_counter() - t0
-            m2n_cpu = sum(t["cpu"] for t in on(ts + rs, "timers"))
-            naive = naive or naive_sync(ts, rs)
+            naive = steady(lambda: naive_sync(ts, rs)) if i % 2 else None  # alternate: no side always goes first
+            m2n_first, m2n, st = steady(lambda: cluster.sync(weight_version=f"p{i}"),
+                                        lambda: on(ts + rs, "timers"))  # from here: each process's CPU seconds
+            m2n_cpu = sum(t["cpu"] for t in on(ts + rs, "timers")) / STEPS
+            naive_first, naive_s, _ = naive or steady(lambda: naive_sync(ts, rs))
             pair = p2p_pair(ts + rs, len(ts), p2p_mib * MiB)
             raw, raw_cpu = raw_plan_traffic(ts, rs, pair_bytes)
             if i:
                 gbps = max(st["bytes_received_per_worker"].values()) / m2n / 1e9
-                samples.append({"m2n_s": m2n, "naive_s": naive, "p2p_gbps": pair, "m2n_gbps": gbps,
-                                "speedup": naive / m2n, "fraction_of_p2p": gbps / pair,
+                samples.append({"m2n_s": m2n, "naive_s": naive_s, "p2p_gbps": pair, "m2n_gbps": gbps,
+                                "speedup": naive_s / m2n, "fraction_of_p2p": gbps / pair,
                                 "raw_plan_s": raw, "fraction_of_raw_plan": raw / m2n,
-                                "m2n_cpu_s": m2n_cpu, "raw_plan_cpu_s": raw_cpu})
+                                "m2n_cpu_s": m2n_cpu, "raw_plan_cpu_s": raw_cpu,
+                                "m2n_first_s": m2n_first, "naive_first_s": naive_first,
+                                "fraction_of_raw_plan_first": raw / m2n_first})
     finally:
         on(ts + rs, "naive_teardown")
         on(ts + rs, "p2p_teardown")

@@ -34,12 +34,13 @@ def test_the_throughput_benchmark_runs_every_path_verified_and_reports_the_paire
     assert rows["naive"]["wire_over_lower_bound"] > 1.9  # the naive sync broadcasts whole tensors
     paired = result["paired"]["16MB"]
     assert len(paired["samples"]) == 5
-    for key in ("m2n_s", "naive_s", "raw_plan_s", "m2n_cpu_s", "raw_plan_cpu_s", "p2p_gbps"):
+    for key in ("m2n_s", "naive_s", "raw_plan_s", "m2n_cpu_s", "raw_plan_cpu_s", "p2p_gbps", "m2n_first_s",
+                "naive_first_s", "fraction_of_raw_plan_first"):
         assert paired[key] > 0, key
     assert paired["speedup"] == pytest.approx(sorted(s["speedup"] for s in paired["samples"])[2])
     report = (tmp_path / "transfer_throughput.md").read_text()
     assert "| 15 | fraction of the plan's traffic moved raw |" in report
-    assert "M2N's extra CPU per sync" in report
+    assert "M2N's extra CPU per sync" in report and "each side the mean of 3 runs after a warm-up run" in report
     for png in ("transfer_size.png", "transfer_memory.png"):
         assert (tmp_path / png).stat().st_size > 10_000, png
     assert "UserWarning" not in out.stderr
