@@ -166,8 +166,8 @@ def run_rounds(comm: Communicator, plan_rounds: Iterable[list[Message]], staging
     a staged round completes, copy each item into its target region (``tensor_of`` gives the
     parameter or fallback buffer; dtype cast if needed) while the later rounds arrive.
     No deadlock: a rank posts round k's ops only after those of rounds < k, and waits only for
-    posted staged rounds in order (or, at the end, for everything). Take the lowest round with a
-    blocked op: its peer has not posted the counterpart, so that peer is blocked on a lower round.
+    posted staged rounds in order (or, once everything is posted, for the rest in any order). Take
+    the lowest round with a blocked op: its peer has not posted the counterpart, so that peer is blocked on a lower round.
     With ``sums``, fold per peer what moved, message by message in index order on both ends: the
     sender what it sent, the receiver what it applied (for a sparse message: the whole region, as it
     is after the patch). ``sparse`` (delta sync, keyed by (peer, message index)): the sender's sparse
@@ -303,10 +303,10 @@ def run_rounds(comm: Communicator, plan_rounds: Iterable[list[Message]], staging
         in_flight.append((rnd, bufs, kinds, post(rnd, bufs), (start, start + need)))
         if len(in_flight) == DEPTH:
             complete(in_flight.popleft())
-    while in_flight:
-        complete(in_flight.popleft())
-    while early:
-        complete(early.pop())
+    # everything is posted: the receiver applies the staged rounds in order while the later ones
+    # arrive, the sender waits for the last posted first (the earlier ones are done by then)
+    for posted in (list(in_flight) if not sender else [*reversed(in_flight)]) + early[::-1]:
+        complete(posted)
     if sums is not None:
         for (peer, _), value in sorted(folded.items()):
             sums[peer] = fold_value(sums.get(peer, 0), value)
