@@ -99,7 +99,7 @@ def _targets_table(acc: list[dict[str, Any]]) -> list[str]:
             *([(f"| {mb} | fraction of the plan's traffic moved raw | >= 80 % | "
                  f"{100 * p['fraction_of_raw_plan']:.0f} % | {_verdict(p['fraction_of_raw_plan'] >= 0.8)} | "
                  f"median (range {_range(p, 'fraction_of_raw_plan', 100)} %) over the same pairs of raw s / "
-                 f"weightsync_m2n s, raw = every (trainer, worker) pair's bytes of one sync as one gloo message, "
+                 f"weightsync_m2n s{_trainer_side(p)}, raw = every (trainer, worker) pair's bytes of one sync as one gloo message, "
                  f"all posted at once, no copies (median {p['raw_plan_s']:.3f} s); {_steps(p)}{_first(p)}; "
                  f"separate rows: "
                  f"{100 * a['fraction_of_p2p_round']:.0f} % of the balanced raw M2N-shaped round |")]
@@ -113,6 +113,14 @@ def _targets_table(acc: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _trainer_side(paired: dict[str, Any]) -> str:
+    if "m2n_trainer_s" not in paired:
+        return " (as the driver timed it)"
+    return (f" (send_weights on the slowest trainer rank, median {paired['m2n_trainer_s']:.3f} s; as the driver "
+            f"timed it, through the harness's calls into the trainer processes: "
+            f"{100 * paired['fraction_of_raw_plan_driver']:.0f} %)")
+
+
 def _steps(paired: dict[str, Any]) -> str:
     if "m2n_first_s" in paired:
         return "each side the mean of 3 runs after a warm-up run"
@@ -123,7 +131,7 @@ def _first(paired: dict[str, Any]) -> str:
     """The ratio for M2N's warm-up sync (the first after the naive sync and the raw probes), if recorded."""
     if "fraction_of_raw_plan_first" not in paired:
         return ""
-    return (f" (M2N's warm-up sync, the first after the other sides' work: "
+    return (f" (M2N's warm-up sync as the driver timed it, the first after the other sides' work: "
             f"{100 * paired['fraction_of_raw_plan_first']:.0f} %, range {_range(paired, 'fraction_of_raw_plan_first', 100)} %)")
 
 

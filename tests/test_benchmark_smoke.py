@@ -35,7 +35,7 @@ def test_the_throughput_benchmark_runs_every_path_verified_and_reports_the_paire
     paired = result["paired"]["16MB"]
     assert len(paired["samples"]) == 5
     for key in ("m2n_s", "naive_s", "raw_plan_s", "m2n_cpu_s", "raw_plan_cpu_s", "p2p_gbps", "m2n_first_s",
-                "naive_first_s", "fraction_of_raw_plan_first"):
+                "naive_first_s", "fraction_of_raw_plan_first", "m2n_trainer_s", "fraction_of_raw_plan_driver"):
         assert paired[key] > 0, key
     assert paired["speedup"] == pytest.approx(sorted(s["speedup"] for s in paired["samples"])[2])
     report = (tmp_path / "transfer_throughput.md").read_text()

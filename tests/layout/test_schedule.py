@@ -23,7 +23,8 @@ from weightsync.layout import (
     mesh_coordinates,
     source_regions,
 )
-from weightsync.layout.schedule import ALIGN, ALONE, Message, message_cap, pair_messages, rounds, split_item
+from weightsync.layout.schedule import (ALIGN, ALONE, Message, message_cap, pair_messages, peer_messages, rounds,
+                                       split_item)
 
 
 def _it(name, offsets, sizes, src_offsets=None, param_offsets=None, src=0, dst=0, param="p"):
@@ -87,6 +88,20 @@ def test_pieces_of_at_least_alone_bytes_go_first_each_alone_then_the_small_ones_
     assert got == [Message(0, 0, 0, (items[0],), (0,), 40), Message(0, 0, 1, (c0,), (0,), 64),
                    Message(0, 0, 2, (items[1], c1, items[3]), (0, 8, 24), 28)]
     assert pair_messages(items, by="dst", cap=64, itemsize_of=size.__getitem__)[0][0].items == (items[0], items[1])
+
+
+def test_pieces_marked_apart_are_packed_after_the_others_never_with_them():
+    """Small pieces into params that always go dense in a delta sync (``apart``) would make any
+    message they share dense: they are cut after the others (alone-sized ones too), indexes running on."""
+    items = [_it("a", (0,), (2,), param="live"), _it("b", (0,), (2,), param="kept"), _it("c", (0,), (2,), param="live"),
+             _it("d", (0,), (10,), param="kept"), _it("e", (0,), (2,), param="kept")]
+    size = dict.fromkeys("abcde", 4)
+    got = list(peer_messages(lambda: items, cap=64, itemsize_of=size.__getitem__, alone=40,
+                             apart=lambda it: it.param == "kept"))
+    assert got == [Message(0, 0, 0, (items[0], items[2]), (0, 8), 16), Message(0, 0, 1, (items[3],), (0,), 40),
+                   Message(0, 0, 2, (items[1], items[4]), (0, 8), 16)]
+    together = list(peer_messages(lambda: items, cap=64, itemsize_of=size.__getitem__, alone=40))
+    assert [m.items for m in together] == [(items[3],), (items[0], items[1], items[2], items[4])]
 
 
 def test_pair_messages_validates_by_and_cap():

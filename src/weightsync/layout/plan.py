@@ -239,10 +239,11 @@ class PairItems:
                 for p in protos:
                     yield new_item(src, dst, name, p.region, p.src_offsets, pn[p.piece], p.param_offsets)
 
-    def rounds(self, *, cap: int, itemsize_of: Callable[[str], int]) -> Iterator[list[Message]]:
+    def rounds(self, *, cap: int, itemsize_of: Callable[[str], int],
+               apart: Callable[[TransferItem], bool] | None = None) -> Iterator[list[Message]]:
         """This rank's rounds: every peer's items cut by :func:`~weightsync.layout.schedule.peer_messages`
-        (``itemsize_of`` maps a tensor name to bytes per element), made as they are consumed."""
-        return iter_rounds({p: peer_messages(partial(self.items, p), cap=cap, itemsize_of=itemsize_of)
+        (``itemsize_of`` maps a tensor name to bytes per element; ``apart`` as there), made as they are consumed."""
+        return iter_rounds({p: peer_messages(partial(self.items, p), cap=cap, itemsize_of=itemsize_of, apart=apart)
                             for p in self.peers})
 
 

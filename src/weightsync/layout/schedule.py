@@ -72,12 +72,24 @@ def split_item(item: TransferItem, itemsize: int, cap: int) -> list[TransferItem
 
 
 def peer_messages(items: Callable[[], Iterable[TransferItem]], *, cap: int, itemsize_of: Callable[[str], int],
-                  alone: int = ALONE) -> Iterator[Message]:
+                  alone: int = ALONE, apart: Callable[[TransferItem], bool] | None = None) -> Iterator[Message]:
     """One pair's messages, made as they are consumed. ``items()`` gives the pair's items in order
-    (it is called twice: once for the pieces of at least ``alone`` bytes, each a message of its own,
-    then for the smaller pieces, packed in order into messages of at most ``cap`` bytes)."""
+    (it is called again for each pass: the pieces of at least ``alone`` bytes, each a message of its
+    own, then the smaller pieces, packed in order into messages of at most ``cap`` bytes). With
+    ``apart``, the small pieces it marks are packed after the others, never in one message with them
+    (e.g. those that must go dense in a delta sync: one would make its whole message dense)."""
     if cap < ALIGN:
         raise ValueError(f"cap must be >= {ALIGN} bytes, got {cap}")
+    if apart is not None:
+        first = peer_messages(lambda: (it for it in items() if not apart(it)), cap=cap, itemsize_of=itemsize_of,
+                              alone=alone)
+        index = -1
+        for index, m in enumerate(first):
+            yield m
+        for m in peer_messages(lambda: (it for it in items() if apart(it)), cap=cap, itemsize_of=itemsize_of,
+                               alone=alone):
+            yield replace(m, index=index + 1 + m.index)
+        return
 
     def pieces() -> Iterator[tuple[TransferItem, int, int]]:  # (piece, itemsize, bytes), in order
         for item in items():

@@ -121,7 +121,9 @@ class _Plan:
         self.digest = self.gathered.plan.digest
         agree(comm, f"{_P}/digest", self.digest, "plan digest")
         cap = message_cap(staging_bytes, num_trainers, num_workers, buffers=2)  # a round stages <= half of it
-        self.rounds = my_messages(self.gathered.plan, sources, rank=rank, sender=sender, cap=cap)
+        g = self.gathered
+        self.dense_only = [{*via, *(FALLBACK + n for n, _ in fb)} for via, fb in zip(g.via_loader, g.fallbacks)]
+        self.rounds = my_messages(g.plan, sources, rank=rank, sender=sender, cap=cap, dense_only=self.dense_only)
         self.nbytes = self.rounds.nbytes  # what this rank sends or receives dense
         self.staging = torch.empty(staging_bytes, dtype=torch.uint8, device=comm.device)
 
@@ -156,7 +158,6 @@ class M2NTrainerEngine(BaseTrainerEngine):
         self._names = [s.name for s in sources]
         self._local_shapes = {s.name: s.regions[i.rank].sizes for s in sources}
         self._baseline = Baseline.for_engine(i)
-        self._dense_only = [set(v) for v in self.plan.gathered.via_loader]  # per worker: re-processed params
 
     def _preflight(self, verify: bool) -> dict[str, torch.Tensor]:
         """This rank's shards, checked against the plan's metadata (no collectives)."""
@@ -203,11 +204,10 @@ class M2NTrainerEngine(BaseTrainerEngine):
     def _encode(self, shards: dict[str, torch.Tensor], base: int | None, holders: list[int], stats: SyncStats) -> Any:
         """This rank's sparse payloads for the workers in ``holders`` (published: the workers size their
         receives from them); the shards become the baseline."""
-        t0, takers, dense_only = time.perf_counter(), set(holders), self._dense_only
+        t0, takers, dense_only = time.perf_counter(), set(holders), self.plan.dense_only
 
         def eligible(m: Any) -> bool:  # into live parameters of a worker that holds the base
-            return m.dst in takers and not any(it.param.startswith(FALLBACK) or it.param in dense_only[m.dst]
-                                               for it in m.items)
+            return m.dst in takers and not any(it.param in dense_only[m.dst] for it in m.items)
 
         enc = self._baseline.encode(self.plan.rounds, shards, self.plan.dtypes, eligible=eligible)
         self.comm.publish(self._key("sizes", self.rank), enc.counts)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -109,8 +109,9 @@ class Rounds:
     """This rank's messages grouped into rounds (the same cuts as its peers'), from the compact
     plan (:meth:`TransferPlan.pairs`): iterable any number of times, kept when small."""
 
-    def __init__(self, pairs: PairItems, itemsize_of: Callable[[str], int], cap: int) -> None:
-        self._make = partial(pairs.rounds, cap=cap, itemsize_of=itemsize_of)
+    def __init__(self, pairs: PairItems, itemsize_of: Callable[[str], int], cap: int,
+                 apart: Callable[[Any], bool] | None = None) -> None:
+        self._make = partial(pairs.rounds, cap=cap, itemsize_of=itemsize_of, apart=apart)
         self.items = pairs.count()
         self._kept = list(self._make()) if self.items <= KEEP_ITEMS else None
         self._len = None if self._kept is None else len(self._kept)
@@ -135,10 +136,17 @@ class Rounds:
         return self._len
 
 
-def my_messages(plan: TransferPlan, sources: list[TensorSource], *, rank: int, sender: bool, cap: int) -> Rounds:
-    """This rank's rounds (see :class:`Rounds`)."""
+def my_messages(plan: TransferPlan, sources: list[TensorSource], *, rank: int, sender: bool, cap: int,
+                dense_only: Sequence[Collection[str]] = ()) -> Rounds:
+    """This rank's rounds (see :class:`Rounds`). ``dense_only[w]``: worker w's params that never take
+    a delta (received in checkpoint layout and processed, or fallbacks); their small pieces are packed
+    apart from the others' (the same cut on both ends: every rank has every worker's list)."""
     size = {s.name: dtype_itemsize(s.dtype) for s in sources}
-    return Rounds(plan.pairs(rank, sender=sender), size.__getitem__, cap)
+    apart = None
+    if any(dense_only):
+        def apart(item: Any) -> bool:
+            return item.param in dense_only[item.dst_rank]
+    return Rounds(plan.pairs(rank, sender=sender), size.__getitem__, cap, apart)
 
 
 DEPTH = 8
