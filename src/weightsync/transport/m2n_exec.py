@@ -175,7 +175,8 @@ def run_rounds(comm: Communicator, plan_rounds: Iterable[list[Message]], staging
     parameter or fallback buffer; dtype cast if needed) while the later rounds arrive.
     No deadlock: a rank posts round k's ops only after those of rounds < k, and waits only for
     posted staged rounds in order (or, once everything is posted, for the rest in any order). Take
-    the lowest round with a blocked op: its peer has not posted the counterpart, so that peer is blocked on a lower round.
+    the lowest round with a blocked op: its peer has not posted the counterpart, so that peer is
+    blocked on a lower round.
     With ``sums``, fold per peer what moved, message by message in index order on both ends: the
     sender what it sent, the receiver what it applied (for a sparse message: the whole region, as it
     is after the patch). ``sparse`` (delta sync, keyed by (peer, message index)): the sender's sparse
@@ -287,18 +288,15 @@ def run_rounds(comm: Communicator, plan_rounds: Iterable[list[Message]], staging
 
     for rnd in plan_rounds:
         slots, kinds = buffers(rnd)
-        own = [kind == "direct" or (sender and kind == "sparse") for kind in kinds]
+        own = [kind == "direct" or (sender and kind == "sparse") for kind in kinds]  # no staging needed
         if all(own) or (any(own) and not whole_rounds):
-            mine = [i for i, o in enumerate(own) if o]
-            early_rnd, early_bufs = [rnd[i] for i in mine], [slots[i] for i in mine]
-            early_kinds = [kinds[i] for i in mine]
+            e_rnd, e_bufs, e_kinds = ([x[i] for i, o in enumerate(own) if o] for x in (rnd, slots, kinds))
             if sender:
-                pack(early_rnd, early_bufs, early_kinds)  # (only folds)
-            early.append((early_rnd, early_bufs, early_kinds, post(early_rnd, early_bufs), (0, 0)))
-            rest = [i for i, o in enumerate(own) if not o]
-            if not rest:
+                pack(e_rnd, e_bufs, e_kinds)  # (only folds)
+            early.append((e_rnd, e_bufs, e_kinds, post(e_rnd, e_bufs), (0, 0)))
+            if all(own):
                 continue
-            rnd, slots, kinds = [rnd[i] for i in rest], [slots[i] for i in rest], [kinds[i] for i in rest]
+            rnd, slots, kinds = ([x[i] for i, o in enumerate(own) if not o] for x in (rnd, slots, kinds))
         need = sum(align_up(b, ALIGN) for b in slots if isinstance(b, int))
         if need > room:
             raise ValueError(f"a round needs {need} bytes of staging, more than the {room} there are")
@@ -313,7 +311,7 @@ def run_rounds(comm: Communicator, plan_rounds: Iterable[list[Message]], staging
             complete(in_flight.popleft())
     # everything is posted: the receiver applies the staged rounds in order while the later ones
     # arrive, the sender waits for the last posted first (the earlier ones are done by then)
-    for posted in (list(in_flight) if not sender else [*reversed(in_flight)]) + early[::-1]:
+    for posted in [*(reversed(in_flight) if sender else in_flight), *reversed(early)]:
         complete(posted)
     if sums is not None:
         for (peer, _), value in sorted(folded.items()):
