@@ -41,10 +41,10 @@ __all__ = ["Communicator", "DataPlaneError", "SyncAborted", "decode_unique_id", 
 NCCL_UNIQUE_ID_BYTES = 128
 _ERROR = "error"
 _FAILED = "failed"
+"""The value a failing party sets on the keys others block on (``fail_keys``), so that they wake."""
 _ABSENT = "\x00"
 """Never a published value (those are JSON): ``compare_set(key, _ABSENT, _ABSENT)`` answers it for a
 key not set, and sets nothing (a non-empty expected value is never written to a missing key)."""
-"""The value a failing party sets on the keys others block on (``fail_keys``), so that they wake."""
 _STORE_POLL_S = 0.005
 """Longest pause between two looks at the store while waiting for a key."""
 _FIRST_POLL_S = 5e-5
