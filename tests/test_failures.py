@@ -371,5 +371,7 @@ def test_verified_syncs_do_not_leak(cluster):
     print("RSS growth per process over 20 verified syncs:", [f"{g:+.2%}" for g in growth],
           "fds", [(a["fds"], b["fds"]) for a, b in zip(r0, r1)], "threads", list(zip(t0, t1)))
     assert max(growth) < 0.01
-    assert all(b["fds"] <= a["fds"] for a, b in zip(r0, r1))  # no growth
-    assert all(b <= a for a, b in zip(t0, t1))
+    # a finish call sent while the update call returns may take one more client thread and connection
+    # (and a worker thread serving it), once; a leak per sync would add 20
+    assert all(b["fds"] <= a["fds"] + 2 for a, b in zip(r0, r1))
+    assert all(b <= a + 2 for a, b in zip(t0, t1))

@@ -45,7 +45,13 @@ def per_engine(init_info: dict[str, Any], num_engines: int) -> list[dict[str, An
 
 @runtime_checkable
 class WeightSyncClient(Protocol):
-    """The four control-plane calls trainer rank 0 makes. All block until every engine is done."""
+    """The four control-plane calls trainer rank 0 makes. All block until every engine is done.
+
+    A client may also set ``concurrent_calls = True`` (absent: False) when it may be called from two
+    threads at once, as weightsync's clients are: trainer rank 0 then sends ``finish_weight_update``
+    as soon as every worker said on the store that it applied the update, while the ``update_weights``
+    call is still returning (an engine runs its calls in order, so the finish comes after the update
+    there)."""
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None: ...
 
@@ -68,6 +74,8 @@ class HTTPVLLMWeightSyncClient:
         base_url: ``http://host:port`` or a list of them (one per replica).
         timeout_s: per-request limit.
     """
+
+    concurrent_calls = True
 
     def __init__(self, base_url: str | list[str], *, timeout_s: float = 300.0) -> None:
         urls = [base_url] if isinstance(base_url, str) else list(base_url)
@@ -126,6 +134,8 @@ class HTTPVLLMWeightSyncClient:
 
 class RayVLLMWeightSyncClient:
     """Talks to one or more vLLM ``LLM`` Ray actors (one per replica); Ray is imported on use."""
+
+    concurrent_calls = True
 
     def __init__(self, handle: Any, *, timeout_s: float = 300.0) -> None:
         self.handles = list(handle) if isinstance(handle, (list, tuple)) else [handle]

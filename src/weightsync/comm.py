@@ -137,6 +137,11 @@ class Communicator:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         return cls(connect_store(host, port, timeout_s, is_master=host_store), name=name, timeout_s=timeout_s)
 
+    def second_channel(self) -> "Communicator":
+        """Another connection to this group's store (no data plane), for a thread that must reach the
+        store while this party blocks in ``await_keys``: a store client serves one request at a time."""
+        return Communicator.connect(self.store.host, self.store.port, name=self.name, timeout_s=self.timeout_s)
+
     @property
     def ordered(self) -> bool:
         """Whether this party's point-to-point ops run in the order posted (NCCL: one stream), so a
@@ -235,16 +240,21 @@ class Communicator:
         """``read`` for a key that every failure path sets too (``fail_keys``): a blocking wait on the
         store, woken the moment the key is set (no polling: one request, however many ranks wait).
         ``DataPlaneError`` when the key says a party failed, the store's host is gone, or on timeout."""
+        return self.await_keys([key])[0]
+
+    def await_keys(self, keys: list[str]) -> list[Any]:
+        """``await_key`` for several keys at once: their values, once every one is set."""
         try:
-            self.store.wait([key], timedelta(seconds=self.timeout_s))
-            raw = self.store.get(key)
+            self.store.wait(keys, timedelta(seconds=self.timeout_s))
+            raws = self.store.multi_get(keys)
         except Exception as e:  # noqa: BLE001 - timed out, or the store's host (trainer rank 0) is gone
+            what = keys[0] if len(keys) == 1 else f"{keys[0]} (and {len(keys) - 1} more)"
             if isinstance(e, dist.DistStoreError) and "timeout" in str(e):
-                raise self._timed_out(key, self.timeout_s) from None
-            raise self._unreachable(key, e) from None
-        if raw == _FAILED.encode():
+                raise self._timed_out(what, self.timeout_s) from None
+            raise self._unreachable(what, e) from None
+        if _FAILED.encode() in raws:
             raise DataPlaneError(f"a party failed: {self.peer_error() or 'unknown'}")
-        return json.loads(raw)
+        return [json.loads(raw) for raw in raws]
 
     def _timed_out(self, key: str, limit: float) -> DataPlaneError:
         return DataPlaneError(f"timed out after {limit}s on {self.name} waiting for {key!r}")

@@ -139,7 +139,16 @@ class DTensorModuleSource(WeightSource):
     def iter_local(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's shard of every tensor, in metadata order (no collectives)."""
         for name, p in _named(self.module, self.name_map):
-            yield name, (p.to_local() if _is_dtensor(p) else p).detach()  # (to_local first: 4x cheaper)
+            yield name, _local(p).detach()
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (the tensor ``to_local()`` returns a view of, without running
+    ``to_local``'s autograd function: ~25x cheaper), or ``p`` itself."""
+    if not _is_dtensor(p):
+        return p
+    local = getattr(p, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else p.to_local()
 
 
 def tensor_sources(metas: list[ParamMeta]) -> list[TensorSource]:

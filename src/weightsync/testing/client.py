@@ -24,6 +24,9 @@ class LocalWeightSyncClient:
         timeout_s: per-call limit.
     """
 
+    concurrent_calls = True
+    """Calls from several threads at once are safe (each is its own connection)."""
+
     def __init__(self, replicas: list[list[ActorAddress]], *, timeout_s: float = 600.0) -> None:
         if not replicas or any(not r for r in replicas):
             raise ValueError("replicas must be a non-empty list of non-empty worker lists")

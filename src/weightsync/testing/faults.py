@@ -1,5 +1,5 @@
 """Faults the tests inject into harness processes: sources that disagree with their metadata,
-clients that corrupt requests, a slowed data plane.
+clients that corrupt requests or answer late, a slowed data plane, wrong checksums.
 
 Sources: ``make_engine(..., fault=NAME)`` (``weightsync.testing.trainer``) wraps the source it built
 (``FullTensorSource`` or ``DTensorModuleSource``) in ``faulty(source, NAME)``; the fault hits
@@ -27,7 +27,8 @@ import torch
 
 from ..protocol import ParamMeta, WeightSource
 
-__all__ = ["BAD_NAME", "EXTRA_NAME", "FAULTS", "faulty", "JsonRoundTripClient", "CorruptingClient", "slow_data_plane"]
+__all__ = ["BAD_NAME", "EXTRA_NAME", "FAULTS", "faulty", "JsonRoundTripClient", "CorruptingClient", "LaggingClient",
+           "slow_data_plane", "wrong_checksums"]
 
 BAD_NAME = "model.layers.1.mlp.up_proj.weight"
 EXTRA_NAME = "model.layers.1.mlp.extra_proj.weight"
@@ -146,7 +147,55 @@ class CorruptingClient(JsonRoundTripClient):
         self.inner.update_weights(update_info)
 
 
+class LaggingClient(JsonRoundTripClient):
+    """Each ``update_weights`` returns ``lag_s`` after the engines answered (a slow reply), and ``log``
+    (a file) gets a line per event: ``update``, ``returned`` (the update call returns), ``finish``.
+    ``concurrent_calls`` is what the client says of itself."""
+
+    def __init__(self, inner: Any, *, lag_s: float, log: str, concurrent_calls: bool) -> None:
+        super().__init__(inner)
+        self.lag_s, self.log, self.concurrent_calls = lag_s, log, concurrent_calls
+
+    def _note(self, event: str) -> None:
+        with open(self.log, "a") as f:
+            f.write(event + "\n")
+
+    def update_weights(self, update_info: Any) -> None:
+        import time
+
+        self._note("update")
+        super().update_weights(update_info)
+        time.sleep(self.lag_s)
+        self._note("returned")
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._note("finish")
+        super().finish_weight_update(weight_version)
+
+
 _ORIGINALS: dict[str, Any] = {}
+
+
+def wrong_checksums(enabled: bool = True) -> None:
+    """Inside a trainer process: the checksums a verified sync publishes for the workers (M2N's
+    ``sync<N>/sums/<rank>``, the broadcast's ``sync<N>/sum``) are off by one, so every worker's check
+    fails once every byte moved; False restores."""
+    import re
+
+    from ..comm import Communicator
+
+    original = _ORIGINALS.setdefault("publish", Communicator.publish)
+    if not enabled:
+        Communicator.publish = original  # type: ignore[method-assign]
+        return
+    checksum = re.compile(r"sync\d+/sums?(/\d+)?$")
+
+    def publish(self: Any, key: str, value: Any) -> None:
+        if checksum.match(key):
+            value = {k: v + 1 for k, v in value.items()} if isinstance(value, dict) else value + 1
+        original(self, key, value)
+
+    Communicator.publish = publish  # type: ignore[method-assign]
 
 
 def slow_data_plane(seconds: float, count_to: str | None = None) -> None:

@@ -11,9 +11,12 @@ Trainer side (:class:`BaseTrainerEngine`), on every trainer rank::
     send_weights: preflight (``_preflight`` on every rank; any rank's error is every rank's, before
         anything moves: a ``ValueError`` on every rank, or the rank's own exception there and a
         ``RuntimeError`` naming it on the others; the engines stay ready for the next sync) ->
-        rank 0 starts the update on the engines and tells the others ->
-        ``_transfer`` on every rank (rank 0 calls ``update_weights`` inside it) -> every rank reports ->
-        rank 0 finishes the update (the version advances) and publishes the verdict.
+        rank 0 starts the update on the engines, sends the update (``_update_info``) from the same
+        client thread at once, and tells the others -> ``_transfer`` on every rank (or rank 0 calls
+        ``update_weights`` inside it: ``_update_info`` None) -> every rank reports -> once every
+        worker applied the update (its "recv" key; the update call's return, for a client that
+        cannot be called from two threads) rank 0 finishes the update (the version advances) and
+        publishes the verdict.
 
 One outcome per sync: after a failure anywhere, every trainer rank raises ``SyncFailed`` with the
 first failure's message, rank 0 aborts the update on every worker (each leaves the update, so vLLM's
@@ -22,8 +25,8 @@ further syncs until re-initialized (``PoisonedError``, on every rank).
 
 The worker side is :class:`~weightsync.transport.worker_base.BaseWorkerEngine`. A transport file is
 then its info fields, ``TRANSPORT`` and these hooks: ``_worker_init_info``, ``_data_rank``
-(optional), ``_handshake`` (optional), ``_preflight``, ``_transfer``, ``_lower_bound`` on the
-trainer; ``_init``, ``_receive``, ``_expected_workers`` (and ``_start``, optional) on the worker.
+(optional), ``_handshake`` (optional), ``_preflight``, ``_update_info`` (optional), ``_transfer``,
+``_lower_bound`` on the trainer; ``_init``, ``_receive``, ``_expected_workers`` (and ``_start``, optional) on the worker.
 """
 
 from __future__ import annotations
@@ -94,9 +97,15 @@ class BaseTrainerEngine(TrainerEngine):
         what ``_transfer`` needs."""
         raise NotImplementedError
 
-    def _transfer(self, prepared: Any, stats: SyncStats, verify: bool) -> Future | None:
-        """Move the weights. Rank 0 calls the client's ``update_weights`` here (``self._update_async``
-        or directly); returns the future of an update still running, if any."""
+    def _update_info(self, prepared: Any, verify: bool) -> WorkerUpdateInfo | None:
+        """Rank 0: this sync's update info, sent in the client's thread right after the start call (the
+        workers enter their receive while the trainer ranks wake). None: ``_transfer`` calls the
+        client's ``update_weights`` itself."""
+        return None
+
+    def _transfer(self, prepared: Any, stats: SyncStats, verify: bool) -> None:
+        """Move the weights. On rank 0, ``self._update_call`` is the update call in flight (None when
+        ``_update_info`` returned None: then this hook calls ``update_weights`` itself)."""
         raise NotImplementedError
 
     def _lower_bound(self) -> dict[int, int]:
@@ -112,7 +121,7 @@ class BaseTrainerEngine(TrainerEngine):
             raise TypeError(f"{cls.__name__} needs a {cls.init_info_cls.__name__}, got {type(init_info).__name__}")
         _check_source(init_info.backend, transport(init_info.backend).source, source)
         self = cls(init_info, client=client, source=source)
-        self.sync_id, self.failed, self.comm = 0, None, None
+        self.sync_id, self.failed, self.comm, self._calls = 0, None, None, None
         self._outcome_step: str | None = None  # rank 0: the last sync whose outcome the other ranks acknowledge
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="weightsync-client")
         i = init_info
@@ -121,6 +130,7 @@ class BaseTrainerEngine(TrainerEngine):
             self.comm = Communicator.connect(i.master_address, i.master_port or 0, name=f"trainer rank {i.rank}",
                                              timeout_s=i.timeout_s, host_store=self.is_sender)
             if self.is_sender:
+                self._calls = self.comm.second_channel()  # the client calls' threads report on it (``_watched``)
                 payload = {**asdict(self._worker_init_info(self.comm.port)), "transport": self.init_info.backend}
                 fut = self._watched(self._pool.submit(self.client.init_weight_transfer_engine, payload),
                                     "init_weight_transfer_engine")
@@ -144,6 +154,8 @@ class BaseTrainerEngine(TrainerEngine):
                     except BaseException:  # noqa: BLE001 - they failed, as they should
                         pass
                 self._acknowledge("init")  # rank 0 (the store's host) lingers until every rank saw it
+            if self._calls is not None:
+                self._calls.shutdown()
             self._pool.shutdown(wait=False)
             raise
         return self
@@ -182,9 +194,30 @@ class BaseTrainerEngine(TrainerEngine):
                                  f"at position {i}: {_short(b)} vs {_short(a)}")
         return digests[0]
 
-    def _start_update(self) -> None:
-        """Rank 0: start the update on every engine. vLLM's worker refuses while an update is active,
-        which a trainer that died mid-sync leaves behind; that one is aborted, then started again."""
+    def _start_update(self, update: WorkerUpdateInfo | None) -> Future | None:
+        """Rank 0: start the update on every engine, then send ``update`` from the same client thread at
+        once; returns the update call's future (None without ``update``) once the start returned."""
+        if update is None:
+            self._start_on_engines()
+            return None
+        payload, started = asdict(update), Future()
+
+        def start_then_update() -> None:
+            try:
+                self._start_on_engines()
+            except BaseException as e:  # noqa: BLE001 - raised in the caller; no update is sent
+                started.set_exception(e)
+                return
+            started.set_result(None)
+            self.client.update_weights(payload)
+
+        fut = self._watched(self._pool.submit(start_then_update), "update_weights", wake=self._recv_keys())
+        client_result(started, self.init_info.timeout_s, "start_weight_update")
+        return fut
+
+    def _start_on_engines(self) -> None:
+        """vLLM's worker refuses to start while an update is active, which a trainer that died
+        mid-sync leaves behind; that one is aborted, then started again."""
         try:
             self.client.start_weight_update()
         except Exception:  # noqa: BLE001 - a second refusal is raised as it is
@@ -209,22 +242,35 @@ class BaseTrainerEngine(TrainerEngine):
             except Exception:  # noqa: BLE001 - best effort: an engine that is gone answers with an error
                 pass
 
-    def _update_async(self, update: WorkerUpdateInfo | dict[str, Any]) -> Future:
-        """Rank 0: the client's ``update_weights`` in a thread (workers receive while we send)."""
-        payload = update if isinstance(update, dict) else asdict(update)
-        return self._watched(self._pool.submit(self.client.update_weights, payload), "update_weights")
+    def _recv_keys(self) -> list[str]:
+        """Where each worker publishes the bytes it received once it applied this sync's update."""
+        return [self._key("recv", w) for w in sorted(self._lower_bound())]
 
-    def _watched(self, fut: Future, what: str) -> Future:
+    def _watched(self, fut: Future, what: str, wake: list[str] = ()) -> Future:
         """A client call whose failure is recorded on the store at once, so every rank waiting there
-        (rank 0's own rendezvous included) raises it instead of waiting out a timeout."""
-        comm = self.comm
+        (rank 0's own rendezvous included) raises it instead of waiting out a timeout. Once it
+        returned, the keys in ``wake`` that no worker set are set as failed (``fail_keys``)."""
+        comm = self._calls
 
         def done(f: Future) -> None:
             if (e := f.exception()) is not None:
                 comm.record(f"the client's {what} failed: {describe(e)}")
+            comm.fail_keys(list(wake))
 
         fut.add_done_callback(done)
         return fut
+
+    def _applied(self, fut: Future | None) -> list[int] | None:
+        """Rank 0, after its own transfer: wait until every worker applied the update; returns the
+        bytes each received, when they came with the wait. A client that may be called from two
+        threads (``concurrent_calls``) is not waited for: the workers' "recv" keys say it first, and
+        the finish call goes out while the update call is still returning (the workers run it next)."""
+        if fut is None:
+            return None
+        if getattr(self.client, "concurrent_calls", False):
+            return self.comm.await_keys(self._recv_keys())
+        client_result(fut, self.init_info.timeout_s, "update_weights")
+        return None
 
     # ---- one sync ---------------------------------------------------------------------
     def _key(self, *parts: Any) -> str:
@@ -262,33 +308,36 @@ class BaseTrainerEngine(TrainerEngine):
                                    "(in its preflight: nothing moved, the engines were not asked to update)")
             if any(errors):  # nothing moved; the engines were not asked to update
                 raise ValueError(next(e for e in errors if e))
-        fut, self._started = None, False
+        fut, self._started, self._update_call = None, False, None
         try:
             with stats.timed("start"):
                 if self.is_sender:
-                    self._start_update()
+                    fut = self._update_call = self._start_update(self._update_info(prepared, verify))
                     self.comm.publish(self._key("started"), _OK)
                 else:  # no rank enters the source's collectives before the engines accepted the update
                     self.comm.await_key(self._key("started"))
                     self._started = True
             with stats.timed("transfer"):
-                fut = self._transfer(prepared, stats, verify)
+                self._transfer(prepared, stats, verify)
                 self.comm.publish(self._key("sent", self.rank), _OK)
                 if self.is_sender:
-                    if fut is not None:
-                        client_result(fut, self.init_info.timeout_s, "update_weights")
+                    received = self._applied(fut)
                     for r in range(1, self.init_info.num_trainer_ranks):
                         self.comm.read(self._key("sent", r))
             if self.is_sender:
-                failure = self.comm.peer_error()  # every worker answered: any failure is on the store now
+                failure = self.comm.peer_error()  # every worker applied it or failed: a failure is on the store now
                 if failure is not None:
                     raise SyncFailed(failure)
                 with stats.timed("finish"):
                     self.client.finish_weight_update(weight_version)
-                stats.bytes_received_per_worker = {w: int(self.comm.read(self._key("recv", w)))
-                                                   for w in sorted(self._lower_bound())}
+                    if fut is not None:  # returned by now, unless the client failed after applying
+                        client_result(fut, self.init_info.timeout_s, "update_weights")
                 stats.lower_bound_per_worker = self._lower_bound()
-                stats.worker_phases = {w: p for w in sorted(stats.lower_bound_per_worker)
+                workers = sorted(stats.lower_bound_per_worker)
+                if received is None:
+                    received = [self.comm.read(self._key("recv", w)) for w in workers]
+                stats.bytes_received_per_worker = dict(zip(workers, map(int, received)))
+                stats.worker_phases = {w: p for w in workers
                                        if (p := self.comm.peek(self._key("phases", w))) is not None}
                 self.comm.publish(self._key("verdict"), _OK)
                 self._outcome_step = f"sync{self.sync_id}"
@@ -331,6 +380,8 @@ class BaseTrainerEngine(TrainerEngine):
             if self.is_sender and self._outcome_step:
                 self._acknowledge(self._outcome_step)
             self.comm.shutdown()
+        if self._calls is not None:
+            self._calls.shutdown()
         self.comm = None
         self._pool.shutdown(wait=False)
 

@@ -12,7 +12,6 @@ checksum of the chunk it applied with the one its serving rank computed after pa
 
 from __future__ import annotations
 
-from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
@@ -142,8 +141,7 @@ class IPCTrainerEngine(BaseTrainerEngine):
     def _lower_bound(self) -> dict[int, int]:
         return dict.fromkeys(range(self.init_info.num_workers), self._total)
 
-    def _transfer(self, prepared: tuple[list[ParamMeta], list[Bucket], str], stats: SyncStats,
-                  verify: bool) -> Future | None:
+    def _transfer(self, prepared: tuple[list[ParamMeta], list[Bucket], str], stats: SyncStats, verify: bool) -> None:
         metas, buckets, digest = prepared
         stats.num_tensors, stats.num_steps = len(metas), len(buckets)
         source_it = self.source.iter_full()
@@ -172,7 +170,6 @@ class IPCTrainerEngine(BaseTrainerEngine):
             if self.device.type == "cuda":
                 torch.cuda.ipc_collect()
         self._sent_digest = digest
-        return None
 
     def _pack(self, it: Any, bucket: Bucket, last: bool, verify: bool, stats: SyncStats) -> dict[str, Any]:
         """This rank's part of a chunk: take it from the source and pack it if serving."""

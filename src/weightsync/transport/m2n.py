@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
@@ -158,6 +157,7 @@ class M2NTrainerEngine(BaseTrainerEngine):
         self._names = [s.name for s in sources]
         self._local_shapes = {s.name: s.regions[i.rank].sizes for s in sources}
         self._baseline = Baseline.for_engine(i)
+        self._decided: tuple[int, int | None, list[int]] = (0, None, [])  # rank 0: (sync, base, holders)
 
     def _preflight(self, verify: bool) -> dict[str, torch.Tensor]:
         """This rank's shards, checked against the plan's metadata (no collectives)."""
@@ -193,12 +193,17 @@ class M2NTrainerEngine(BaseTrainerEngine):
 
     def _delta_workers(self) -> tuple[int | None, list[int]]:
         """Delta sync: the base version and the workers that hold it (rank 0 decides from what each
-        worker reported at its last finish; every rank reads the decision before any data moves)."""
-        if self.is_sender:
+        worker reported at its last finish, before the update starts; every rank reads the decision
+        before any data moves)."""
+        if not self.is_sender:
+            base, holders = self.comm.read(self._key("delta"))
+        elif self._decided[0] != self.sync_id:
             base = self._baseline.version
             holders = self._holding(base, math.prod(self.init_info.dst_mesh_dims))
             self.comm.publish(self._key("delta"), [base, holders])
-        base, holders = self.comm.read(self._key("delta"))
+            self._decided = (self.sync_id, base, holders)
+        else:
+            _, base, holders = self._decided
         return base, holders
 
     def _encode(self, shards: dict[str, torch.Tensor], base: int | None, holders: list[int], stats: SyncStats) -> Any:
@@ -216,15 +221,17 @@ class M2NTrainerEngine(BaseTrainerEngine):
                                  diff_seconds=time.perf_counter() - t0, baseline_bytes=self._baseline.nbytes)
         return enc.payloads
 
-    def _transfer(self, shards: dict[str, torch.Tensor], stats: SyncStats, verify: bool) -> Future | None:
-        fut, payloads, tensors, delta = None, {}, shards, {}
+    def _update_info(self, shards: dict[str, torch.Tensor], verify: bool) -> M2NUpdateInfo:
+        delta = {}
         if self._baseline is not None:
             base, holders = self._delta_workers()
             delta = {"delta_base": base, "delta_workers": holders}
-        if self.is_sender:  # the workers start while this rank encodes
-            fut = self._update_async(M2NUpdateInfo(sync_id=self.sync_id, digest=self.plan.digest, verify=verify,
-                                                   **delta))
-        if self._baseline is not None:
+        return M2NUpdateInfo(sync_id=self.sync_id, digest=self.plan.digest, verify=verify, **delta)
+
+    def _transfer(self, shards: dict[str, torch.Tensor], stats: SyncStats, verify: bool) -> None:
+        payloads, tensors = {}, shards
+        if self._baseline is not None:  # (the workers receive while this rank encodes)
+            base, holders = self._delta_workers()
             payloads = self._encode(shards, base, holders, stats)
             if self._baseline.device == self.comm.device:  # the new values, in the wire dtype: no cast to pack
                 tensors = self._baseline.tensors
@@ -236,7 +243,6 @@ class M2NTrainerEngine(BaseTrainerEngine):
         if sums is not None:
             self.comm.publish(self._key("sums", self.rank), {str(w): v for w, v in sums.items()})
         stats.num_tensors, stats.num_steps = len(self._names), len(self.plan.rounds)
-        return fut
 
 
 def _covered(pieces: Any) -> dict[str, int]:

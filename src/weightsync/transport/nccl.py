@@ -123,29 +123,31 @@ class NCCLTrainerEngine(BaseTrainerEngine):
     def _lower_bound(self) -> dict[int, int]:
         return dict.fromkeys(range(self.init_info.world_size - 1), self._total)
 
-    def _transfer(self, prepared: tuple[list[ParamMeta], list[Bucket]], stats: SyncStats, verify: bool) -> Future | None:
+    def _update_info(self, prepared: tuple[list[ParamMeta], list[Bucket]], verify: bool) -> NCCLUpdateInfo:
+        metas, _ = prepared
+        digest = metadata_digest(m.wire() for m in metas)
+        wire = NCCLUpdateInfo.wire(metas) if digest != self._sent_digest else {}
+        self._sending = digest, self._delta_base(digest)
+        return NCCLUpdateInfo(sync_id=self.sync_id, digest=digest, verify=verify, delta_base=self._sending[1], **wire)
+
+    def _transfer(self, prepared: tuple[list[ParamMeta], list[Bucket]], stats: SyncStats, verify: bool) -> None:
         metas, buckets = prepared
         stats.num_tensors, stats.num_steps = len(metas), len(buckets)
         if not self.is_sender:
             for _ in checked(self.source.iter_full(), metas):  # the source's gathers are collective
                 pass
-            return None
-        digest = metadata_digest(m.wire() for m in metas)
-        wire = NCCLUpdateInfo.wire(metas) if digest != self._sent_digest else {}
-        base = self._delta_base(digest)
-        fut = self._update_async(NCCLUpdateInfo(sync_id=self.sync_id, digest=digest, verify=verify, delta_base=base,
-                                                **wire))
+            return
+        digest, base = self._sending  # (from _update_info)
         if base is None:
             tensors = (self._keep(m, t) for m, t in checked(self.source.iter_full(), metas))
         else:
             buckets, tensors = self._encode(metas, base, stats)
-        checksum = self._broadcast(buckets, tensors, stats, fut, verify)
+        checksum = self._broadcast(buckets, tensors, stats, self._update_call, verify)
         if self._baseline is not None and base is None:
             stats.delta = DeltaStats(base=None, dense_bytes=self._total, baseline_bytes=self._baseline.nbytes)
         if verify:
             self.comm.publish(self._key("sum"), checksum)
         self._sent_digest = digest
-        return fut
 
     def send_weights(self, *, weight_version: str | None = None, verify: bool = False) -> SyncStats:
         stats = super().send_weights(weight_version=weight_version, verify=verify)
