@@ -135,3 +135,27 @@ def test_await_key_names_the_key_on_timeout():
         peer.await_key("sync1/started")
     peer.shutdown()
     host.shutdown()
+
+
+def test_await_keys_returns_every_value_once_all_are_set_and_a_second_channel_reaches_the_store_meanwhile():
+    host = Communicator.connect("127.0.0.1", 0, name="trainer rank 0", timeout_s=5, host_store=True)
+    side = host.second_channel()  # what rank 0's client thread uses while rank 0 blocks on the store
+    worker = Communicator.connect("127.0.0.1", host.port, name="worker 1", timeout_s=5)
+    host.publish("sync1/recv/0", 10)
+    threading.Timer(0.3, worker.publish, ("sync1/recv/1", 20)).start()
+    t0 = time.monotonic()
+    assert host.await_keys(["sync1/recv/0", "sync1/recv/1"]) == [10, 20]
+    assert 0.25 < time.monotonic() - t0 < 2
+
+    def update_returned() -> None:  # worker 1 reported a failure and never set its key
+        side.record("worker 1: ValueError: verify: checksums differ")
+        side.fail_keys(["sync2/recv/0", "sync2/recv/1"])
+
+    host.publish("sync2/recv/0", 10)
+    threading.Timer(0.3, update_returned).start()
+    t0 = time.monotonic()
+    with pytest.raises(DataPlaneError, match="a party failed: trainer rank 0: worker 1: ValueError: verify"):
+        host.await_keys(["sync2/recv/0", "sync2/recv/1"])
+    assert time.monotonic() - t0 < 2
+    for c in (worker, side, host):
+        c.shutdown()

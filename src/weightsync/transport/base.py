@@ -26,11 +26,13 @@ further syncs until re-initialized (``PoisonedError``, on every rank).
 The worker side is :class:`~weightsync.transport.worker_base.BaseWorkerEngine`. A transport file is
 then its info fields, ``TRANSPORT`` and these hooks: ``_worker_init_info``, ``_data_rank``
 (optional), ``_handshake`` (optional), ``_preflight``, ``_update_info`` (optional), ``_transfer``,
-``_lower_bound`` on the trainer; ``_init``, ``_receive``, ``_expected_workers`` (and ``_start``, optional) on the worker.
+``_lower_bound`` on the trainer; ``_init``, ``_receive``, ``_expected_workers`` (and ``_start``,
+optional) on the worker.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict
@@ -195,16 +197,18 @@ class BaseTrainerEngine(TrainerEngine):
         return digests[0]
 
     def _start_update(self, update: WorkerUpdateInfo | None) -> Future | None:
-        """Rank 0: start the update on every engine, then send ``update`` from the same client thread at
-        once; returns the update call's future (None without ``update``) once the start returned."""
+        """Rank 0: start the update on every engine and tell the other ranks, then send ``update`` from
+        the same client thread at once; returns the update call's future (None without ``update``)
+        once the start returned."""
         if update is None:
             self._start_on_engines()
-            return None
+            return self.comm.publish(self._key("started"), _OK)
         payload, started = asdict(update), Future()
 
         def start_then_update() -> None:
             try:
                 self._start_on_engines()
+                self._calls.publish(self._key("started"), _OK)
             except BaseException as e:  # noqa: BLE001 - raised in the caller; no update is sent
                 started.set_exception(e)
                 return
@@ -246,7 +250,7 @@ class BaseTrainerEngine(TrainerEngine):
         """Where each worker publishes the bytes it received once it applied this sync's update."""
         return [self._key("recv", w) for w in sorted(self._lower_bound())]
 
-    def _watched(self, fut: Future, what: str, wake: list[str] = ()) -> Future:
+    def _watched(self, fut: Future, what: str, wake: Sequence[str] = ()) -> Future:
         """A client call whose failure is recorded on the store at once, so every rank waiting there
         (rank 0's own rendezvous included) raises it instead of waiting out a timeout. Once it
         returned, the keys in ``wake`` that no worker set are set as failed (``fail_keys``)."""
@@ -261,15 +265,13 @@ class BaseTrainerEngine(TrainerEngine):
         return fut
 
     def _applied(self, fut: Future | None) -> list[int] | None:
-        """Rank 0, after its own transfer: wait until every worker applied the update; returns the
-        bytes each received, when they came with the wait. A client that may be called from two
-        threads (``concurrent_calls``) is not waited for: the workers' "recv" keys say it first, and
-        the finish call goes out while the update call is still returning (the workers run it next)."""
-        if fut is None:
-            return None
-        if getattr(self.client, "concurrent_calls", False):
+        """Rank 0: wait until every worker applied the update (the bytes each received, when read).
+        A client that may be called from two threads (``concurrent_calls``) is not waited for: the
+        workers' "recv" keys say it sooner, and the finish call may go out while it returns."""
+        if fut is not None and getattr(self.client, "concurrent_calls", False):
             return self.comm.await_keys(self._recv_keys())
-        client_result(fut, self.init_info.timeout_s, "update_weights")
+        if fut is not None:
+            client_result(fut, self.init_info.timeout_s, "update_weights")
         return None
 
     # ---- one sync ---------------------------------------------------------------------
@@ -313,7 +315,6 @@ class BaseTrainerEngine(TrainerEngine):
             with stats.timed("start"):
                 if self.is_sender:
                     fut = self._update_call = self._start_update(self._update_info(prepared, verify))
-                    self.comm.publish(self._key("started"), _OK)
                 else:  # no rank enters the source's collectives before the engines accepted the update
                     self.comm.await_key(self._key("started"))
                     self._started = True
@@ -325,7 +326,7 @@ class BaseTrainerEngine(TrainerEngine):
                     for r in range(1, self.init_info.num_trainer_ranks):
                         self.comm.read(self._key("sent", r))
             if self.is_sender:
-                failure = self.comm.peer_error()  # every worker applied it or failed: a failure is on the store now
+                failure = self.comm.peer_error()  # every worker applied it or reported its failure
                 if failure is not None:
                     raise SyncFailed(failure)
                 with stats.timed("finish"):
@@ -376,12 +377,11 @@ class BaseTrainerEngine(TrainerEngine):
     def shutdown(self) -> None:
         """Release the group (and the store, on rank 0, once every rank read the last outcome).
         Call on every trainer rank."""
-        if self.comm is not None:
-            if self.is_sender and self._outcome_step:
-                self._acknowledge(self._outcome_step)
-            self.comm.shutdown()
-        if self._calls is not None:
-            self._calls.shutdown()
+        if self.comm is not None and self.is_sender and self._outcome_step:
+            self._acknowledge(self._outcome_step)
+        for comm in (self.comm, self._calls):
+            if comm is not None:
+                comm.shutdown()
         self.comm = None
         self._pool.shutdown(wait=False)
 
