@@ -157,7 +157,6 @@ class M2NTrainerEngine(BaseTrainerEngine):
         self._names = [s.name for s in sources]
         self._local_shapes = {s.name: s.regions[i.rank].sizes for s in sources}
         self._baseline = Baseline.for_engine(i)
-        self._decided: tuple[int, int | None, list[int]] = (0, None, [])  # rank 0: (sync, base, holders)
 
     def _preflight(self, verify: bool) -> dict[str, torch.Tensor]:
         """This rank's shards, checked against the plan's metadata (no collectives)."""
@@ -191,19 +190,17 @@ class M2NTrainerEngine(BaseTrainerEngine):
     def _lower_bound(self) -> dict[int, int]:
         return dict(enumerate(self.plan.gathered.plan.coverage().lower_bound))
 
+    def _decide_delta(self) -> tuple[int | None, list[int]]:
+        """Rank 0, before the update starts: the base version of this delta sync and the workers that
+        hold it (from what each reported at its last finish), published for every rank."""
+        base = self._baseline.version
+        holders = self._holding(base, math.prod(self.init_info.dst_mesh_dims))
+        self.comm.publish(self._key("delta"), [base, holders])
+        return base, holders
+
     def _delta_workers(self) -> tuple[int | None, list[int]]:
-        """Delta sync: the base version and the workers that hold it (rank 0 decides from what each
-        worker reported at its last finish, before the update starts; every rank reads the decision
-        before any data moves)."""
-        if not self.is_sender:
-            base, holders = self.comm.read(self._key("delta"))
-        elif self._decided[0] != self.sync_id:
-            base = self._baseline.version
-            holders = self._holding(base, math.prod(self.init_info.dst_mesh_dims))
-            self.comm.publish(self._key("delta"), [base, holders])
-            self._decided = (self.sync_id, base, holders)
-        else:
-            _, base, holders = self._decided
+        """Every rank, before any data moves: rank 0's decision (``_decide_delta``)."""
+        base, holders = self.comm.read(self._key("delta"))
         return base, holders
 
     def _encode(self, shards: dict[str, torch.Tensor], base: int | None, holders: list[int], stats: SyncStats) -> Any:
@@ -224,7 +221,7 @@ class M2NTrainerEngine(BaseTrainerEngine):
     def _update_info(self, shards: dict[str, torch.Tensor], verify: bool) -> M2NUpdateInfo:
         delta = {}
         if self._baseline is not None:
-            base, holders = self._delta_workers()
+            base, holders = self._decide_delta()
             delta = {"delta_base": base, "delta_workers": holders}
         return M2NUpdateInfo(sync_id=self.sync_id, digest=self.plan.digest, verify=verify, **delta)
 
