@@ -36,8 +36,9 @@ class EngineConfig:
         return f"{self.backend.removeprefix('weightsync_')}-tp{self.tp}-{self.dtype}-{self.model}"
 
 
-def start_engines(session: RaySession, cfg: EngineConfig, count: int = 1) -> list[Any]:
-    return session.start_engines(cfg.backend, tp=cfg.tp, dtype=cfg.dtype, model=cfg.model, count=count, label=cfg.id)
+def start_engines(session: RaySession, cfg: EngineConfig, count: int = 1, *, reuse: bool = False) -> list[Any]:
+    return session.start_engines(cfg.backend, tp=cfg.tp, dtype=cfg.dtype, model=cfg.model, count=count, label=cfg.id,
+                                 reuse=reuse)
 
 
 def start_trainer_actors(n: int) -> list[Any]:

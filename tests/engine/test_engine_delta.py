@@ -20,9 +20,8 @@ STEPS = 50
 
 @pytest.fixture(scope="module")
 def engine(ray_session):
-    handles = start_engines(ray_session, ENGINE)
-    yield handles[0]
-    ray_session.stop_engines()
+    """Shared with the other module on this engine (``reuse``); the next start of another stops it."""
+    return start_engines(ray_session, ENGINE, reuse=True)[0]
 
 
 @pytest.mark.parametrize("transport", ["m2n", "nccl"])

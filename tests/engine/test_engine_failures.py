@@ -21,9 +21,8 @@ ENGINE = EngineConfig("weightsync", 2, "bfloat16", "tiny_qwen3")
 
 @pytest.fixture(scope="module")
 def engine(ray_session):
-    handles = start_engines(ray_session, ENGINE)
-    yield handles[0]
-    ray_session.stop_engines()
+    """Shared with the other module on this engine (``reuse``); the next start of another stops it."""
+    return start_engines(ray_session, ENGINE, reuse=True)[0]
 
 
 def observe(handle, token_prompts):

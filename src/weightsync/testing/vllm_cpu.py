@@ -87,19 +87,30 @@ class RaySession:
                  configure_logging=verbose, logging_level="INFO" if verbose else "ERROR")
         self.init_s = time.perf_counter() - t0
         self.engines: list[Any] = []
+        self._config: tuple[Any, ...] | None = None  # what the running engines were started with
         self.starts: list[dict[str, Any]] = []
 
     def start_engines(self, backend: str, *, tp: int, dtype: str, model: str, count: int = 1,
-                      max_model_len: int = 256, label: str | None = None, load_format: str = "dummy") -> list[Any]:
+                      max_model_len: int = 256, label: str | None = None, load_format: str = "dummy",
+                      reuse: bool = False) -> list[Any]:
         """``count`` separate ``LLM`` actors (``WeightTransferConfig(backend=backend)``; dummy weights, or
         with ``load_format="auto"`` the checkpoint in the ``model`` directory); the previous engines
-        are stopped first."""
+        are stopped first. With ``reuse``, running engines started with the same arguments are
+        returned instead, if they still answer (their weights are whatever the last sync left)."""
         import ray
         from vllm.config import WeightTransferConfig
 
         from .llm_actor import EngineActor
 
+        config = (backend, tp, dtype, model, count, max_model_len, load_format)
+        if reuse and self.engines and self._config == config:
+            try:
+                ray.get([h.ready.remote() for h in self.engines], timeout=60)
+                return self.engines
+            except Exception:  # noqa: BLE001 - gone or stuck: start new ones
+                pass
         self.stop_engines()
+        self._config = config
         actor = ray.remote(num_cpus=0)(EngineActor)
         t0 = time.perf_counter()
         handles = [actor.remote(model=config_dir(model), load_format=load_format, enforce_eager=True,
