@@ -28,8 +28,8 @@ VLLM_CPU_ENV = {
     "VLLM_LOGGING_LEVEL": "WARNING",
     "OMP_NUM_THREADS": "1",
     # vLLM 0.33's kernels import humming, which at import starts two Python processes that try to
-    # build its CUDA launchers in the background: ~10 s of a core each per process start on a
-    # machine without CUDA, competing with whatever runs next (docs/benchmarks.md, 2026-12-02e)
+    # build its CUDA launchers in the background: on a machine without CUDA each takes ~27 % of a
+    # core for 10-15 s, beside whatever runs next (docs/benchmarks.md, 2026-12-02e)
     "HUMMING_DISABLE_PARALLEL_BUILD": "1",
 }
 """Environment a receiver process needs before vLLM is imported."""
