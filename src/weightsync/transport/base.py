@@ -202,7 +202,7 @@ class BaseTrainerEngine(TrainerEngine):
         once the start returned."""
         if update is None:
             self._start_on_engines()
-            return self.comm.publish(self._key("started"), _OK)
+            return self.comm.publish(self._key("started"), _OK)  # (None)
         payload, started = asdict(update), Future()
 
         def start_then_update() -> None:
@@ -264,14 +264,14 @@ class BaseTrainerEngine(TrainerEngine):
         fut.add_done_callback(done)
         return fut
 
-    def _applied(self, fut: Future | None) -> list[int] | None:
+    def _applied(self) -> list[int] | None:
         """Rank 0: wait until every worker applied the update (the bytes each received, when read).
         A client that may be called from two threads (``concurrent_calls``) is not waited for: the
         workers' "recv" keys say it sooner, and the finish call may go out while it returns."""
-        if fut is not None and getattr(self.client, "concurrent_calls", False):
+        if self._update_call is not None and getattr(self.client, "concurrent_calls", False):
             return self.comm.await_keys(self._recv_keys())
-        if fut is not None:
-            client_result(fut, self.init_info.timeout_s, "update_weights")
+        if self._update_call is not None:
+            client_result(self._update_call, self.init_info.timeout_s, "update_weights")
         return None
 
     # ---- one sync ---------------------------------------------------------------------
@@ -310,11 +310,11 @@ class BaseTrainerEngine(TrainerEngine):
                                    "(in its preflight: nothing moved, the engines were not asked to update)")
             if any(errors):  # nothing moved; the engines were not asked to update
                 raise ValueError(next(e for e in errors if e))
-        fut, self._started, self._update_call = None, False, None
+        self._started, self._update_call = False, None
         try:
             with stats.timed("start"):
                 if self.is_sender:
-                    fut = self._update_call = self._start_update(self._update_info(prepared, verify))
+                    self._update_call = self._start_update(self._update_info(prepared, verify))
                 else:  # no rank enters the source's collectives before the engines accepted the update
                     self.comm.await_key(self._key("started"))
                     self._started = True
@@ -322,7 +322,7 @@ class BaseTrainerEngine(TrainerEngine):
                 self._transfer(prepared, stats, verify)
                 self.comm.publish(self._key("sent", self.rank), _OK)
                 if self.is_sender:
-                    received = self._applied(fut)
+                    received = self._applied()
                     for r in range(1, self.init_info.num_trainer_ranks):
                         self.comm.read(self._key("sent", r))
             if self.is_sender:
@@ -331,8 +331,8 @@ class BaseTrainerEngine(TrainerEngine):
                     raise SyncFailed(failure)
                 with stats.timed("finish"):
                     self.client.finish_weight_update(weight_version)
-                    if fut is not None:  # returned by now, unless the client failed after applying
-                        client_result(fut, self.init_info.timeout_s, "update_weights")
+                    if self._update_call is not None:  # returned by now, unless the client failed after applying
+                        client_result(self._update_call, self.init_info.timeout_s, "update_weights")
                 stats.lower_bound_per_worker = self._lower_bound()
                 workers = sorted(stats.lower_bound_per_worker)
                 if received is None:
@@ -346,20 +346,20 @@ class BaseTrainerEngine(TrainerEngine):
                 self.comm.await_key(self._key("verdict"))
                 self._acknowledge(f"sync{self.sync_id}")
         except BaseException as e:
-            raise self._failed_sync(e, fut) from e
+            raise self._failed_sync(e) from e
         stats.verified = True if verify else None
         return stats
 
-    def _failed_sync(self, error: BaseException, fut: Future | None) -> SyncFailed:
+    def _failed_sync(self, error: BaseException) -> SyncFailed:
         """Every rank: record the first failure and wake every party; rank 0 also waits for its
         update call and aborts the update on every worker. Returns what every rank raises."""
         self.comm.fail(describe(error), error)
         self.comm.fail_keys([self._key("started"), self._key("verdict")])  # the ranks > 0 block on them
         reason = self.comm.peer_error() or f"trainer rank {self.rank}: {describe(error)}"
         if self.is_sender:
-            if fut is not None:
+            if self._update_call is not None:
                 try:
-                    client_result(fut, self.init_info.timeout_s, "update_weights")
+                    client_result(self._update_call, self.init_info.timeout_s, "update_weights")
                 except BaseException:  # noqa: BLE001 - it failed too: the workers report their own
                     pass
             if self._started:  # (an update vLLM never started must not be aborted: its workers would refuse)
