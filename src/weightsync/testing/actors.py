@@ -16,13 +16,16 @@ import queue
 import secrets
 import socket
 import threading
+import time
 import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from multiprocessing.connection import Connection, Listener, answer_challenge, deliver_challenge
+from multiprocessing import AuthenticationError
+from multiprocessing.reduction import ForkingPickler
+from multiprocessing.connection import Connection, Listener, answer_challenge, deliver_challenge, wait
 from typing import Any
 
-__all__ = ["STATE", "ActorAddress", "Actor", "call", "RemoteError"]
+__all__ = ["STATE", "ActorAddress", "Actor", "call", "call_many", "RemoteError"]
 
 STATE: dict[str, Any] = {}
 """Per-process storage for what calls keep between calls."""
@@ -118,66 +121,119 @@ def call(addr: ActorAddress, fn: str, *args: Any, timeout_s: float | None = 600.
     """Run ``fn`` (``"module:function"``) in the actor at ``addr`` and return its result. The
     connection is kept for the next call (an actor serves each connection until it closes), so a
     call costs one request and one reply; one that failed on the wire or timed out is closed."""
-    conn = _take(addr)
-    try:
-        conn.send((fn, args, kwargs))
-        if not conn.poll(timeout_s):
-            raise TimeoutError(f"{fn} in actor {addr.name} did not answer within {timeout_s}s")
-        status, value = conn.recv()
-    except BaseException:
-        conn.close()
-        raise
-    with _IDLE_LOCK:
-        _IDLE.setdefault(addr, []).append(conn)
-    if status == "ok":
-        return value
-    raise RemoteError(f"{fn} in actor {addr.name} failed: {value}")
+    (outcome,) = call_many([(addr, fn, args, kwargs)], timeout_s=timeout_s)
+    if isinstance(outcome, BaseException):
+        raise outcome
+    return outcome
 
 
-def _serve_connection(conn: Any, jobs: "queue.Queue[Any]") -> None:
-    with conn:
-        while True:
-            try:
-                request = conn.recv()
-            except (EOFError, OSError):
-                return
-            done = threading.Event()
-            box: list[Any] = []
-            jobs.put((request, box, done))
-            done.wait()
-            try:
-                conn.send(box[0])
-            except (BrokenPipeError, ConnectionResetError, OSError):
-                return
+def call_many(calls: list[tuple[ActorAddress, str, tuple[Any, ...], dict[str, Any]]], *,
+              timeout_s: float | None = 600.0) -> list[Any]:
+    """Run every ``(addr, fn, args, kwargs)`` call at once from this thread: each request goes out
+    before any reply is read. Returns per call its result, or the exception it raised
+    (``RemoteError``, ``TimeoutError`` after ``timeout_s`` in all, ``OSError``, ``EOFError``)."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    sent: list[Connection | BaseException] = []
+    for addr, fn, args, kwargs in calls:
+        try:
+            conn = _take(addr)
+        except (OSError, EOFError) as e:
+            sent.append(e)
+            continue
+        try:
+            conn.send((fn, args, kwargs))
+            sent.append(conn)
+        except BaseException as e:
+            conn.close()
+            if not isinstance(e, (OSError, EOFError)):
+                for c in sent:
+                    if isinstance(c, Connection):
+                        c.close()  # their replies are not read
+                raise
+            sent.append(e)
+    out: list[Any] = []
+    for (addr, fn, _, _), conn in zip(calls, sent):
+        if isinstance(conn, BaseException):
+            out.append(conn)
+            continue
+        try:
+            if not conn.poll(None if deadline is None else max(0.0, deadline - time.monotonic())):
+                raise TimeoutError(f"{fn} in actor {addr.name} did not answer within {timeout_s}s")
+            status, value = conn.recv()
+        except (OSError, EOFError, TimeoutError) as e:
+            conn.close()
+            out.append(e)
+            continue
+        except BaseException:
+            conn.close()
+            raise
+        with _IDLE_LOCK:
+            _IDLE.setdefault(addr, []).append(conn)
+        out.append(value if status == "ok" else RemoteError(f"{fn} in actor {addr.name} failed: {value}"))
+    return out
 
 
 def _actor_main(name: str, env: dict[str, str], ready: Any) -> None:
+    """Serve calls on the main thread: it waits on every open connection at once and answers each
+    request in place (no hand-off between threads per call). A thread accepts and authenticates new
+    connections and wakes the main thread to add them."""
     os.environ.update(env)
     authkey = secrets.token_bytes(16)
     listener = Listener(("127.0.0.1", 0), authkey=authkey)
     listener._listener._socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # accepted sockets inherit it
-    jobs: queue.Queue[Any] = queue.Queue()
+    accepted: queue.SimpleQueue[Connection] = queue.SimpleQueue()
+    wake_recv, wake_send = mp.Pipe(duplex=False)
 
     def accept_loop() -> None:
         while True:
-            conn = listener.accept()
-            threading.Thread(target=_serve_connection, args=(conn, jobs), daemon=True).start()
+            try:
+                accepted.put(listener.accept())
+            except (AuthenticationError, OSError, EOFError):
+                continue  # a client that failed the handshake or went away
+            wake_send.send_bytes(b"")
 
     threading.Thread(target=accept_loop, daemon=True).start()
     host, port = listener.address
     ready.send(ActorAddress(host, port, authkey, name))
     ready.close()
+    conns: list[Connection] = []
     while True:
-        (fn, args, kwargs), box, done = jobs.get()
-        if fn == "__exit__":
-            box.append(("ok", None))
-            done.set()
-            os._exit(0)  # skips seconds of native teardown (vLLM, gloo)
+        for conn in wait([wake_recv, *conns]):
+            if conn is wake_recv:
+                wake_recv.recv_bytes()
+                while not accepted.empty():
+                    conns.append(accepted.get())
+                continue
+            if not _answer(conn):
+                conns.remove(conn)
+                conn.close()
+
+
+def _answer(conn: Connection) -> bool:
+    """Read one request from ``conn``, run it, send the reply; False once the connection is gone."""
+    try:
+        fn, args, kwargs = conn.recv()
+    except (EOFError, OSError):
+        return False
+    except Exception as e:  # noqa: BLE001 - a request this process cannot unpickle
+        fn, reply = None, ("err", f"the request could not be read: {type(e).__name__}: {e}")
+    if fn == "__exit__":
+        conn.send(("ok", None))
+        os._exit(0)  # skips seconds of native teardown (vLLM, gloo)
+    if fn is not None:
         try:
-            box.append(("ok", _resolve(fn)(*args, **kwargs)))
+            reply = ("ok", _resolve(fn)(*args, **kwargs))
         except BaseException as e:  # noqa: BLE001 - everything goes back to the caller
-            box.append(("err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-        done.set()
+            reply = ("err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+    try:
+        payload = ForkingPickler.dumps(reply)
+    except Exception as e:  # noqa: BLE001 - a result that cannot be pickled
+        payload = ForkingPickler.dumps(("err", f"{fn} returned a result that could not be sent: {type(e).__name__}: {e}"))
+    try:
+        conn.send_bytes(payload)
+    except (OSError, EOFError):  # the caller went away (broken pipe, reset)
+        return False
+    return True
 
 
 class Actor:

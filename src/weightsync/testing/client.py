@@ -1,17 +1,16 @@
 """``LocalWeightSyncClient``: drives receiver processes exactly as vLLM's ``LLM`` drives its workers.
 
 Each call runs the matching worker method on every worker of every replica concurrently
-(vLLM's ``collective_rpc``) and blocks until all returned. Picklable: it holds only addresses,
-so trainer rank 0 can use it from its own process.
+(vLLM's ``collective_rpc``: every request goes out before any reply is read) and blocks until all
+returned. Picklable: it holds only addresses, so trainer rank 0 can use it from its own process.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..clients import RemoteCallError, per_engine
-from .actors import ActorAddress, RemoteError, call
+from .actors import ActorAddress, call_many
 
 __all__ = ["LocalWeightSyncClient"]
 
@@ -25,38 +24,26 @@ class LocalWeightSyncClient:
     """
 
     concurrent_calls = True
-    """Calls from several threads at once are safe (each is its own connection)."""
+    """Calls from several threads at once are safe (each takes its own connections)."""
 
     def __init__(self, replicas: list[list[ActorAddress]], *, timeout_s: float = 600.0) -> None:
         if not replicas or any(not r for r in replicas):
             raise ValueError("replicas must be a non-empty list of non-empty worker lists")
         self.replicas = [list(r) for r in replicas]
         self.timeout_s = timeout_s
-        self._pool: ThreadPoolExecutor | None = None  # made on first use, in the process that calls
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_pool": None}
 
     @property
     def workers(self) -> list[ActorAddress]:
         return [a for r in self.replicas for a in r]
 
     def _fan(self, method: str, *args: Any, per_replica: list[tuple[Any, ...]] | None = None) -> list[Any]:
-        workers = self.workers
-        calls = [(a, per_replica[i] if per_replica else args) for i, r in enumerate(self.replicas) for a in r]
-        if self._pool is None:  # roomy: an abort must not queue behind a hung update's calls
-            self._pool = ThreadPoolExecutor(8 * len(workers), thread_name_prefix="weightsync-client")
-        futs = [self._pool.submit(call, a, _RECEIVER + method, *a_args, timeout_s=self.timeout_s)
-                for a, a_args in calls]
-        errors, results = [], []
-        for a, f in zip(workers, futs):
-            try:
-                results.append(f.result())
-            except (RemoteError, TimeoutError, OSError, EOFError) as e:
-                errors.append(f"{a.name}: {e}")
+        calls = [(a, _RECEIVER + method, per_replica[i] if per_replica else args, {})
+                 for i, r in enumerate(self.replicas) for a in r]
+        outcomes = call_many(calls, timeout_s=self.timeout_s)
+        errors = [f"{a.name}: {o}" for a, o in zip(self.workers, outcomes) if isinstance(o, BaseException)]
         if errors:
             raise RemoteCallError(f"{method} failed on {len(errors)} worker(s): " + "\n".join(errors))
-        return results
+        return outcomes
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         """Each replica (a separate engine) gets the init info with its ``engine_index``."""

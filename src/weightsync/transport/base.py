@@ -279,9 +279,11 @@ class BaseTrainerEngine(TrainerEngine):
         return "/".join([f"sync{self.sync_id}", *map(str, parts)])
 
     def _from_every_trainer(self, step: str, value: Any) -> list[Any]:
-        """Publish this rank's ``value`` for ``step`` and read every trainer rank's."""
-        self.comm.publish(self._key(step, self.rank), value)
-        return [self.comm.read(self._key(step, r)) for r in range(self.init_info.num_trainer_ranks)]
+        """Publish this rank's ``value`` for ``step`` and read every other trainer rank's."""
+        ranks = self.init_info.num_trainer_ranks
+        if ranks > 1:
+            self.comm.publish(self._key(step, self.rank), value)
+        return [value if r == self.rank else self.comm.read(self._key(step, r)) for r in range(ranks)]
 
     def send_weights(self, *, weight_version: str | None = None, verify: bool = False) -> SyncStats:
         """Push the source's weights to every worker; returns once every worker applied them.
@@ -320,8 +322,9 @@ class BaseTrainerEngine(TrainerEngine):
                     self._started = True
             with stats.timed("transfer"):
                 self._transfer(prepared, stats, verify)
-                self.comm.publish(self._key("sent", self.rank), _OK)
-                if self.is_sender:
+                if not self.is_sender:  # (rank 0 reads the others')
+                    self.comm.publish(self._key("sent", self.rank), _OK)
+                else:
                     received = self._applied()
                     for r in range(1, self.init_info.num_trainer_ranks):
                         self.comm.read(self._key("sent", r))

@@ -1,0 +1,81 @@
+"""The harness's actor processes: calls from several clients at once, failures that come back as
+errors (never a hang), and a fan-out whose requests all go out before any reply is read."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from weightsync.testing.actors import Actor, RemoteError, call, call_many
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def actors():
+    pair = [Actor("a0"), Actor("a1")]
+    yield pair
+    for a in pair:
+        a.close()
+
+
+def test_call_many_returns_each_actors_result_in_order(actors):
+    pids = call_many([(a.address, "os:getpid", (), {}) for a in actors] * 2)
+    assert pids == [a.process.pid for a in actors] * 2
+    assert os.getpid() not in pids
+
+
+def test_call_many_overlaps_the_calls(actors):
+    """Two 0.5 s calls to two actors take ~0.5 s, not 1 s: both requests go out first."""
+    started = time.monotonic()
+    assert call_many([(a.address, "time:sleep", (0.5,), {}) for a in actors]) == [None, None]
+    assert time.monotonic() - started < 0.9
+
+
+def test_failures_come_back_per_call_and_the_actor_keeps_serving(actors):
+    a0, a1 = actors
+    out = call_many([(a0.address, "os:no_such_function", (), {}), (a1.address, "os:getpid", (), {}),
+                     (a0.address, "threading:Lock", (), {})])  # a result that cannot be pickled
+    assert isinstance(out[0], RemoteError) and "AttributeError" in str(out[0]) and "no_such_function" in str(out[0])
+    assert out[1] == a1.process.pid
+    assert isinstance(out[2], RemoteError) and "threading:Lock returned a result that could not be sent" in str(out[2])
+    assert call(a0.address, "os:getpid") == a0.process.pid  # the same connections serve on
+
+
+def test_a_call_times_out_and_the_next_one_is_answered(actors):
+    a0 = actors[0]
+    with pytest.raises(TimeoutError, match="time:sleep in actor a0 did not answer within 0.2s"):
+        call(a0.address, "time:sleep", 1.0, timeout_s=0.2)
+    assert call(a0.address, "os:getpid") == a0.process.pid  # queued behind the sleep, on a new connection
+
+
+def test_calls_from_many_threads_at_once(actors):
+    results: list[object] = []
+
+    def worker() -> None:
+        results.extend(call_many([(a.address, "os:getpid", (), {}) for a in actors]))
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(results) == sorted([a.process.pid for a in actors] * 8)
+
+
+def test_a_dead_actor_is_an_error_for_its_call_only():
+    dead, live = Actor("dead"), Actor("live")
+    try:
+        dead_addr = dead.address
+        call(dead_addr, "os:getpid")  # a connection to it is kept idle
+        dead.process.kill()
+        dead.process.join(5)
+        out = call_many([(dead_addr, "os:getpid", (), {}), (live.address, "os:getpid", (), {})])
+        assert isinstance(out[0], (OSError, EOFError)), out[0]
+        assert out[1] == live.process.pid
+    finally:
+        dead.close()
+        live.close()
