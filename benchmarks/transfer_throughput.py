@@ -86,9 +86,14 @@ class Scenario:
     size: str  # key of SIZES
     transports: tuple[str, ...]
     staging_mib: int  # M2N staging = broadcast/IPC bucket (raised to the largest tensor where needed)
+    tp_aligned: bool = False  # trainers shard row-parallel weights on dim 1 (ModelConfig.tp_aligned_shards)
 
 
 def scenarios(args: argparse.Namespace) -> list[Scenario]:
+    return [dataclasses.replace(sc, tp_aligned=args.tp_aligned) for sc in _scenarios(args)]
+
+
+def _scenarios(args: argparse.Namespace) -> list[Scenario]:
     tr, b = tuple(args.transports), args.bucket_mib
     if args.quick:
         out = [Scenario("size", 2, 2, 1, s, tr, b) for s in args.sizes or ("64MB", "256MB")]
@@ -167,7 +172,7 @@ def run_engine(cluster: LocalCluster, sc: Scenario, transport: str, model_dir: s
     """One transport on one layout: init, warm-up, timed syncs, peaks, optional verification, and
     with ``profile`` one more sync under cProfile in trainer rank 0 and worker 0 (not timed)."""
     name, _, variant = transport.partition("/")
-    layout = Layout(trainers=sc.trainers, tp=sc.tp, replicas=sc.replicas, model=model_dir,
+    layout = Layout(trainers=sc.trainers, tp=sc.tp, replicas=sc.replicas, model=model_dir, tp_aligned=sc.tp_aligned,
                     dtype="float32" if itemsize == 4 else "bfloat16", backend=name)
     cluster.setup(layout)
     ts, rs = cluster.active_trainers, cluster.active_receivers
@@ -315,7 +320,7 @@ def run_paired(cluster: LocalCluster, sc: Scenario, model_dir: str, itemsize: in
     is kept as ``*_first_s``. Against the raw step (timed inside the processes, slowest rank) M2N's
     sync is ``send_weights`` as the slowest trainer rank timed it (``m2n_trainer_s``: what a trainer
     waits for); ``m2n_s`` adds the harness's calls from this driver into the trainer processes."""
-    layout = Layout(trainers=sc.trainers, tp=sc.tp, replicas=sc.replicas, model=model_dir,
+    layout = Layout(trainers=sc.trainers, tp=sc.tp, replicas=sc.replicas, model=model_dir, tp_aligned=sc.tp_aligned,
                     dtype="float32" if itemsize == 4 else "bfloat16", backend="weightsync_m2n")
     cluster.setup(layout)
     ts, rs = cluster.active_trainers, cluster.active_receivers
@@ -454,6 +459,8 @@ def main() -> None:
     ap.add_argument("--staging-sweep", type=int, nargs="*", default=[4, 16, 64, 256], help="MiB")
     ap.add_argument("--bucket-mib", type=int, default=64, help="M2N staging and broadcast/IPC bucket")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--tp-aligned", action="store_true",
+                    help="trainers shard o_proj/down_proj on dim 1 (ModelConfig.tp_aligned_shards)")
     ap.add_argument("--repeats", type=int, default=None, help="timed syncs per row (default 3 quick, 5 full)")
     ap.add_argument("--profile", action="store_true",
                     help="one more weightsync_m2n sync at the largest 2 -> TP 2 size under cProfile (written to --out)")

@@ -46,6 +46,27 @@ def test_m2n_replicas_llama_bf16(cluster, layout):
     check_two_syncs(cluster, layout, seed=7)
 
 
+def test_tp_aligned_shards(cluster):
+    """FSDP2 shards the row-parallel weights on dim 1 (``ModelConfig.tp_aligned_shards``): bit-exact,
+    and with as many trainer ranks as TP only the small messages that pack several items go through
+    staging, against over a tenth of the bytes with dim-0 shards."""
+    layout = Layout(trainers=2, tp=2, tp_aligned=True, model="small_qwen3", backend="weightsync_m2n")
+    check_two_syncs(cluster, layout, seed=3)  # (small: pieces big enough to go alone)
+    aligned = cluster.on_trainers("weightsync.testing.probes:m2n_staged_bytes")
+    default = Layout(trainers=2, tp=2, model="small_qwen3", backend="weightsync_m2n")
+    cluster.setup(default)
+    cluster.make_engines(init_info("weightsync_m2n", default), source="local")
+    rows = cluster.on_trainers("weightsync.testing.probes:m2n_staged_bytes")
+    assert all(s["staged"] < s["total"] / 100 for s in aligned), aligned
+    assert all(s["staged"] > s["total"] / 10 for s in rows), rows
+
+
+def test_tp_aligned_shards_need_even_columns(cluster):
+    with pytest.raises(RemoteError, match="ModelConfig.tp_aligned_shards: parameter 'model.layers.0.self_attn.o_proj"
+                                          ".weight' has 128 columns, which do not divide by the 3 FSDP ranks"):
+        cluster.setup(Layout(trainers=3, tp=2, tp_aligned=True, backend="weightsync_m2n"))
+
+
 def test_gather_guard_catches_a_gathering_transport(cluster):
     """The guard used above is real: the broadcast path (full_tensor) trips it."""
     layout = Layout(trainers=2, tp=2)

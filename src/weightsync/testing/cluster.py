@@ -44,6 +44,8 @@ class Layout:
     backend: str = "weightsync_nccl"
     seed: int = 0
     fsdp: bool = True
+    tp_aligned: bool = False
+    """Trainers shard row-parallel weights on dim 1 (``ModelConfig.tp_aligned_shards``)."""
     device: str = "cpu"
     """Receivers' model device; ``"meta"`` builds layouts only (no weights, no transfers)."""
     trainer_model: str | None = None
@@ -111,7 +113,7 @@ class LocalCluster:
         model_dir = model_config_dir(layout.model)
         trainer_dir = model_config_dir(layout.trainer_model or layout.model)
         tdtype = layout.trainer_dtype or layout.dtype
-        tkey = (layout.trainers, tdtype, trainer_dir, layout.seed, layout.fsdp)
+        tkey = (layout.trainers, tdtype, trainer_dir, layout.seed, layout.fsdp, layout.tp_aligned)
         rkey = (layout.tp, layout.replicas, layout.dtype, model_dir, layout.backend, layout.device, layout.ep)
         old = self._keys
         self._keys, self.layout = None, None
@@ -120,7 +122,7 @@ class LocalCluster:
             futs += [a.submit(_T + "teardown") for a in self.trainers]
             tport = free_port()
             futs += [a.submit(_T + "setup", trainer_dir, world=layout.trainers, rank=r, port=tport,
-                              dtype=tdtype, seed=layout.seed, fsdp=layout.fsdp)
+                              dtype=tdtype, seed=layout.seed, fsdp=layout.fsdp, tp_aligned=layout.tp_aligned)
                      for r, a in enumerate(self.trainers[: layout.trainers])]
         if fresh or old is None or old[1] != rkey:
             gather([a.submit(_R + "teardown") for a in self.receivers])

@@ -106,3 +106,19 @@ def send_weights_without_gathers(weight_version: str) -> dict[str, Any]:
         for obj, name, fn in saved:
             setattr(obj, name, fn)
     return {"received": stats.bytes_received_per_worker, "lower_bound": stats.lower_bound_per_worker}
+
+
+def m2n_staged_bytes() -> dict[str, int]:
+    """An M2N trainer rank's bytes per sync that go through staging (not contiguous in its shard) and
+    its total, from the live engine's plan and the source's current shards."""
+    from ..transport.m2n_exec import _direct
+
+    engine = STATE["engine"]
+    shards = dict(engine.source.iter_local())
+    staged = total = 0
+    for rnd in engine.plan.rounds:
+        for m in rnd:
+            total += m.nbytes
+            if _direct(m, lambda m, i: shards[m.items[i].name], engine.plan.dtypes, True) is None:
+                staged += m.nbytes
+    return {"staged": staged, "total": total}

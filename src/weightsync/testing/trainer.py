@@ -18,10 +18,12 @@ from .actors import STATE
 __all__ = ["setup", "teardown", "train_step", "full_state_dict", "make_engine", "send_weights", "shutdown_engine"]
 
 
-def setup(model_dir: str, *, world: int, rank: int, port: int, dtype: str, seed: int = 0, fsdp: bool = True) -> None:
+def setup(model_dir: str, *, world: int, rank: int, port: int, dtype: str, seed: int = 0, fsdp: bool = True,
+          tp_aligned: bool = False) -> None:
     """Init the trainer's own default group (gloo), build the model from ``model_dir/config.json``
     with seeded random weights (same on every rank), shard it the way ``FSDP2Trainer`` does
-    (``weightsync.integrations.fsdp2.model.apply_fsdp``), make AdamW."""
+    (``weightsync.integrations.fsdp2.model.apply_fsdp``; ``tp_aligned``: ``ModelConfig.tp_aligned_shards``),
+    make AdamW."""
     teardown()
     torch.set_num_threads(1)
     from transformers import AutoModelForCausalLM
@@ -35,7 +37,7 @@ def setup(model_dir: str, *, world: int, rank: int, port: int, dtype: str, seed:
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
     if fsdp:
-        apply_fsdp(model, ModelConfig(path=model_dir), mesh=None)
+        apply_fsdp(model, ModelConfig(path=model_dir, tp_aligned_shards=tp_aligned), mesh=None)
     STATE.update(model=model, optim=torch.optim.AdamW(model.parameters(), lr=1e-2), rank=rank, world=world,
                  vocab=cfg.vocab_size)
 

@@ -52,6 +52,12 @@ class ModelConfig:
     """Free each decoder layer's gathered weights after its forward (FSDP2's ZeRO-3 behaviour)."""
     activation_checkpointing: bool = False
     """Recompute decoder-layer activations in backward (Hugging Face gradient checkpointing, non-reentrant)."""
+    tp_aligned_shards: bool = False
+    """Shard the row-parallel weights (every 2-D ``o_proj`` / ``down_proj`` weight) on dim 1, the dim
+    vLLM's tensor parallelism splits them on, instead of dim 0. With as many trainer ranks as vLLM's TP
+    size each rank's shard is then one worker's whole piece, so ``weightsync_m2n`` sends it from the
+    shard with no staging copy (dim 0: each rank copies its rows' column halves into staging). FSDP2
+    gathers dim-1 shards with one extra copy per all-gather."""
     attn_implementation: str | None = None
     """Hugging Face attention implementation (``"sdpa"``, ``"flash_attention_2"``, ...); None = its default.
     It must honour packed rows (restarting ``position_ids``); sdpa, eager and flash attention do."""

@@ -64,9 +64,32 @@ def apply_fsdp(model: torch.nn.Module, cfg: ModelConfig, *, mesh: Any) -> None:
     if cfg.param_dtype is not None:
         fsdp["mp_policy"] = MixedPrecisionPolicy(param_dtype=_DTYPES[cfg.param_dtype],
                                                  reduce_dtype=_DTYPES[cfg.reduce_dtype])
-    for layer in decoder_layers(model):
-        fully_shard(layer, **fsdp)
+    ranks = dist.get_world_size() if mesh is None else mesh.size()
+    for i, layer in enumerate(decoder_layers(model)):
+        placement = {"shard_placement_fn": _row_parallel_on_dim1(layer, f"model.layers.{i}", ranks)} \
+            if cfg.tp_aligned_shards else {}
+        fully_shard(layer, **fsdp, **placement)
     fully_shard(model, **fsdp)
+
+
+ROW_PARALLEL = (".o_proj.weight", ".down_proj.weight")
+"""Name endings of the 2-D weights vLLM shards on dim 1 (``RowParallelLinear``)."""
+
+
+def _row_parallel_on_dim1(layer: torch.nn.Module, prefix: str, ranks: int) -> Any:
+    """FSDP2 ``shard_placement_fn``: ``Shard(1)`` for ``layer``'s 2-D row-parallel weights, the default
+    (``Shard(0)``) for the others. Raises ``ValueError`` naming a weight whose dim 1 does not divide by
+    ``ranks`` (FSDP2 shards dims other than 0 only evenly)."""
+    from torch.distributed.tensor import Shard
+
+    ids = set()
+    for name, p in layer.named_parameters(prefix=prefix):
+        if p.dim() == 2 and name.endswith(ROW_PARALLEL):
+            if p.shape[1] % ranks:
+                raise ValueError(f"ModelConfig.tp_aligned_shards: parameter {name!r} has {p.shape[1]} columns, "
+                                 f"which do not divide by the {ranks} FSDP ranks (FSDP2 shards dim 1 only evenly)")
+            ids.add(id(p))
+    return lambda p: Shard(1) if id(p) in ids else None
 
 
 def build_model(cfg: ModelConfig, *, device: torch.device, mesh: Any) -> tuple[torch.nn.Module, Any]:
