@@ -42,7 +42,9 @@ TRAINERS, TP = 2, 2
 
 def trainer_config(path: str, args: argparse.Namespace) -> TrainerConfig:
     return TrainerConfig(
-        model=ModelConfig(path=path, param_dtype=None if args.cpu else "bfloat16"),
+        # o_proj / down_proj sharded on dim 1 as vLLM's TP splits them: each rank's shard is one vLLM
+        # rank's whole piece, sent from the shard with no staging copy
+        model=ModelConfig(path=path, param_dtype=None if args.cpu else "bfloat16", tp_aligned_shards=TRAINERS == TP),
         optim=OptimConfig(lr=args.lr, warmup_samples=args.prompts * args.group, weight_decay=0.01, grad_clip=1.0),
         loss=LossConfig(clip_low=0.2, clip_high=0.28, kl_coef=0.01, kl_type="k3", entropy_coef=0.001,
                         old_log_probs="rollout"),

@@ -217,3 +217,8 @@ def build_counting_checkpoint_reads(config: Any) -> int:
     finally:
         AutoModelForCausalLM.from_pretrained = classmethod(original)
     return len(reads)
+
+
+def placements() -> dict[str, str]:
+    """Each parameter's FSDP2 placement (``S(0)``, ``S(1)``, ...), from this rank's trainer."""
+    return {n: str(p.placements[0]) for n, p in STATE["trainer"].model.named_parameters()}
