@@ -21,8 +21,8 @@ import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import AuthenticationError
-from multiprocessing.reduction import ForkingPickler
 from multiprocessing.connection import Connection, Listener, answer_challenge, deliver_challenge, wait
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 __all__ = ["STATE", "ActorAddress", "Actor", "call", "call_many", "RemoteError"]

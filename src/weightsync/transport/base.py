@@ -100,9 +100,8 @@ class BaseTrainerEngine(TrainerEngine):
         raise NotImplementedError
 
     def _update_info(self, prepared: Any, verify: bool) -> WorkerUpdateInfo | None:
-        """Rank 0: this sync's update info, sent in the client's thread right after the start call (the
-        workers enter their receive while the trainer ranks wake). None: ``_transfer`` calls the
-        client's ``update_weights`` itself."""
+        """Rank 0: this sync's update info, sent from the client's thread right after the start call, so
+        the workers enter their receive while the trainer ranks wake; None: ``_transfer`` sends it."""
         return None
 
     def _transfer(self, prepared: Any, stats: SyncStats, verify: bool) -> None:
@@ -265,9 +264,8 @@ class BaseTrainerEngine(TrainerEngine):
         return fut
 
     def _applied(self) -> list[int] | None:
-        """Rank 0: wait until every worker applied the update (the bytes each received, when read).
-        A client that may be called from two threads (``concurrent_calls``) is not waited for: the
-        workers' "recv" keys say it sooner, and the finish call may go out while it returns."""
+        """Rank 0: wait until every worker applied the update (the bytes each received, when read). With a
+        ``concurrent_calls`` client the workers' "recv" keys say it, sooner than the update call returns."""
         if self._update_call is not None and getattr(self.client, "concurrent_calls", False):
             return self.comm.await_keys(self._recv_keys())
         if self._update_call is not None:
@@ -280,8 +278,7 @@ class BaseTrainerEngine(TrainerEngine):
 
     def _from_every_trainer(self, step: str, value: Any) -> list[Any]:
         """Publish this rank's ``value`` for ``step`` and read every other trainer rank's."""
-        ranks = self.init_info.num_trainer_ranks
-        if ranks > 1:
+        if (ranks := self.init_info.num_trainer_ranks) > 1:
             self.comm.publish(self._key(step, self.rank), value)
         return [value if r == self.rank else self.comm.read(self._key(step, r)) for r in range(ranks)]
 
