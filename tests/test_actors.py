@@ -79,3 +79,10 @@ def test_a_dead_actor_is_an_error_for_its_call_only():
     finally:
         dead.close()
         live.close()
+
+
+def test_arguments_that_cannot_be_pickled_raise_and_the_actors_serve_on(actors):
+    a0, a1 = actors
+    with pytest.raises(Exception, match="pickle"):
+        call_many([(a0.address, "os:getpid", (), {}), (a1.address, "builtins:repr", (lambda: 0,), {})])
+    assert call_many([(a.address, "os:getpid", (), {}) for a in actors]) == [a.process.pid for a in actors]

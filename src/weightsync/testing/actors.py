@@ -135,22 +135,20 @@ def call_many(calls: list[tuple[ActorAddress, str, tuple[Any, ...], dict[str, An
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     sent: list[Connection | BaseException] = []
     for addr, fn, args, kwargs in calls:
+        conn = None
         try:
             conn = _take(addr)
-        except (OSError, EOFError) as e:
-            sent.append(e)
-            continue
-        try:
             conn.send((fn, args, kwargs))
             sent.append(conn)
-        except BaseException as e:
-            conn.close()
-            if not isinstance(e, (OSError, EOFError)):
-                for c in sent:
-                    if isinstance(c, Connection):
-                        c.close()  # their replies are not read
-                raise
+        except (OSError, EOFError) as e:  # this call failed on the wire; the others go on
+            if conn is not None:
+                conn.close()
             sent.append(e)
+        except BaseException:  # e.g. arguments that cannot be pickled: no call is made
+            for c in [conn, *sent]:
+                if isinstance(c, Connection):
+                    c.close()  # their replies are not read
+            raise
     out: list[Any] = []
     for (addr, fn, _, _), conn in zip(calls, sent):
         if isinstance(conn, BaseException):

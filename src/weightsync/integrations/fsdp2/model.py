@@ -64,8 +64,9 @@ def apply_fsdp(model: torch.nn.Module, cfg: ModelConfig, *, mesh: Any) -> None:
     if cfg.param_dtype is not None:
         fsdp["mp_policy"] = MixedPrecisionPolicy(param_dtype=_DTYPES[cfg.param_dtype],
                                                  reduce_dtype=_DTYPES[cfg.reduce_dtype])
-    ranks = dist.get_world_size() if mesh is None else mesh.size()
-    names = {id(m): n for n, m in model.named_modules()}
+    if cfg.tp_aligned_shards:
+        ranks = dist.get_world_size() if mesh is None else mesh.size()
+        names = {id(m): n for n, m in model.named_modules()}
     for layer in decoder_layers(model):
         placement = {"shard_placement_fn": _row_parallel_on_dim1(layer, names[id(layer)], ranks)} \
             if cfg.tp_aligned_shards else {}
