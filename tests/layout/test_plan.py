@@ -7,18 +7,8 @@ import re
 import pytest
 import torch
 
-from weightsync.layout import (
-    DestPiece,
-    Region,
-    Replicate,
-    Shard,
-    TensorSource,
-    TransferItem,
-    build_plan,
-    dtype_itemsize,
-    mesh_coordinates,
-    source_regions,
-)
+from weightsync.layout import (DestPiece, Region, Replicate, Shard, TensorSource, TransferItem, build_plan,
+                               dtype_itemsize, mesh_coordinates, source_regions)
 from weightsync.layout.reference import execute_reference, make_local_shards, write_destinations
 
 
