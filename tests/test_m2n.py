@@ -81,7 +81,8 @@ def test_gather_guard_catches_a_gathering_transport(cluster):
 @pytest.mark.parametrize("backend", ["weightsync_m2n", "weightsync_nccl", "weightsync_ipc"])
 def test_workers_report_their_own_phases(cluster, backend):
     """``SyncStats.worker_phases``: every worker's own start / receive / finish seconds, from the
-    engines (no instrumentation); receiving the weights is most of a worker's sync here."""
+    engines (no instrumentation); receiving the weights is most of a worker's sync here. Rank 0's
+    phases add up to no more than its sync."""
     from helpers import SOURCES, init_info
 
     layout = Layout(trainers=2, tp=2, backend=backend)
@@ -93,3 +94,6 @@ def test_workers_report_their_own_phases(cluster, backend):
         assert set(phases) == {"start", "receive", "finish"}, (w, phases)
         assert all(0 <= s < stats["seconds"] for s in phases.values()), (w, phases, stats["seconds"])
         assert phases["receive"] > 0
+    # rank 0's own: the wait for the engines' start counts once, in "start" (a sender packs meanwhile)
+    assert set(stats["phases"]) == {"preflight", "start", "transfer", "finish"}, stats["phases"]
+    assert all(s >= 0 for s in stats["phases"].values()) and sum(stats["phases"].values()) <= stats["seconds"]

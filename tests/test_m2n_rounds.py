@@ -165,6 +165,38 @@ def test_direct_messages_go_early_and_whole_rounds_on_an_ordered_plane(ordered):
     assert sums == recv_sums
 
 
+def test_with_ready_a_sender_packs_what_needs_no_wait_and_posts_nothing_before_ready():
+    """``ready`` (the engines starting): the sender packs its staged rounds until one would have to be
+    waited for (here the staging holds two), posts nothing before ``ready()`` returned, then posts and
+    waits exactly as without it; when ``ready()`` raises, nothing is ever posted."""
+    shape = (16, 8)
+    sources = [TensorSource("t", shape, "float32", source_regions(shape, (1,), [Shard(0)], mesh_coordinates((1,))))]
+    dests = [[DestPiece("t", Region((0, 0), (8, 8)), "p", (0, 0))],  # whole rows: direct
+             [DestPiece("t", Region((0, 2), (16, 4)), "p", (0, 0))]]  # columns 2..5: staged, 4 rows a round
+    plan = build_plan(sources, dests)
+    shard, cap = torch.randn(shape), 64
+    rounds = my_messages(plan, sources, rank=0, sender=True, cap=cap)
+    kwargs = dict(sender=True, peer_rank=lambda w: 1 + w, dtypes={"t": "float32"}, tensor_of=lambda m, i: shard)
+    plain = Loopback()
+    run_rounds(plain, rounds, torch.empty(2 * cap, dtype=torch.uint8), **kwargs)
+    staging, plane, seen = torch.empty(2 * cap, dtype=torch.uint8), Loopback(), []
+
+    def ready():
+        seen.append((list(plane.rounds), staging.view(torch.float32).clone()))
+    run_rounds(plane, rounds, staging, ready=ready, **kwargs)
+    (posted, staged), = seen
+    assert posted == [] and torch.equal(staged, shard[:8, 2:6].reshape(-1))  # rounds 0 and 1 packed
+    assert plane.rounds == plain.rounds and plane.waited == plain.waited
+    assert plane.wire.keys() == plain.wire.keys() and all(torch.equal(plane.wire[k], plain.wire[k]) for k in plain.wire)
+
+    def refused():
+        raise RuntimeError("the engines refused the update")
+    plane = Loopback()
+    with pytest.raises(RuntimeError, match="refused"):
+        run_rounds(plane, rounds, torch.empty(2 * cap, dtype=torch.uint8), ready=refused, **kwargs)
+    assert plane.rounds == []
+
+
 def test_a_round_stages_only_the_bytes_it_needs_in_the_lowest_free_span():
     """Rounds that each stage a quarter of the staging buffer keep four in flight (not two halves'
     worth), reusing the spans the oldest rounds free, with no posted buffer sharing a byte; rounds

@@ -17,19 +17,24 @@ values for:
 
 Every transport runs it: M2N on the regions of its plan (``_init``), the full-tensor transports
 (nccl, ipc) on the metadata whose tensors will reach the parameters' loaders whole, at init and
-again whenever an update carries different metadata.
+again whenever an update carries different metadata. Before that, their trainer ranks agree on one
+metadata among themselves (:func:`agree_on_metadata`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .destinations import UNKNOWN, WorkerDestinations, checkpoint_layout, resolve_destinations
+from .layout.buckets import metadata_digest
 from .layout.coverage import format_regions, uncovered
 from .layout.regions import Region
+
+if TYPE_CHECKING:
+    from .comm import Communicator
 
 __all__ = ["check_model", "coverage_gaps"]
 
@@ -119,3 +124,28 @@ def _missing_hint(model: torch.nn.Module, name: str, metas: Sequence[tuple[str, 
     candidates = [f"{prefix}.{p}.{attr}" if prefix else f"{p}.{attr}" for p in parts] if parts else [name]
     missing = [c for c in candidates if c not in sent]
     return f" (the trainer's metadata has no {', '.join(map(repr, missing))})" if missing else ""
+
+
+def agree_on_metadata(comm: Communicator, metadata: Sequence[Any], *, rank: int, num_ranks: int) -> str:
+    """Every trainer rank of a full-tensor transport: publish this rank's metadata (names, dtypes,
+    shapes) and its digest, compare the digests; on a mismatch every rank reads rank 0's and the first
+    differing rank's metadata and raises the same ``ValueError`` naming the first differing parameter.
+    Rank 0's is what the workers check their model against (``model/metas/0``). Returns the digest
+    every rank agreed on."""
+    mine = [m.wire() for m in metadata]
+    comm.publish(f"model/metas/{rank}", mine)  # read in full by the workers, or on a mismatch
+    comm.publish(f"model/digest/{rank}", metadata_digest(mine))
+    digests = [comm.read(f"model/digest/{r}") for r in range(num_ranks)]
+    for r, theirs_digest in enumerate(digests):
+        if theirs_digest != digests[0]:
+            first, theirs = (mine if k == rank else comm.read(f"model/metas/{k}") for k in (0, r))
+            i = next((k for k, (a, b) in enumerate(zip(first, theirs)) if a != b), min(len(first), len(theirs)))
+            a, b = (x[i] if i < len(x) else "nothing" for x in (first, theirs))
+            what = a["name"] if isinstance(a, dict) else b["name"]
+            raise ValueError(f"parameter {what!r}: trainer rank {r}'s metadata differs from trainer rank 0's "
+                             f"at position {i}: {_short(b)} vs {_short(a)}")
+    return digests[0]
+
+
+def _short(meta: Any) -> str:
+    return meta if isinstance(meta, str) else f"{meta['name']} {meta['dtype']} {tuple(meta['shape'])}"

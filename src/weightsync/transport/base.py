@@ -5,18 +5,19 @@ Trainer side (:class:`BaseTrainerEngine`), on every trainer rank::
     trainer_init: trainer rank 0 hosts the group's store; rank 0 calls the client's
         init_weight_transfer_engine in a thread while every rank connects (and joins the data plane,
         for a transport that has one: ``_data_rank``), runs ``_handshake`` and agrees that init is done.
-        In the handshake the trainer ranks agree on their metadata (``_agree_on_metadata``, or M2N's
-        plan) and every worker checks it against its model and for coverage
+        In the handshake the trainer ranks agree on their metadata (:func:`~weightsync.agreement.agree_on_metadata`,
+        or M2N's plan) and every worker checks it against its model and for coverage
         (:mod:`weightsync.agreement`): a mismatch fails init on every rank, naming the parameter.
     send_weights: preflight (``_preflight`` on every rank; any rank's error is every rank's, before
         anything moves: a ``ValueError`` on every rank, or the rank's own exception there and a
         ``RuntimeError`` naming it on the others; the engines stay ready for the next sync) ->
         rank 0 starts the update on the engines, sends the update (``_update_info``) from the same
         client thread at once, and tells the others -> ``_transfer`` on every rank (or rank 0 calls
-        ``update_weights`` inside it: ``_update_info`` None) -> every rank reports -> once every
-        worker applied the update (its "recv" key; the update call's return, for a client that
-        cannot be called from two threads) rank 0 finishes the update (the version advances) and
-        publishes the verdict.
+        ``update_weights`` inside it: ``_update_info`` None), which may do local work first (M2N
+        packs its first staged rounds) but moves no data before ``started()`` (the wait for the
+        start) returned -> every rank reports -> once every worker applied the update (its "recv"
+        key; the update call's return, for a client that cannot be called from two threads) rank 0
+        finishes the update (the version advances) and publishes the verdict.
 
 One outcome per sync: after a failure anywhere, every trainer rank raises ``SyncFailed`` with the
 first failure's message, rank 0 aborts the update on every worker (each leaves the update, so vLLM's
@@ -32,7 +33,8 @@ optional) on the worker.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict
@@ -104,9 +106,11 @@ class BaseTrainerEngine(TrainerEngine):
         the workers enter their receive while the trainer ranks wake; None: ``_transfer`` sends it."""
         return None
 
-    def _transfer(self, prepared: Any, stats: SyncStats, verify: bool) -> None:
-        """Move the weights. On rank 0, ``self._update_call`` is the update call in flight (None when
-        ``_update_info`` returned None: then this hook calls ``update_weights`` itself)."""
+    def _transfer(self, prepared: Any, stats: SyncStats, verify: bool, started: Callable[[], None]) -> None:
+        """Move the weights; call ``started()`` (it waits until the engines accepted the update) before
+        any data moves or the source's collectives run; local work may come first. On rank 0,
+        ``self._update_call`` is the update call in flight (None when ``_update_info`` returned None:
+        then this hook calls ``update_weights`` itself)."""
         raise NotImplementedError
 
     def _lower_bound(self) -> dict[int, int]:
@@ -173,35 +177,14 @@ class BaseTrainerEngine(TrainerEngine):
         elif keys:
             self.comm.wait_for(keys, self.init_info.timeout_s)
 
-    def _agree_on_metadata(self) -> str:
-        """Every trainer rank: publish this rank's metadata (names, dtypes, shapes) and its digest,
-        compare the digests; on a mismatch every rank reads rank 0's and the first differing rank's
-        metadata and raises the same error naming the first differing parameter. Rank 0's is what
-        the workers check their model against (``model/metas/0``). For the full-tensor transports.
-        Returns the digest every rank agreed on."""
-        from ..layout.buckets import metadata_digest
-
-        mine = [m.wire() for m in self.source.metadata]
-        self.comm.publish(f"model/metas/{self.rank}", mine)  # read in full by the workers, or on a mismatch
-        self.comm.publish(f"model/digest/{self.rank}", metadata_digest(mine))
-        digests = [self.comm.read(f"model/digest/{r}") for r in range(self.init_info.num_trainer_ranks)]
-        for r, theirs_digest in enumerate(digests):
-            if theirs_digest != digests[0]:
-                first, theirs = (mine if k == self.rank else self.comm.read(f"model/metas/{k}") for k in (0, r))
-                i = next((k for k, (a, b) in enumerate(zip(first, theirs)) if a != b), min(len(first), len(theirs)))
-                a, b = (x[i] if i < len(x) else "nothing" for x in (first, theirs))
-                what = a["name"] if isinstance(a, dict) else b["name"]
-                raise ValueError(f"parameter {what!r}: trainer rank {r}'s metadata differs from trainer rank 0's "
-                                 f"at position {i}: {_short(b)} vs {_short(a)}")
-        return digests[0]
-
-    def _start_update(self, update: WorkerUpdateInfo | None) -> Future | None:
+    def _start_update(self, update: WorkerUpdateInfo | None) -> Callable[[], Any]:
         """Rank 0: start the update on every engine and tell the other ranks, then send ``update`` from
-        the same client thread at once; returns the update call's future (None without ``update``)
-        once the start returned."""
+        the same client thread at once (that call is ``self._update_call``); returns what waits until
+        the start returned (without ``update``: it has)."""
         if update is None:
             self._start_on_engines()
-            return self.comm.publish(self._key("started"), _OK)  # (None)
+            self.comm.publish(self._key("started"), _OK)
+            return lambda: None
         payload, started = asdict(update), Future()
 
         def start_then_update() -> None:
@@ -214,9 +197,9 @@ class BaseTrainerEngine(TrainerEngine):
             started.set_result(None)
             self.client.update_weights(payload)
 
-        fut = self._watched(self._pool.submit(start_then_update), "update_weights", wake=self._recv_keys())
-        client_result(started, self.init_info.timeout_s, "start_weight_update")
-        return fut
+        self._update_call = self._watched(self._pool.submit(start_then_update), "update_weights",
+                                          wake=self._recv_keys())
+        return lambda: client_result(started, self.init_info.timeout_s, "start_weight_update")
 
     def _start_on_engines(self) -> None:
         """vLLM's worker refuses to start while an update is active, which a trainer that died
@@ -312,19 +295,30 @@ class BaseTrainerEngine(TrainerEngine):
         self._started, self._update_call = False, None
         try:
             with stats.timed("start"):
-                if self.is_sender:
-                    self._update_call = self._start_update(self._update_info(prepared, verify))
-                else:  # no rank enters the source's collectives before the engines accepted the update
+                wait = self._start_update(self._update_info(prepared, verify)) if self.is_sender else None
+            waited: list[float] = []
+
+            def started() -> None:  # no rank moves data before the engines accepted the update
+                if waited:
+                    return
+                t0 = time.perf_counter()
+                if wait is not None:
+                    wait()
+                else:
                     self.comm.await_key(self._key("started"))
-                    self._started = True
+                self._started = True
+                waited.append(time.perf_counter() - t0)
             with stats.timed("transfer"):
-                self._transfer(prepared, stats, verify)
+                self._transfer(prepared, stats, verify, started)
+                started()
                 if not self.is_sender:  # (rank 0 reads the others')
                     self.comm.publish(self._key("sent", self.rank), _OK)
                 else:
                     received = self._applied()
                     for r in range(1, self.init_info.num_trainer_ranks):
                         self.comm.read(self._key("sent", r))
+            stats.phases["start"] += waited[0]  # what was left to wait for is the start's, not the transfer's
+            stats.phases["transfer"] -= waited[0]
             if self.is_sender:
                 failure = self.comm.peer_error()  # every worker applied it or reported its failure
                 if failure is not None:
@@ -384,10 +378,6 @@ class BaseTrainerEngine(TrainerEngine):
                 comm.shutdown()
         self.comm = None
         self._pool.shutdown(wait=False)
-
-
-def _short(meta: Any) -> str:
-    return meta if isinstance(meta, str) else f"{meta['name']} {meta['dtype']} {tuple(meta['shape'])}"
 
 
 def _check_source(backend: str, kind: str, source: WeightSource | None) -> None:

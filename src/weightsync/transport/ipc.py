@@ -12,11 +12,13 @@ checksum of the chunk it applied with the one its serving rank computed after pa
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
 import torch
 
+from ..agreement import agree_on_metadata
 from ..engine import MetadataUpdateInfo, SyncStats, TrainerInitInfo, WorkerInitInfo
 from ..layout.buckets import Bucket, check_bucket_bytes, metadata_digest, plan_buckets
 from ..protocol import ParamMeta, check_metadata, checked
@@ -123,7 +125,7 @@ class IPCTrainerEngine(BaseTrainerEngine):
         self.device = torch.device(i.device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self._agree_on_metadata()  # the workers check it against their model at init
+        agree_on_metadata(self.comm, self.source.metadata, rank=i.rank, num_ranks=i.num_trainer_ranks)  # the workers check it
         self.served = [w for w, t in enumerate(i.worker_to_trainer) if t == i.rank]
         self._buffer: ExportedBuffer | None = None
         self._sent_digest: str | None = None
@@ -141,7 +143,9 @@ class IPCTrainerEngine(BaseTrainerEngine):
     def _lower_bound(self) -> dict[int, int]:
         return dict.fromkeys(range(self.init_info.num_workers), self._total)
 
-    def _transfer(self, prepared: tuple[list[ParamMeta], list[Bucket], str], stats: SyncStats, verify: bool) -> None:
+    def _transfer(self, prepared: tuple[list[ParamMeta], list[Bucket], str], stats: SyncStats, verify: bool,
+                  started: Callable[[], None]) -> None:
+        started()
         metas, buckets, digest = prepared
         stats.num_tensors, stats.num_steps = len(metas), len(buckets)
         source_it = self.source.iter_full()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
@@ -225,9 +226,12 @@ class M2NTrainerEngine(BaseTrainerEngine):
             delta = {"delta_base": base, "delta_workers": holders}
         return M2NUpdateInfo(sync_id=self.sync_id, digest=self.plan.digest, verify=verify, **delta)
 
-    def _transfer(self, shards: dict[str, torch.Tensor], stats: SyncStats, verify: bool) -> None:
+    def _transfer(self, shards: dict[str, torch.Tensor], stats: SyncStats, verify: bool,
+                  started: Callable[[], None]) -> None:
+        """The first staged rounds are packed while the engines start (``run_rounds``' ``ready``)."""
         payloads, tensors = {}, shards
         if self._baseline is not None:  # (the workers receive while this rank encodes)
+            started()
             base, holders = self._delta_workers()
             payloads = self._encode(shards, base, holders, stats)
             if self._baseline.device == self.comm.device:  # the new values, in the wire dtype: no cast to pack
@@ -236,7 +240,7 @@ class M2NTrainerEngine(BaseTrainerEngine):
         stats.bytes_sent = run_rounds(self.comm, self.plan.rounds, self.plan.staging, sender=True,
                                       peer_rank=lambda w: self.init_info.num_trainer_ranks + w,
                                       dtypes=self.plan.dtypes, tensor_of=lambda m, i: tensors[m.items[i].name],
-                                      sums=sums, sparse=payloads)
+                                      sums=sums, sparse=payloads, ready=started)
         if sums is not None:
             self.comm.publish(self._key("sums", self.rank), {str(w): v for w, v in sums.items()})
         stats.num_tensors, stats.num_steps = len(self._names), len(self.plan.rounds)

@@ -156,7 +156,7 @@ DEPTH = 8
 def run_rounds(comm: Communicator, plan_rounds: Iterable[list[Message]], staging: torch.Tensor, *, sender: bool,
                peer_rank: Callable[[int], int], dtypes: Mapping[str, str],
                tensor_of: Callable[[Message, int], torch.Tensor], sums: dict[int, int] | None = None,
-               sparse: Mapping[tuple[int, int], Any] | None = None) -> int:
+               sparse: Mapping[tuple[int, int], Any] | None = None, ready: Callable[[], Any] | None = None) -> int:
     """Execute rounds; returns payload bytes moved.
 
     A message whose bytes are ready in this rank's own memory needs no staging: one item contiguous
@@ -181,7 +181,10 @@ def run_rounds(comm: Communicator, plan_rounds: Iterable[list[Message]], staging
     sender what it sent, the receiver what it applied (for a sparse message: the whole region, as it
     is after the patch). ``sparse`` (delta sync, keyed by (peer, message index)): the sender's sparse
     payloads, the receiver's counts of changed values; those messages go as
-    :mod:`~weightsync.transport.delta` encodes them, in their dense slot's place."""
+    :mod:`~weightsync.transport.delta` encodes them, in their dense slot's place.
+    With ``ready``, nothing is posted before ``ready()`` returned; the rounds go on as without it
+    (packed, their ops held back) until one would have to be waited for, or they end: a sender
+    packs that much of its staging while ``ready()`` is still to be called (the engines start)."""
     room = staging.numel() // ALIGN * ALIGN
     sparse = sparse or {}
     whole_rounds = getattr(comm, "ordered", False)
@@ -219,9 +222,22 @@ def run_rounds(comm: Communicator, plan_rounds: Iterable[list[Message]], staging
                 out.append(b)
         return out
 
+    held: list[tuple[list[Any], list[Any]]] | None = None if ready is None else []  # ops and their works
+
     def post(rnd: list[Message], bufs: list[torch.Tensor]) -> list[Any]:
         ops = [(buf, peer_rank(m.dst if sender else m.src), m.index) for m, buf in zip(rnd, bufs)]
+        if held is not None:
+            held.append((ops, works := []))
+            return works  # filled once ready() returned (``release``)
         return comm.post(ops, []) if sender else comm.post([], ops)
+
+    def release() -> None:
+        nonlocal held
+        if held is not None:
+            ready()
+            for ops, works in held:
+                works.extend(comm.post(ops, []) if sender else comm.post([], ops))
+            held = None
 
     def fold(m: Message, views: Iterable[torch.Tensor]) -> None:
         acc = 0
@@ -280,6 +296,7 @@ def run_rounds(comm: Communicator, plan_rounds: Iterable[list[Message]], staging
 
     def complete(posted: Posted) -> None:
         nonlocal moved
+        release()
         rnd, bufs, kinds, works, _ = posted
         comm.wait_all(works[::-1], "M2N round")  # the last posted first: the others are done by then
         moved += sum(b.numel() for b in bufs)  # what the data plane filled, padding included
@@ -309,6 +326,7 @@ def run_rounds(comm: Communicator, plan_rounds: Iterable[list[Message]], staging
         in_flight.append((rnd, bufs, kinds, post(rnd, bufs), (start, start + need)))
         if len(in_flight) == DEPTH:
             complete(in_flight.popleft())
+    release()
     # everything is posted: the receiver applies the staged rounds in order while the later ones
     # arrive, the sender waits for the last posted first (the earlier ones are done by then)
     for posted in [*(reversed(in_flight) if sender else in_flight), *reversed(early)]:

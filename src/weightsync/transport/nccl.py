@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
+from ..agreement import agree_on_metadata
 from ..engine import DeltaStats, MetadataUpdateInfo, SyncStats, TrainerInitInfo, WorkerInitInfo
 from ..layout.buckets import ALIGN, Bucket, check_bucket_bytes, metadata_digest, plan_buckets
 from ..layout.records import align_up
@@ -106,7 +107,8 @@ class NCCLTrainerEngine(BaseTrainerEngine):
         return (0, self.init_info.world_size) if self.is_sender else None
 
     def _handshake(self) -> None:
-        self._init_digest = self._agree_on_metadata()  # the workers check it against their model before joining
+        self._init_digest = agree_on_metadata(self.comm, self.source.metadata, rank=self.rank,
+                                              num_ranks=self.init_info.num_trainer_ranks)  # the workers check it against their model before joining
         self._sent_digest: str | None = None
         self._buffers: list[torch.Tensor] = []
         self._total = 0
@@ -130,7 +132,9 @@ class NCCLTrainerEngine(BaseTrainerEngine):
         self._sending = digest, self._delta_base(digest)
         return NCCLUpdateInfo(sync_id=self.sync_id, digest=digest, verify=verify, delta_base=self._sending[1], **wire)
 
-    def _transfer(self, prepared: tuple[list[ParamMeta], list[Bucket]], stats: SyncStats, verify: bool) -> None:
+    def _transfer(self, prepared: tuple[list[ParamMeta], list[Bucket]], stats: SyncStats, verify: bool,
+                  started: Callable[[], None]) -> None:
+        started()
         metas, buckets = prepared
         stats.num_tensors, stats.num_steps = len(metas), len(buckets)
         if not self.is_sender:
