@@ -5,9 +5,10 @@ Trainer side (:class:`BaseTrainerEngine`), on every trainer rank::
     trainer_init: trainer rank 0 hosts the group's store; rank 0 calls the client's
         init_weight_transfer_engine in a thread while every rank connects (and joins the data plane,
         for a transport that has one: ``_data_rank``), runs ``_handshake`` and agrees that init is done.
-        In the handshake the trainer ranks agree on their metadata (:func:`~weightsync.agreement.agree_on_metadata`,
-        or M2N's plan) and every worker checks it against its model and for coverage
-        (:mod:`weightsync.agreement`): a mismatch fails init on every rank, naming the parameter.
+        In the handshake the trainer ranks agree on their metadata (M2N's plan, or
+        :func:`~weightsync.agreement.agree_on_metadata`) and every worker checks it against its model
+        and for coverage (:mod:`weightsync.agreement`): a mismatch fails init on every rank, naming
+        the parameter.
     send_weights: preflight (``_preflight`` on every rank; any rank's error is every rank's, before
         anything moves: a ``ValueError`` on every rank, or the rank's own exception there and a
         ``RuntimeError`` naming it on the others; the engines stay ready for the next sync) ->

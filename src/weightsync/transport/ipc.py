@@ -125,7 +125,8 @@ class IPCTrainerEngine(BaseTrainerEngine):
         self.device = torch.device(i.device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        agree_on_metadata(self.comm, self.source.metadata, rank=i.rank, num_ranks=i.num_trainer_ranks)  # the workers check it
+        # the workers check the agreed metadata against their model at init
+        agree_on_metadata(self.comm, self.source.metadata, rank=i.rank, num_ranks=i.num_trainer_ranks)
         self.served = [w for w, t in enumerate(i.worker_to_trainer) if t == i.rank]
         self._buffer: ExportedBuffer | None = None
         self._sent_digest: str | None = None

@@ -107,8 +107,9 @@ class NCCLTrainerEngine(BaseTrainerEngine):
         return (0, self.init_info.world_size) if self.is_sender else None
 
     def _handshake(self) -> None:
+        # the workers check the agreed metadata against their model before joining
         self._init_digest = agree_on_metadata(self.comm, self.source.metadata, rank=self.rank,
-                                              num_ranks=self.init_info.num_trainer_ranks)  # the workers check it against their model before joining
+                                              num_ranks=self.init_info.num_trainer_ranks)
         self._sent_digest: str | None = None
         self._buffers: list[torch.Tensor] = []
         self._total = 0
