@@ -21,7 +21,7 @@ def http_server(cluster):
     cluster.setup(layout)
     actor = Actor("http", VLLM_CPU_ENV)
     port = free_port()
-    actor.call("weightsync.testing.http:start", [[a.address for a in cluster.active_receivers]], port)
+    actor.call("weightsync.testing.client:serve_http", [[a.address for a in cluster.active_receivers]], port)
     yield f"http://127.0.0.1:{port}", actor, layout
     actor.close()
 
@@ -33,7 +33,7 @@ def test_sync_through_vllm_http_routes_is_bit_exact(cluster, http_server):
     cluster.sync(weight_version="http-v1")
     assert mismatches(cluster) == {}
     assert cluster.client().weight_versions() == ["http-v1", "http-v1"]
-    calls = actor.call("weightsync.testing.http:calls")
+    calls = actor.call("weightsync.testing.client:http_calls")
     assert calls[0] == ("init", "WeightTransferInitRequest")
     assert calls[-3:] == [("start",), ("update", "WeightTransferUpdateRequest"), ("finish", "http-v1")]
 
@@ -45,7 +45,7 @@ def test_http_errors_carry_status_and_pause_modes_reach_vllm(http_server):
         client._post("update_weights", {"wrong": 1})  # vLLM's own validation rejects the body
     with paused(client, mode="wait", clear_cache=False):
         pass
-    assert actor.call("weightsync.testing.http:calls")[-2:] == [("pause", "wait", False), ("resume",)]
+    assert actor.call("weightsync.testing.client:http_calls")[-2:] == [("pause", "wait", False), ("resume",)]
     with pytest.raises(ValueError, match=r"mode must be one of \('abort', 'wait', 'keep'\), got 'drain'"):
         client.pause_generation(mode="drain")
     with pytest.raises(ValueError, match="base_url must be http"):

