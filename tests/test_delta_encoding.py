@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import execute_reference, make_local_shards
 from test_m2n_rounds import SRC, Loopback
 from weightsync.layout import DestPiece, Region, Shard, TensorSource, build_plan, mesh_coordinates, source_regions
-from helpers import execute_reference, make_local_shards
 from weightsync.transport.delta import Baseline, _layout, decode, diff, encode, patch, sparse_nbytes
 from weightsync.transport.m2n_exec import my_messages, run_rounds
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weightsync.layout import DestPiece, Region, Shard, TensorSource, build_plan, mesh_coordinates, source_regions
 from helpers import execute_reference, make_local_shards
+from weightsync.layout import DestPiece, Region, Shard, TensorSource, build_plan, mesh_coordinates, source_regions
 from weightsync.transport import m2n_exec
 from weightsync.layout.records import TransferItem
 from weightsync.layout.schedule import Message

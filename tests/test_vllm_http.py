@@ -1,6 +1,8 @@
 """The ``vllm serve`` middleware (``weightsync.integrations.vllm_http``) on plain ASGI calls, no engine:
 bad weight-sync bodies are refused with 400 naming the field before the app (vLLM's routes) sees them,
-good ones reach it byte for byte, and a worker's out-of-order refusal (HTTP 500 from vLLM) goes out as 409."""
+good ones reach it byte for byte, and a worker's out-of-order refusal (HTTP 500 from vLLM) goes out as 409.
+Then ``HTTPVLLMWeightSyncClient`` against vLLM's own RL router (FastAPI, loopback) in front of real
+receiver processes: vLLM's request types accept our requests and a sync lands bit-exact."""
 
 from __future__ import annotations
 
@@ -10,7 +12,13 @@ from types import SimpleNamespace
 
 import pytest
 
+from helpers import init_info, mismatches
+from weightsync import HTTPVLLMWeightSyncClient, RemoteCallError
+from weightsync.clients import paused
 from weightsync.integrations.vllm_http import WeightSyncRequestValidation, validate_request
+from weightsync.testing.actors import Actor
+from weightsync.testing.cluster import Layout, free_port
+from weightsync.testing.receiver import VLLM_CPU_ENV
 
 M2N_INIT = {"master_address": "127.0.0.1", "master_port": 29500, "num_trainer_ranks": 2, "world_size": 3,
             "dst_mesh_dims": [1], "transport": "weightsync_m2n"}
@@ -181,3 +189,46 @@ def test_validate_request_returns_the_transport_an_init_names():
     assert validate_request("/init_weight_transfer_engine", body, "weightsync") == "weightsync_m2n"
     assert validate_request("/init_weight_transfer_engine", body, "weightsync_m2n") == "weightsync_m2n"
     assert validate_request("/init_weight_transfer_engine", b"not json", "nccl") is None
+
+
+# --- HTTPVLLMWeightSyncClient through vLLM's RL routes ------------------------------------------------
+
+@pytest.fixture(scope="module")
+def http_server(cluster):
+    layout = Layout(trainers=2, tp=2, replicas=1, backend="weightsync_m2n")
+    cluster.setup(layout)
+    actor = Actor("http", VLLM_CPU_ENV)
+    port = free_port()
+    actor.call("weightsync.testing.client:serve_http", [[a.address for a in cluster.active_receivers]], port)
+    yield f"http://127.0.0.1:{port}", actor, layout
+    actor.close()
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
+def test_sync_through_vllm_http_routes_is_bit_exact(cluster, http_server):
+    url, actor, layout = http_server
+    cluster.make_engines(init_info("weightsync_m2n", layout), source="local", client=HTTPVLLMWeightSyncClient(url))
+    cluster.train_step(3)
+    cluster.sync(weight_version="http-v1")
+    assert mismatches(cluster) == {}
+    assert cluster.client().weight_versions() == ["http-v1", "http-v1"]
+    calls = actor.call("weightsync.testing.client:http_calls")
+    assert calls[0] == ("init", "WeightTransferInitRequest")
+    assert calls[-3:] == [("start",), ("update", "WeightTransferUpdateRequest"), ("finish", "http-v1")]
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
+def test_http_errors_carry_status_and_pause_modes_reach_vllm(http_server):
+    url, actor, _ = http_server
+    client = HTTPVLLMWeightSyncClient(url)
+    with pytest.raises(RemoteCallError, match=r"POST .*/update_weights -> HTTP 422"):
+        client._post("update_weights", {"wrong": 1})  # vLLM's own validation rejects the body
+    with paused(client, mode="wait", clear_cache=False):
+        pass
+    assert actor.call("weightsync.testing.client:http_calls")[-2:] == [("pause", "wait", False), ("resume",)]
+    with pytest.raises(ValueError, match=r"mode must be one of \('abort', 'wait', 'keep'\), got 'drain'"):
+        client.pause_generation(mode="drain")
+    with pytest.raises(ValueError, match="base_url must be http"):
+        HTTPVLLMWeightSyncClient("localhost:8000")

@@ -2,7 +2,12 @@
 
 Two rank processes are started once (``helpers.ranks()``) and reused; each test re-forms the
 process group and builds the trainers it needs. Checkpoints are seeded random models written with
-``save_pretrained`` (``actor``: seed 0, ``other``: seed 1)."""
+``save_pretrained`` (``actor``: seed 0, ``other``: seed 1).
+
+Then ``FSDP2Trainer.sync_weights`` into vLLM's real model classes (TP=2 over gloo) for every transport:
+after a sync, and again after a training step, every vLLM rank equals vLLM's own ``load_weights`` of
+the trainer's full weights, bit for bit. And ``examples/grpo_fsdp2.py``: what it tells a user (its
+``--cpu`` run is in ``tests/engine/test_examples.py``)."""
 
 from __future__ import annotations
 
@@ -13,9 +18,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from helpers import checkpoints, config, make_samples, ranks, write_checkpoint
+from helpers import TRANSPORTS, checkpoints, config, init_info, make_samples, ranks, write_checkpoint
 from weightsync.integrations.fsdp2 import LossConfig, ModelConfig, OptimConfig, TrainerConfig, dp_schedule
 from weightsync.testing.actors import RemoteError
+from weightsync.testing.cluster import Layout
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -304,3 +310,39 @@ def test_sync_weights_pauses_the_memory_saver_only_for_ipc(procs, ckpts):
     assert procs.run("helpers:memory_saver_use", "weightsync_ipc") == [[True], [True]]
     for backend in ("weightsync_m2n", "weightsync_nccl"):
         assert procs.run("helpers:memory_saver_use", backend) == [[False], [False]]
+
+
+# --- sync_weights into vLLM's model classes ---------------------------------------------------------
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("backend", TRANSPORTS)
+def test_sync_weights_into_vllm_model_classes(cluster, backend):
+    procs = ranks()  # starts (or reuses) the two trainer processes while the receivers come up
+    cluster.setup(Layout(trainers=0, tp=2, backend=backend))  # the receivers; the trainer ranks are ours
+    procs.init(2)
+    procs.build(config(checkpoints()))
+    procs.run("connect", init_info(backend, Layout(trainers=2, tp=2)), cluster.client(timeout_s=60))
+    try:
+        for step in range(2):
+            if step:
+                procs.run("call", "train_step", make_samples(2, 4, seed=20 + step))
+            weights = procs.run("call", "full_state_dict")[0]
+            assert any(cluster.on_receivers("compare_with_oracle", weights)), "vLLM already had these weights"
+            procs.run("sync", f"v{step}")
+            assert cluster.on_receivers("compare_with_oracle", weights) == [[], []]
+        assert cluster.client().weight_versions() == ["v1", "v1"]
+    finally:
+        procs.run("shutdown_engine")
+
+
+# --- examples/grpo_fsdp2.py ---------------------------------------------------------------------------
+
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "grpo_fsdp2.py")
+
+
+def test_example_opens_with_its_launch_commands():
+    text = open(EXAMPLE).read()
+    head = text[: text.index('"""', 3)]
+    assert "4xH100" in head and "python examples/grpo_fsdp2.py --model Qwen/Qwen3-0.6B" in head
+    assert "python examples/grpo_fsdp2.py --cpu --steps 3" in head
+    assert len(text.splitlines()) <= 300

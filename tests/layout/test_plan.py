@@ -7,9 +7,9 @@ import re
 import pytest
 import torch
 
+from helpers import execute_reference, make_local_shards, write_destinations
 from weightsync.layout import (DestPiece, Region, Replicate, Shard, TensorSource, TransferItem, build_plan,
                                dtype_itemsize, mesh_coordinates, source_regions)
-from helpers import execute_reference, make_local_shards, write_destinations
 
 
 def _fsdp(shape, n, placements=None, mesh=None):
@@ -359,7 +359,7 @@ def test_digest_agreement_and_sensitivity():
 _DIGEST_SCRIPT = """
 import sys, types
 # Load weightsync.layout without weightsync/__init__.py, with torch made unimportable: the
-# layout and plan modules must stay pure (reference.py is the only one allowed torch).
+# layout and plan modules must stay pure.
 pkg = types.ModuleType("weightsync")
 pkg.__path__ = [sys.argv[1]]
 sys.modules["weightsync"] = pkg

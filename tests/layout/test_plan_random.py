@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from helpers import execute_reference, make_local_shards, write_destinations
 from weightsync.layout import (
     DestPiece,
     Region,
@@ -20,7 +21,6 @@ from weightsync.layout import (
     mesh_coordinates,
     source_regions,
 )
-from helpers import execute_reference, make_local_shards, write_destinations
 
 _MESHES = [(1,), (2,), (3,), (4,), (5,), (2, 2), (2, 3), (3, 2), (1, 3)]
 _DTYPES = ["float32", "bfloat16", "float64"]
