@@ -21,7 +21,7 @@ from typing import Any
 from ..clients import RemoteCallError, per_engine
 from .actors import STATE, ActorAddress, call_many
 
-__all__ = ["LocalWeightSyncClient", "serve_http", "http_calls", "stop_http"]
+__all__ = ["LocalWeightSyncClient", "serve_http", "http_calls"]
 
 _RECEIVER = "weightsync.testing.receiver:"
 
@@ -133,8 +133,3 @@ def serve_http(replicas: list[list[ActorAddress]], port: int) -> None:
 def http_calls() -> list[tuple[Any, ...]]:
     """The engine-client calls the routes made so far, in order."""
     return STATE["http"][1].calls
-
-
-def stop_http() -> None:
-    server, _ = STATE.pop("http")
-    server.should_exit = True
