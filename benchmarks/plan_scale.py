@@ -18,7 +18,7 @@ replicated, embed/lm_head vocab-parallel with padding.
 ``dsv3``: DeepSeek-V3's public shapes (see ``_dsv3_model``) with transformers 5's fused 3-D experts
 (``gate_up_proj`` [256, 4096, 7168], ``down_proj`` [256, 7168, 2048]); workers: 16 replicas of TP8,
 routed experts TP-sliced (default) or, with ``--ep``, expert-parallel (32 experts whole per worker,
-linear placement), their pieces from :func:`weightsync.experts.fused_expert_pieces`.
+linear placement), their pieces from :func:`weightsync.worker.experts.fused_expert_pieces`.
 
 Trainer: 1-D FSDP mesh of 256, ``Shard(0)`` (the expert dim of 3-D expert tensors; uneven where rows
 do not divide). Each rank builds the whole plan, then its compact per-peer listing
@@ -53,7 +53,7 @@ from weightsync.layout import (
     mesh_coordinates,
     source_regions,
 )
-from weightsync.experts import W2, W13, fused_expert_pieces
+from weightsync.worker.experts import W2, W13, fused_expert_pieces
 from weightsync.layout.plan import PairItems
 from weightsync.layout.schedule import message_cap
 

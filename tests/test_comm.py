@@ -12,7 +12,8 @@ import traceback
 import pytest
 import torch
 
-from weightsync.comm import Communicator, DataPlaneError
+from weightsync.comm import Communicator
+from weightsync.errors import DataPlaneError
 
 WORLD = 3
 TIMEOUT_S = 30.0

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from helpers import execute_reference, make_local_shards
-from weightsync.experts import W2, W13, expert_runs, fused_expert_pieces
+from weightsync.worker.experts import W2, W13, expert_runs, fused_expert_pieces
 from weightsync.layout import Shard, TensorSource, build_plan, mesh_coordinates, source_regions
 from weightsync.testing.cluster import free_port
 
@@ -100,7 +100,7 @@ def _rank(rank: int, world: int, port: int, queue) -> None:
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from weightsync.layout import Region
-    from weightsync.sources import DTensorModuleSource, tensor_sources
+    from weightsync.trainer.sources import DTensorModuleSource, tensor_sources
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

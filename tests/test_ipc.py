@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from helpers import HAS_CUDA, init_info, mismatches
-from weightsync.engine import parse_info
+from weightsync.infos import parse_info
 from weightsync.layout.buckets import plan_buckets
 from weightsync.protocol import ParamMeta
 from weightsync.testing.actors import RemoteError, gather

@@ -124,7 +124,7 @@ def applier_open_abort_finish() -> dict:
     import torch
 
     from weightsync.testing.receiver import STATE
-    from weightsync.worker import LayerwiseApplier
+    from weightsync.worker.applier import LayerwiseApplier
 
     model, path = STATE["model"], "model.layers.0.mlp.down_proj"
     layer = model.get_submodule(path)

@@ -7,7 +7,7 @@ import torch
 from weightsync import (FullTensorSource, ParamMeta, WeightSource, WeightTransferTrainerFactory,
                         WorkerEngineFactory, transport_names)
 from weightsync.protocol import dtype_from_name, dtype_name
-from weightsync.engine import parse_info
+from weightsync.infos import parse_info
 from weightsync.transport.nccl import NCCLTrainerInitInfo, NCCLUpdateInfo, NCCLWorkerInitInfo
 
 
@@ -98,7 +98,7 @@ def test_full_tensor_source_name_map_skips_and_rejects_collisions():
 
 def test_paused_keeps_generation_paused_only_after_a_sync_that_may_have_torn_the_weights():
     from weightsync.clients import paused
-    from weightsync.transport.base import SyncFailed
+    from weightsync.errors import SyncFailed
 
     class Recorder:
         def __init__(self):

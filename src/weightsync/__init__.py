@@ -8,28 +8,28 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .clients import HTTPVLLMWeightSyncClient, RayVLLMWeightSyncClient, RemoteCallError, WeightSyncClient
-from .engine import DeltaStats, SyncStats, TrainerEngine, TrainerInitInfo, WorkerInitInfo, WorkerUpdateInfo
+from .clients import HTTPVLLMWeightSyncClient, RayVLLMWeightSyncClient, WeightSyncClient
+from .errors import DataPlaneError, PoisonedError, RemoteCallError, SyncAborted, SyncFailed
+from .infos import TrainerInitInfo, WorkerInitInfo, WorkerUpdateInfo
 from .protocol import ParamMeta, WeightSource
 from .registry import TRANSPORTS, Transport, WeightTransferTrainerFactory, WorkerEngineFactory, transport, transport_names
-from .sources import DTensorModuleSource, FullTensorSource
+from .stats import DeltaStats, SyncStats
+from .trainer.engine import TrainerEngine
+from .trainer.sources import DTensorModuleSource, FullTensorSource
 
 __version__ = "0.1.0"
-
-_LAZY = {"LocalWeightSyncClient": "weightsync.testing.client"}
-"""Exports loaded on first use; every name a transport module exports (its init infos) is one too."""
 
 __all__ = [
     "ParamMeta", "WeightSource", "FullTensorSource", "DTensorModuleSource", "TrainerInitInfo", "WorkerInitInfo",
     "WorkerUpdateInfo", "TrainerEngine", "SyncStats", "DeltaStats", "WeightTransferTrainerFactory", "WorkerEngineFactory",
-    "WeightSyncClient", "HTTPVLLMWeightSyncClient", "RayVLLMWeightSyncClient", "RemoteCallError", "Transport",
-    "transport", "transport_names", *_LAZY,
+    "WeightSyncClient", "HTTPVLLMWeightSyncClient", "RayVLLMWeightSyncClient", "Transport", "transport",
+    "transport_names", "SyncFailed", "PoisonedError", "DataPlaneError", "SyncAborted", "RemoteCallError",
 ]
 
 
 def __getattr__(name: str) -> Any:
     """Lazy exports: ``weightsync.M2NTrainerInitInfo`` imports the transport that declares it."""
-    modules = [_LAZY[name]] if name in _LAZY else [] if name.startswith("_") else list(TRANSPORTS.values())
+    modules = [] if name.startswith("_") else list(TRANSPORTS.values())
     for module_name in modules:
         module = importlib.import_module(module_name)
         if name in getattr(module, "__all__", ()):

@@ -15,6 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Protocol, runtime_checkable
 
+from .errors import RemoteCallError
+
 __all__ = ["WeightSyncClient", "RemoteCallError", "per_engine", "HTTPVLLMWeightSyncClient", "RayVLLMWeightSyncClient", "paused",
            "PAUSE_MODES"]
 
@@ -30,10 +32,6 @@ def _check_mode(mode: str) -> None:
         raise ValueError(f"mode must be one of {PAUSE_MODES}, got {mode!r}")
 
 UpdatePayload = dict[str, Any] | list[dict[str, Any]]
-
-
-class RemoteCallError(RuntimeError):
-    """An inference-side call failed; the message carries the remote error text."""
 
 
 def per_engine(init_info: dict[str, Any], num_engines: int) -> list[dict[str, Any]]:

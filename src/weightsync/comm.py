@@ -36,6 +36,8 @@ import pybase64
 import torch
 import torch.distributed as dist
 
+from .errors import DataPlaneError, SyncAborted
+
 __all__ = ["Communicator", "DataPlaneError", "SyncAborted", "decode_unique_id", "connect_store", "describe"]
 
 NCCL_UNIQUE_ID_BYTES = 128
@@ -68,14 +70,6 @@ def connect_store(host: str, port: int, timeout_s: float, *, is_master: bool = F
 def describe(error: BaseException) -> str:
     """``"TypeName: message"``: how failures are reported to the other parties."""
     return f"{type(error).__name__}: {error}"
-
-
-class DataPlaneError(RuntimeError):
-    """A peer failed, or a data-plane operation failed or timed out."""
-
-
-class SyncAborted(DataPlaneError):
-    """The trainer aborted the sync in-band; the data plane itself is intact."""
 
 
 def decode_unique_id(b64: str) -> bytes:

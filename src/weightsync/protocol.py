@@ -1,6 +1,6 @@
 """The weight-sync protocol, data side: parameter metadata, the dtypes that move, weight sources.
 
-The engine side (init/update infos, stats, the trainer engine) is :mod:`weightsync.engine`.
+The engine side (init/update infos, stats, the trainer engine) is :mod:`weightsync.infos`, :mod:`weightsync.stats` and :mod:`weightsync.trainer.engine`.
 Nothing here imports vLLM, Ray or nccl-extensions.
 """
 

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from .engine import TrainerEngine, TrainerInitInfo
+from .infos import TrainerInitInfo
 from .protocol import WeightSource
+
+if TYPE_CHECKING:
+    from .trainer.engine import TrainerEngine
 
 __all__ = ["Transport", "TRANSPORTS", "transport", "transport_names", "WeightTransferTrainerFactory",
            "WorkerEngineFactory"]
@@ -39,6 +42,10 @@ class Transport:
     """Trainer and vLLM share devices (memory is handed over, not sent)."""
     summary: str
     """One line: what moves, for help texts."""
+
+    def __post_init__(self) -> None:
+        for engine in (self.trainer_engine, self.worker_engine):
+            engine.spec = self  # each engine class names its transport
 
 
 TRANSPORTS: dict[str, str] = {

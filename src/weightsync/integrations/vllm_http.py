@@ -30,7 +30,7 @@ import re
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from ..engine import parse_info
+from ..infos import parse_info
 from ..registry import TRANSPORTS, transport
 
 __all__ = ["WeightSyncRequestValidation", "validate_request", "RequestError", "OUT_OF_ORDER"]

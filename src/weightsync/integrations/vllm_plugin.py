@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from ..engine import WorkerInitInfo, WorkerUpdateInfo
+from ..infos import WorkerInitInfo, WorkerUpdateInfo
 from ..registry import TRANSPORTS, transport, transport_names
-from ..worker import WorkerEngine
+from ..worker.engine import WorkerEngine
 
 __all__ = ["register", "vllm_worker_class", "vllm_trainer_class", "AnyTransportWorkerEngine"]
 

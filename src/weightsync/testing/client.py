@@ -18,7 +18,8 @@ import threading
 import time
 from typing import Any
 
-from ..clients import RemoteCallError, per_engine
+from ..errors import RemoteCallError
+from ..clients import per_engine
 from .actors import STATE, ActorAddress, call_many
 
 __all__ = ["LocalWeightSyncClient", "serve_http", "http_calls"]

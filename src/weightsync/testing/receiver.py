@@ -205,7 +205,7 @@ def checksum() -> dict[str, str]:
 
 def destinations(metas: list[tuple[str, str, list[int]]]) -> Any:
     """This worker's ``WorkerDestinations`` for HF tensors ``(name, dtype, shape)``."""
-    from ..destinations import resolve_destinations
+    from ..worker.destinations import resolve_destinations
 
     return resolve_destinations(STATE["model"], metas)
 

@@ -74,7 +74,7 @@ def full_state_dict() -> dict[str, torch.Tensor] | None:
 
 def local_shards() -> tuple[list[Any], dict[str, torch.Tensor]]:
     """This rank's ``DTensorModuleSource`` view: planner sources (same on every rank) and local shards."""
-    from ..sources import DTensorModuleSource, tensor_sources
+    from ..trainer.sources import DTensorModuleSource, tensor_sources
 
     src = DTensorModuleSource(STATE["model"], STATE["world"])
     return tensor_sources(src.metadata), {n: t.clone() for n, t in src.iter_local()}

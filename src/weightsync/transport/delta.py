@@ -18,7 +18,7 @@ the sparse payloads of one sync's M2N messages, then makes the new values the ba
 transport uses :func:`diff` and :func:`encode` per full tensor). Worker side: :func:`decode`, then
 :func:`patch` (an M2N item's region) or :func:`patch_pieces` / :func:`write_pieces` (a full tensor onto
 the worker's destination pieces). Which workers take a delta is decided before any data moves, from
-the sync each worker reports it holds (``BaseWorkerEngine.held``).
+the sync each worker reports it holds (``WorkerEngine.held``).
 """
 
 from __future__ import annotations

@@ -18,16 +18,18 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..agreement import agree_on_metadata
-from ..engine import MetadataUpdateInfo, SyncStats, TrainerInitInfo, WorkerInitInfo
+from ..worker.agreement import agree_on_metadata
+from ..infos import MetadataUpdateInfo, TrainerInitInfo, WorkerInitInfo
+from ..stats import SyncStats
 from ..layout.buckets import Bucket, check_bucket_bytes, metadata_digest, plan_buckets
 from ..protocol import ParamMeta, check_metadata, checked
 from ..registry import Transport
-from ..worker import LayerwiseApplier
-from .base import BaseTrainerEngine, SyncFailed
+from ..worker.applier import LayerwiseApplier
+from ..trainer.engine import TrainerEngine
+from ..errors import SyncFailed
 from .ipc_handles import BufferImporter, ExportedBuffer, memory_saver_paused
 from .packing import fold_checksum, pack, unpack
-from .worker_base import BaseWorkerEngine
+from ..worker.engine import WorkerEngine
 
 __all__ = ["IPCTrainerInitInfo", "IPCWorkerInitInfo", "IPCUpdateInfo", "IPCTrainerEngine", "IPCWorkerEngine", "TRANSPORT"]
 
@@ -108,7 +110,7 @@ class IPCUpdateInfo(MetadataUpdateInfo):
             raise ValueError(f"chunk must be in [0, num_chunks={self.num_chunks}), got {self.chunk}")
 
 
-class IPCTrainerEngine(BaseTrainerEngine):
+class IPCTrainerEngine(TrainerEngine):
     """Colocated trainer engine. ``trainer_init`` and ``send_weights`` run on every trainer rank."""
 
     init_info_cls = IPCTrainerInitInfo
@@ -218,7 +220,7 @@ class IPCTrainerEngine(BaseTrainerEngine):
         self._buffer = None
 
 
-class IPCWorkerEngine(BaseWorkerEngine):
+class IPCWorkerEngine(WorkerEngine):
     """Colocated worker engine: imports its trainer rank's buffer once and applies each chunk."""
 
     init_info_cls = IPCWorkerInitInfo

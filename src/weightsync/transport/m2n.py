@@ -28,17 +28,18 @@ from typing import Any, ClassVar
 import torch
 
 from ..comm import Communicator
-from ..engine import DeltaStats, SyncStats, TrainerInitInfo, WorkerInitInfo, WorkerUpdateInfo
+from ..stats import DeltaStats, SyncStats
+from ..infos import TrainerInitInfo, WorkerInitInfo, WorkerUpdateInfo
 from ..layout.regions import box_slices
 from ..layout.schedule import message_cap
 from ..registry import Transport
-from ..sources import tensor_sources
-from ..worker import LayerwiseApplier
-from .base import BaseTrainerEngine
+from ..trainer.sources import tensor_sources
+from ..worker.applier import LayerwiseApplier
+from ..trainer.engine import TrainerEngine
 from .delta import Baseline
 from .m2n_exec import (FALLBACK, agree, dests_to_wire, gather_plan, my_messages, run_rounds, sources_from_wire,
                        sources_to_wire)
-from .worker_base import BaseWorkerEngine
+from ..worker.engine import WorkerEngine
 
 __all__ = ["M2NTrainerInitInfo", "M2NWorkerInitInfo", "M2NUpdateInfo", "M2NTrainerEngine", "M2NWorkerEngine",
            "TRANSPORT"]
@@ -128,7 +129,7 @@ class _Plan:
         self.staging = torch.empty(staging_bytes, dtype=torch.uint8, device=comm.device)
 
 
-class M2NTrainerEngine(BaseTrainerEngine):
+class M2NTrainerEngine(TrainerEngine):
     """M2N trainer engine; ``trainer_init`` and ``send_weights`` run on every trainer rank."""
 
     init_info_cls = M2NTrainerInitInfo
@@ -268,7 +269,7 @@ def _zero_uncovered(model: torch.nn.Module, pieces: Any) -> None:
             param.data.masked_fill_(mask, 0)
 
 
-class M2NWorkerEngine(BaseWorkerEngine):
+class M2NWorkerEngine(WorkerEngine):
     """M2N worker engine: receives its pieces into live parameters, or into the checkpoint layout of
     post-processed modules (re-processed at finish); fallbacks via ``load_weights``."""
 

@@ -24,17 +24,18 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..agreement import agree_on_metadata
-from ..engine import DeltaStats, MetadataUpdateInfo, SyncStats, TrainerInitInfo, WorkerInitInfo
+from ..worker.agreement import agree_on_metadata
+from ..stats import DeltaStats, SyncStats
+from ..infos import MetadataUpdateInfo, TrainerInitInfo, WorkerInitInfo
 from ..layout.buckets import ALIGN, Bucket, check_bucket_bytes, metadata_digest, plan_buckets
 from ..layout.records import align_up
 from ..protocol import ParamMeta, check_metadata, checked
 from ..registry import Transport
-from .base import BaseTrainerEngine
+from ..trainer.engine import TrainerEngine
 from .delta import Baseline, decode, diff, encode, patch_pieces, sparse_nbytes, write_pieces
 from .packing import fold_checksum, pack, unpack
-from ..worker import LayerwiseApplier
-from .worker_base import BaseWorkerEngine
+from ..worker.applier import LayerwiseApplier
+from ..worker.engine import WorkerEngine
 
 __all__ = ["NCCLTrainerInitInfo", "NCCLWorkerInitInfo", "NCCLUpdateInfo", "NCCLTrainerEngine", "NCCLWorkerEngine",
            "TRANSPORT"]
@@ -92,7 +93,7 @@ class NCCLUpdateInfo(MetadataUpdateInfo):
     """A delta sync against this sync (every worker holds it): the entries are announced on the store."""
 
 
-class NCCLTrainerEngine(BaseTrainerEngine):
+class NCCLTrainerEngine(TrainerEngine):
     """Broadcast trainer engine. ``trainer_init`` and ``send_weights`` run on every trainer rank."""
 
     init_info_cls = NCCLTrainerInitInfo
@@ -252,7 +253,7 @@ class NCCLTrainerEngine(BaseTrainerEngine):
         self._buffers = []
 
 
-class NCCLWorkerEngine(BaseWorkerEngine):
+class NCCLWorkerEngine(WorkerEngine):
     """Broadcast worker engine: receives buckets and applies them through layerwise reload."""
 
     init_info_cls = NCCLWorkerInitInfo

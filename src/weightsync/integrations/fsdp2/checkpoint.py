@@ -106,7 +106,7 @@ def export_hf(model: torch.nn.Module, hf_config: Any, out_dir: str, *, dtype: to
     """
     from safetensors.torch import save_file
 
-    from ...sources import FullTensorSource
+    from ...trainer.sources import FullTensorSource
 
     rank0 = dist.get_rank() == 0
     source = FullTensorSource(model, dtype=dtype, bucket_bytes=min(max_shard_bytes, 256 << 20))

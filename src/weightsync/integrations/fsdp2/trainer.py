@@ -23,7 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ...engine import SyncStats, TrainerEngine, TrainerInitInfo
+from ...stats import SyncStats
+from ...trainer.engine import TrainerEngine
+from ...infos import TrainerInitInfo
 from ...protocol import WeightSource
 from . import checkpoint as ckpt
 from .config import TrainerConfig
@@ -220,7 +222,7 @@ class FSDP2Trainer:
         (``FullTensorSource``; e.g. ``weightsync_nccl``, ``weightsync_ipc``); ``dtype``: the wire dtype
         of floating-point tensors (an fp32 master sends bf16, cast on the sender)."""
         from ...registry import transport, transport_names
-        from ...sources import DTensorModuleSource, FullTensorSource
+        from ...trainer.sources import DTensorModuleSource, FullTensorSource
 
         if backend not in transport_names():
             raise ValueError(f"backend {backend!r} is not a registered transport; choose one of {transport_names()}")

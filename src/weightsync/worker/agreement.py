@@ -6,7 +6,7 @@ values for:
 
 * a tensor the model has no place for (an extra tensor, a misspelt name);
 * a tensor whose shape is not what the layer was built for: a smaller *or larger* trainer model,
-  another vocabulary size, other heads (:func:`~weightsync.destinations.resolve_destinations`);
+  another vocabulary size, other heads (:func:`~weightsync.worker.destinations.resolve_destinations`);
 * a dtype other than the parameter's, unless ``cast_dtypes`` (floating point to floating point
   only: the workers cast on receive, as vLLM's loader casts a checkpoint in another dtype);
 * **coverage**: a region of a live parameter that no tensor of the sync writes (a source that
@@ -29,11 +29,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .destinations import UNKNOWN, WorkerDestinations, checkpoint_layout, resolve_destinations
-from .layout.buckets import metadata_digest
-from .layout.regions import Region, format_regions, uncovered
+from ..layout.buckets import metadata_digest
+from ..layout.regions import Region, format_regions, uncovered
 
 if TYPE_CHECKING:
-    from .comm import Communicator
+    from ..comm import Communicator
 
 __all__ = ["check_model", "coverage_gaps"]
 

@@ -1,36 +1,22 @@
-"""The engine API: init and update infos (parsed from JSON-safe dicts), sync stats, the trainer engine.
+"""Init and update infos: typed, frozen, parsed from the JSON-safe dicts vLLM's API passes.
 
 Names mirror vLLM 0.33's trainer API (``vllm.distributed.weight_transfer``) so that users switch by
-import. Nothing here imports vLLM, Ray or nccl-extensions.
-
-Call order (every trainer rank, collectively)::
-
-    engine = WeightTransferTrainerFactory.trainer_init(init_info, client=client, source=source)
-    stats = engine.send_weights()      # once per optimizer step; every trainer rank
-    engine.shutdown()
-
-and on every inference worker, driven by ``client`` from trainer rank 0::
-
-    init_transfer_engine(init_info) -> (start_weight_update -> receive_weights(update_info)...
-                                         -> finish_weight_update)* -> shutdown
+import. :func:`parse_info` turns a wrongly typed or unknown field into a ``ValueError`` naming it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import time
 import types
 import typing
-from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
-from .protocol import ParamMeta, WeightSource, default_device, dtype_from_name
+from .protocol import ParamMeta, default_device, dtype_from_name
 
-__all__ = ["TrainerInitInfo", "WorkerInitInfo", "WorkerUpdateInfo", "MetadataUpdateInfo", "DeltaStats", "SyncStats",
-           "TrainerEngine", "parse_info"]
+__all__ = ["TrainerInitInfo", "WorkerInitInfo", "WorkerUpdateInfo", "MetadataUpdateInfo", "parse_info"]
 
 T = TypeVar("T")
 
@@ -261,111 +247,3 @@ class MetadataUpdateInfo(WorkerUpdateInfo):
         recs = [m.wire() for m in metas]
         return {"names": [r["name"] for r in recs], "dtype_names": [r["dtype"] for r in recs],
                 "shapes": [r["shape"] for r in recs]}
-
-
-@dataclass
-class DeltaStats:
-    """What a delta sync (``delta=True``) sent, as seen by one trainer rank."""
-
-    base: int | None
-    """The sync whose weights the deltas are against (None: no worker could take one, all dense)."""
-    workers: list[int] = field(default_factory=list)
-    """Workers that took deltas (they hold ``base``); every other worker got this sync dense."""
-    changed: int = 0
-    """Values (wire dtype) of this rank's messages to those workers that differ from ``base``."""
-    compared: int = 0
-    """Values compared (the items of this rank's messages to ``workers``)."""
-    dense_bytes: int = 0
-    """What this rank would have sent dense (``bytes_sent`` is what it sent)."""
-    diff_seconds: float = 0.0
-    """Comparing with the baseline and encoding, part of the ``transfer`` phase."""
-    baseline_bytes: int = 0
-    """Memory this rank keeps for the last version it sent (its shards in the wire dtype)."""
-
-    @property
-    def changed_fraction(self) -> float | None:
-        return self.changed / self.compared if self.compared else None
-
-
-@dataclass
-class SyncStats:
-    """What one ``send_weights()`` did, as seen by this trainer rank."""
-
-    backend: str
-    rank: int
-    bytes_sent: int = 0
-    """Payload bytes this rank put on the wire (per destination: a broadcast counts once)."""
-    bytes_received_per_worker: dict[int, int] = field(default_factory=dict)
-    """Bytes each worker received, counted by the worker from the buffers its data plane filled
-    (rank 0 only)."""
-    lower_bound_per_worker: dict[int, int] = field(default_factory=dict)
-    """Least payload bytes each worker needs, from the plan (its shard of every tensor for M2N, every
-    tensor whole for the full-tensor transports); rank 0 only."""
-    num_tensors: int = 0
-    num_steps: int = 0
-    """Fills of the bounded staging memory: buckets (nccl, ipc) or point-to-point rounds (m2n)."""
-    phases: dict[str, float] = field(default_factory=dict)
-    """Seconds per phase: ``preflight``, ``start``, ``transfer``, ``finish``, ..."""
-    worker_phases: dict[int, dict[str, float]] = field(default_factory=dict)
-    """Seconds per phase as each worker measured it (rank 0 only): ``start`` (rollback snapshot,
-    staging), ``receive`` (wire waits and applying),
-    ``finish`` (vLLM's processing of post-processed layers, layerwise finalize)."""
-    weight_version: str | None = None
-    delta: DeltaStats | None = None
-    """Set for an engine with ``delta=True``: what changed and what that saved."""
-    verified: bool | None = None
-    """True when the sync ran with ``verify=True`` and every worker's checksums matched."""
-
-    @property
-    def seconds(self) -> float:
-        return sum(self.phases.values())
-
-    @property
-    def gbps(self) -> float:
-        """Payload GB/s received per worker (max over workers / wall seconds)."""
-        per = max(self.bytes_received_per_worker.values(), default=self.bytes_sent)
-        return per / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
-    def timed(self, phase: str) -> "_Timer":
-        return _Timer(self, phase)
-
-
-class _Timer:
-    def __init__(self, stats: SyncStats, phase: str) -> None:
-        self.stats, self.phase = stats, phase
-
-    def __enter__(self) -> None:
-        self.t0 = time.perf_counter()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stats.phases[self.phase] = self.stats.phases.get(self.phase, 0.0) + (
-            time.perf_counter() - self.t0
-        )
-
-
-class TrainerEngine(ABC):
-    """Trainer-side engine; built by ``WeightTransferTrainerFactory.trainer_init`` on every
-    trainer rank. Rank 0 drives the client; every rank runs every collective."""
-
-    init_info_cls: ClassVar[type[TrainerInitInfo]]
-
-    def __init__(self, init_info: TrainerInitInfo, *, client: Any, source: WeightSource | None) -> None:
-        self.init_info = init_info
-        self.rank = init_info.rank
-        self.is_sender = init_info.rank == 0
-        self.client = client
-        self.source = source
-
-    @classmethod
-    @abstractmethod
-    def trainer_init(cls, init_info: Any, *, client: Any, source: WeightSource | None = None) -> "TrainerEngine":
-        """Rendezvous with the workers and return a ready engine. Call on every trainer rank."""
-
-    @abstractmethod
-    def send_weights(self, *, weight_version: str | None = None, verify: bool = False) -> SyncStats:
-        """Push the source's current weights to every worker; returns once every worker applied them.
-        With ``verify``, every worker compares checksums of what it applied with what was sent before
-        the sync finishes. Call on every trainer rank."""
-
-    def shutdown(self) -> None:
-        """Release communicators and buffers. Call on every trainer rank."""

@@ -20,27 +20,41 @@ Hooks: ``_expected_workers`` (for the deployment check), ``_init``, ``_start`` (
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from ..comm import Communicator, describe
+from ..control import held_key
+from ..errors import PoisonedError
+from ..infos import WorkerInitInfo, WorkerUpdateInfo, parse_info
 from ..registry import TRANSPORTS, transport
-from ..worker import LayerwiseApplier, WorkerEngine
+from .applier import LayerwiseApplier
 
-__all__ = ["BaseWorkerEngine", "held_key"]
-
-
-def held_key(sync_id: int, worker: int) -> str:
-    """The store key where ``worker`` says it holds sync ``sync_id`` complete (None: no longer)."""
-    return f"sync{sync_id}/held/{worker}"
+__all__ = ["WorkerEngine"]
 
 
-class BaseWorkerEngine(WorkerEngine):
-    """The worker-side lifecycle; subclasses implement the hooks listed in the module docstring."""
+class WorkerEngine:
+    """Base of weightsync's worker engines: the lifecycle every transport shares; a transport
+    implements the hooks listed in the module docstring. Constructor and methods match vLLM's
+    ``WeightTransferEngine`` (the plugin mixes vLLM's ABC in: ``weightsync.integrations.vllm_plugin``)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    init_info_cls: ClassVar[type[WorkerInitInfo]]
+    update_info_cls: ClassVar[type[WorkerUpdateInfo]]
+    spec: ClassVar[Any]
+    """The transport's declaration (``weightsync.registry.Transport``), set when it is declared."""
+    supports_draft_weight_update: ClassVar[bool] = False
+    defers_processing: ClassVar[bool] = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+        self.config = config
+        self.vllm_config = vllm_config
+        self.parallel_config = getattr(vllm_config, "parallel_config", None)
+        self.model_config = getattr(vllm_config, "model_config", None)
+        self.device = torch.device(device)
+        self.model = model
+        self._default_model, self._default_model_config = model, self.model_config
+        self.poisoned: str | None = None
         self.comm: Communicator | None = None
         self.info: Any = None
         self._applier: LayerwiseApplier | None = None
@@ -50,6 +64,24 @@ class BaseWorkerEngine(WorkerEngine):
         self.held: int | None = None
         """The sync whose weights this worker holds, complete (None: none under this init, or a sync
         failed or was aborted since). A delta sync is sent only to workers that hold its base."""
+
+    # ---- vLLM worker plumbing -------------------------------------------------------------
+    def set_weight_update_target(self, model: torch.nn.Module, model_config: Any) -> None:
+        self.model, self.model_config = model, model_config
+
+    def reset_weight_update_target(self) -> None:
+        self.model, self.model_config = self._default_model, self._default_model_config
+
+    def drain_pending(self) -> None:
+        """Nothing is deferred: ``update_weights`` returns after the weights are applied."""
+
+    def parse_update_info(self, update_dict: dict[str, Any]) -> Any:
+        return parse_info(self.update_info_cls, update_dict, "update_info")
+
+    def _check_not_poisoned(self) -> None:
+        if self.poisoned is not None:
+            raise PoisonedError(f"{type(self).__name__} refuses updates after a failed sync "
+                                f"({self.poisoned}); call init_weight_transfer_engine again")
 
     # ---- hooks ------------------------------------------------------------------------
     def _expected_workers(self, info: Any) -> tuple[int, str]:
@@ -69,10 +101,10 @@ class BaseWorkerEngine(WorkerEngine):
 
     # ---- shared by the transports -------------------------------------------------------
     def _check_model(self, metas: list[Any]) -> Any:
-        """The model agreement and coverage check (:func:`weightsync.agreement.check_model`) of the
+        """The model agreement and coverage check (:func:`weightsync.worker.agreement.check_model`) of the
         trainer's metadata (``ParamMeta`` or ``{name, dtype, shape}``) against this worker's model;
         returns the destinations. Before any data of the sync moves."""
-        from ..agreement import check_model
+        from .agreement import check_model
 
         wire = [m if isinstance(m, dict) else m.wire() for m in metas]
         return check_model(self.model, [(m["name"], m["dtype"], m["shape"]) for m in wire],
@@ -109,14 +141,14 @@ class BaseWorkerEngine(WorkerEngine):
     def _parse_init_info(self, init_dict: dict[str, Any]) -> Any:
         named = init_dict.get("transport") if isinstance(init_dict, dict) else None
         if named:
-            own = next((n for n in TRANSPORTS if isinstance(self, transport(n).worker_engine)), type(self).__name__)
+            own = type(self).spec.name
             if named != own:
                 if named not in TRANSPORTS:
                     transport(named)  # ValueError listing the transports
                 raise ValueError(f"init_info.transport is {named!r}, but this vLLM engine's weight-transfer backend "
                                  f"is {own!r}: start vLLM with WeightTransferConfig(backend={named!r}), or "
                                  "backend='weightsync' to serve any weightsync transport")
-        return super().parse_init_info(init_dict)
+        return parse_info(self.init_info_cls, init_dict, "init_info")
 
     @property
     def worker_rank(self) -> int:

@@ -16,7 +16,7 @@ worker receives its shard bytes into the module's checkpoint-layout tensors and 
 processing (``via_loader``). A trainer tensor that does not fit the checkpoint layout is an error
 naming the parameter, as before.
 
-Mixture-of-experts layers: :mod:`weightsync.experts`.
+Mixture-of-experts layers: :mod:`weightsync.worker.experts`.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from .experts import ExpertLayers, is_fused_moe
-from .layout.records import DestPiece
-from .layout.regions import Region
+from ..layout.records import DestPiece
+from ..layout.regions import Region
 
 __all__ = ["Fallback", "WorkerDestinations", "resolve_destinations", "UNKNOWN"]
 

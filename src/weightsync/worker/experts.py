@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from .layout.records import DestPiece
-from .layout.regions import Region
+from ..layout.records import DestPiece
+from ..layout.regions import Region
 
 __all__ = ["W13", "W2", "expert_runs", "fused_expert_pieces", "fused_expert_shape", "is_fused_moe", "ExpertLayers"]
 

@@ -1,13 +1,13 @@
 """The transport core, trainer side: the lifecycle every transport shares, around small hooks.
 
-Trainer side (:class:`BaseTrainerEngine`), on every trainer rank::
+Trainer side (:class:`TrainerEngine`), on every trainer rank::
 
     trainer_init: trainer rank 0 hosts the group's store; rank 0 calls the client's
         init_weight_transfer_engine in a thread while every rank connects (and joins the data plane,
         for a transport that has one: ``_data_rank``), runs ``_handshake`` and agrees that init is done.
         In the handshake the trainer ranks agree on their metadata (M2N's plan, or
-        :func:`~weightsync.agreement.agree_on_metadata`) and every worker checks it against its model
-        and for coverage (:mod:`weightsync.agreement`): a mismatch fails init on every rank, naming
+        :func:`~weightsync.worker.agreement.agree_on_metadata`) and every worker checks it against its model
+        and for coverage (:mod:`weightsync.worker.agreement`): a mismatch fails init on every rank, naming
         the parameter.
     send_weights: preflight (``_preflight`` on every rank; any rank's error is every rank's, before
         anything moves: a ``ValueError`` on every rank, or the rank's own exception there and a
@@ -25,7 +25,7 @@ first failure's message, rank 0 aborts the update on every worker (each leaves t
 worker is ready again, restoring its parameters when ``rollback=True``), and every engine refuses
 further syncs until re-initialized (``PoisonedError``, on every rank).
 
-The worker side is :class:`~weightsync.transport.worker_base.BaseWorkerEngine`. A transport file is
+The worker side is :class:`~weightsync.worker.engine.WorkerEngine`. A transport file is
 then its info fields, ``TRANSPORT`` and these hooks: ``_worker_init_info``, ``_data_rank``
 (optional), ``_handshake`` (optional), ``_preflight``, ``_update_info`` (optional), ``_transfer``,
 ``_lower_bound`` on the trainer; ``_init``, ``_receive``, ``_expected_workers`` (and ``_start``,
@@ -42,27 +42,15 @@ from dataclasses import asdict
 from typing import Any, ClassVar
 
 from ..comm import Communicator, describe
-from ..engine import SyncStats, TrainerEngine, TrainerInitInfo, WorkerInitInfo, WorkerUpdateInfo
+from ..control import held_key
+from ..errors import PoisonedError, SyncFailed
+from ..infos import TrainerInitInfo, WorkerInitInfo, WorkerUpdateInfo
 from ..protocol import WeightSource
-from ..registry import transport
-from ..worker import PoisonedError
-from .worker_base import held_key
+from ..stats import SyncStats
 
-__all__ = ["BaseTrainerEngine", "SyncFailed", "PoisonedError", "client_result"]
+__all__ = ["TrainerEngine", "client_result"]
 
 _OK = "ok"
-
-
-class SyncFailed(RuntimeError):
-    """A sync failed. Every trainer rank raises it with the same (first) failure; every engine
-    refuses syncs until ``trainer_init`` runs again. ``restored``: the engines' weights are those of
-    the last complete sync (the failure came before the update started, or ``rollback=True``);
-    False: they may be partly updated until a full sync lands (``clients.paused`` keeps generation
-    paused then)."""
-
-    def __init__(self, message: str, *, restored: bool = True) -> None:
-        super().__init__(message)
-        self.restored = restored
 
 
 def client_result(fut: Future, timeout_s: float, what: str) -> Any:
@@ -73,11 +61,23 @@ def client_result(fut: Future, timeout_s: float, what: str) -> Any:
         raise TimeoutError(f"the client's {what} did not return within timeout_s={timeout_s}") from None
 
 
-class BaseTrainerEngine(TrainerEngine):
-    """The trainer-side lifecycle; subclasses implement the hooks listed in the module docstring."""
+class TrainerEngine:
+    """Trainer-side engine, built by ``WeightTransferTrainerFactory.trainer_init`` on every trainer
+    rank: the lifecycle every transport shares; a transport implements the hooks listed in the
+    module docstring. Rank 0 drives the client; every rank runs every collective."""
 
+    init_info_cls: ClassVar[type[TrainerInitInfo]]
+    spec: ClassVar[Any]
+    """The transport's declaration (``weightsync.registry.Transport``), set when it is declared."""
     update_info_cls: ClassVar[type[WorkerUpdateInfo]] = WorkerUpdateInfo
     """The workers' update info (an abort is sent as one)."""
+
+    def __init__(self, init_info: TrainerInitInfo, *, client: Any, source: WeightSource | None) -> None:
+        self.init_info = init_info
+        self.rank = init_info.rank
+        self.is_sender = init_info.rank == 0
+        self.client = client
+        self.source = source
 
     # ---- hooks ------------------------------------------------------------------------
     def _worker_init_info(self, port: int) -> WorkerInitInfo:
@@ -121,11 +121,11 @@ class BaseTrainerEngine(TrainerEngine):
     # ---- init ---------------------------------------------------------------------------
     @classmethod
     def trainer_init(cls, init_info: TrainerInitInfo, *, client: Any,
-                     source: WeightSource | None = None) -> "BaseTrainerEngine":
+                     source: WeightSource | None = None) -> "TrainerEngine":
         """Rendezvous with every worker (collective on every trainer rank)."""
         if not isinstance(init_info, cls.init_info_cls):
             raise TypeError(f"{cls.__name__} needs a {cls.init_info_cls.__name__}, got {type(init_info).__name__}")
-        _check_source(init_info.backend, transport(init_info.backend).source, source)
+        _check_source(init_info.backend, cls.spec.source, source)
         self = cls(init_info, client=client, source=source)
         self.sync_id, self.failed, self.comm, self._calls = 0, None, None, None
         self._outcome_step: str | None = None  # rank 0: the last sync whose outcome the other ranks acknowledge
@@ -221,7 +221,7 @@ class BaseTrainerEngine(TrainerEngine):
     def _abort_workers(self, reason: str) -> None:
         """Rank 0: every worker of the update restores its parameters (the abort update), then leaves
         the update (``finish_weight_update`` without a version: vLLM's worker clears its active flag,
-        the version stays). Workers answer both without raising (``worker_base``)."""
+        the version stays). Workers answer both without raising (:mod:`weightsync.worker.engine`)."""
         update = self.update_info_cls(abort=reason, sync_id=self.sync_id)
         for call in (lambda: self.client.update_weights(asdict(update)), lambda: self.client.finish_weight_update(None)):
             try:
@@ -267,8 +267,10 @@ class BaseTrainerEngine(TrainerEngine):
         return [value if r == self.rank else self.comm.read(self._key(step, r)) for r in range(ranks)]
 
     def send_weights(self, *, weight_version: str | None = None, verify: bool = False) -> SyncStats:
-        """Push the source's weights to every worker; returns once every worker applied them.
-        Collective on every trainer rank. See the module docstring for what a failure does."""
+        """Push the source's weights to every worker; returns once every worker applied them. With
+        ``verify``, every worker compares checksums of what it applied with what was sent before the
+        sync finishes. Collective on every trainer rank. See the module docstring for what a failure
+        does."""
         if self.failed is not None:
             raise PoisonedError(f"a previous sync failed ({self.failed}); the engines refuse updates until "
                                 "re-initialized: call trainer_init again on every trainer rank")
