@@ -39,12 +39,16 @@ def shard_bytes() -> int:
 
 
 def fused_pieces(metas: list) -> dict:
-    """``{HF name: [(HF rows start, rows, param row offset)]}`` of the two fused tensors of layer 1."""
-    from weightsync.testing.receiver import destinations
+    """``{HF name: [(HF rows start, rows, param row offset)]}`` of the two fused tensors of layer 1,
+    and whether every parameter keeps its own loader (the probe of ``load_weights`` puts them back)."""
+    from weightsync.testing.receiver import STATE, destinations
 
+    loaders = {n: p.__dict__.get("weight_loader") for n, p in STATE["model"].named_parameters()}
     dests = destinations(metas)
-    return {n: [(p.region.offsets[0], p.region.sizes[0], p.param_offsets[0]) for p in dests.pieces if p.name == n]
-            for n in (QKV, GATE_UP)}
+    out = {n: [(p.region.offsets[0], p.region.sizes[0], p.param_offsets[0]) for p in dests.pieces if p.name == n]
+           for n in (QKV, GATE_UP)}
+    out["loaders_kept"] = loaders == {n: p.__dict__.get("weight_loader") for n, p in STATE["model"].named_parameters()}
+    return out
 
 
 def fallbacks_when_load_weights_rewrites_qkv(metas: list) -> list:
@@ -83,6 +87,7 @@ def test_fused_tensor_slices_are_the_layers_shard_slices(cluster):
                                      [(32, 32, 0), (80, 16, 32), (112, 16, 48)]]
     # gate_up: output_sizes [128, 128]; each rank its half of gate, then its half of up
     assert [g[GATE_UP] for g in got] == [[(0, 64, 0), (128, 64, 64)], [(64, 64, 0), (192, 64, 64)]]
+    assert [g["loaders_kept"] for g in got] == [True, True]
 
 
 @pytest.mark.parametrize("tp", [2, 1])
