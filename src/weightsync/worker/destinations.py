@@ -4,8 +4,12 @@ For every HF tensor name this resolves, on this TP rank, which region of the ten
 vLLM parameter at which offset, by reading the model's own modules: the packed-modules mapping
 (``qkv_proj`` <- q/k/v, ``gate_up_proj`` <- gate/up), each parallel layer's sharding attributes
 (``tp_rank``, ``output_sizes``, ``num_kv_head_replicas``, vocab ``shard_indices``) and each
-parameter's ``output_dim``/``input_dim``. No per-model table. What it cannot prove to be a plain
-block copy becomes a counted fallback (the whole tensor goes to the parameter's own loader).
+parameter's ``output_dim``/``input_dim``. No per-model table. Each tensor is placed by the first
+placer of :mod:`weightsync.worker.placers` (linear, fused parts, pre-fused, vocab-parallel, whole) or
+:mod:`weightsync.worker.experts` (fused MoE, per-expert) that knows its layer; what none can prove to
+be a plain block copy becomes a counted fallback (the whole tensor goes to the parameter's own loader).
+A pre-fused checkpoint tensor (Phi3's ``qkv_proj``) is split as the fused layer's loader splits it,
+once :func:`probe_prefused` has seen vLLM's ``load_weights`` hand it to that loader unchanged.
 Tied parameters (``lm_head`` sharing ``embed_tokens``) get no destination: they arrive once.
 
 Regions are planned against the checkpoint layout: the tensors as vLLM's loader writes them,
@@ -28,10 +32,11 @@ from typing import Any
 import torch
 
 from .experts import ExpertLayers, is_fused_moe
+from .placers import FUSED_LAYERS, Placed, Placement, Target, Unplaced, place
 from ..layout.records import DestPiece
-from ..layout.regions import Region
 
-__all__ = ["Fallback", "WorkerDestinations", "resolve_destinations", "UNKNOWN"]
+__all__ = ["Fallback", "WorkerDestinations", "resolve_destinations", "checkpoint_layout", "probe_prefused",
+           "UNKNOWN"]
 
 UNKNOWN = "no vLLM parameter or fused layer for this name"
 """The fallback reason of a tensor this model has no place for (the model agreement refuses it)."""
@@ -64,87 +69,42 @@ class WorkerDestinations:
         return tuple(dict.fromkeys(p.rpartition(".")[0] for p in self.via_loader))
 
 
-def _cls(module: Any) -> str:
-    return type(module).__name__
+@dataclass(frozen=True)
+class _Tied:
+    """The tensor's parameter shares storage with an earlier-named one: it is sent there, once."""
+
+    param: str
 
 
-def _find(name: str, modules: dict[str, Any], packed: dict[str, list[str]]) -> tuple[str, Any, Any] | None:
-    """``(vllm param name, module, shard id)`` for HF ``name``, or None."""
-    path, _, attr = name.rpartition(".")
-    if path in modules and isinstance(getattr(modules[path], attr, None), torch.nn.Parameter):
-        return name, modules[path], None
-    prefix, _, leaf = path.rpartition(".")
-    for fused, parts in packed.items():
-        if leaf in parts:
-            fpath = f"{prefix}.{fused}" if prefix else fused
-            module = modules.get(fpath)
-            if module is not None and isinstance(getattr(module, attr, None), torch.nn.Parameter):
-                idx = parts.index(leaf)
-                shard = "qkv"[idx] if _cls(module) == "QKVParallelLinear" else idx
-                return f"{fpath}.{attr}", module, shard
-    return None
+class _ModelView:
+    """What the placement reads of the live model, gathered once."""
 
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.modules = dict(model.named_modules())
+        self.params = dict(model.named_parameters())
+        self.owner = {id(p): n for n, p in self.params.items()}
+        self.packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
+        self.experts = ExpertLayers(self.modules)
 
-def _box(shape: Sequence[int], dim: int, start: int, size: int) -> Region:
-    offsets = [0] * len(shape)
-    sizes = list(shape)
-    offsets[dim], sizes[dim] = start, size
-    return Region(tuple(offsets), tuple(sizes))
+    def find(self, name: str) -> tuple[str, Any, Any] | None:
+        """``(vllm param name, module, shard id)`` for HF ``name``, or None."""
+        path, _, attr = name.rpartition(".")
+        if path in self.modules and isinstance(getattr(self.modules[path], attr, None), torch.nn.Parameter):
+            return name, self.modules[path], None
+        prefix, _, leaf = path.rpartition(".")
+        for fused, parts in self.packed.items():
+            if leaf in parts:
+                fpath = f"{prefix}.{fused}" if prefix else fused
+                module = self.modules.get(fpath)
+                if module is not None and isinstance(getattr(module, attr, None), torch.nn.Parameter):
+                    idx = parts.index(leaf)
+                    shard = "qkv"[idx] if type(module).__name__ == "QKVParallelLinear" else idx
+                    return f"{fpath}.{attr}", module, shard
+        return None
 
-
-def _glob(param: torch.Tensor, dim: int, size: int) -> tuple[int, ...]:
-    """``param``'s shape with ``dim`` widened to the global ``size`` (the HF tensor's shape)."""
-    return tuple(size if d == dim else int(n) for d, n in enumerate(param.shape))
-
-
-def _place(shape: tuple[int, ...], module: Any, param: torch.nn.Parameter,
-           shard: Any) -> tuple[Region, tuple[int, ...], tuple[int, ...]] | str:
-    """(HF region, param offsets, the HF shape vLLM expects) for one tensor, or the reason it is not
-    a plain block copy. The expected shape is the checkpoint's global shape as this layer was built
-    (so a larger trainer tensor is refused, never truncated)."""
-    cls = _cls(module)
-    out_dim, in_dim = getattr(param, "output_dim", None), getattr(param, "input_dim", None)
-    if getattr(param, "packed_dim", None) is not None:
-        return "packed (quantized) parameter"
-    if cls == "QKVParallelLinear" and out_dim is not None and shard is not None:
-        size, offset = module._get_shard_size_mapping(shard), module._get_shard_offset_mapping(shard)
-        rank = module.tp_rank if shard == "q" else module.tp_rank // module.num_kv_head_replicas
-        region = _box(shape, out_dim, rank * size, size)
-        total = size * module.tp_size // (1 if shard == "q" else module.num_kv_head_replicas)
-        return region, tuple(offset if d == out_dim else 0 for d in range(len(shape))), _glob(param, out_dim, total)
-    if cls == "MergedColumnParallelLinear" and out_dim is not None and shard is not None:
-        size = module.output_sizes[shard] // module.tp_size
-        offset = sum(module.output_sizes[:shard]) // module.tp_size
-        region = _box(shape, out_dim, module.tp_rank * size, size)
-        offsets = tuple(offset if d == out_dim else 0 for d in range(len(shape)))
-        return region, offsets, _glob(param, out_dim, module.output_sizes[shard])
-    if shard is not None:
-        return f"fused into {cls}, which is not a known fused layer"
-    if cls in ("ColumnParallelLinear", "RowParallelLinear") and (out_dim is not None or in_dim is not None):
-        dim = out_dim if cls == "ColumnParallelLinear" else in_dim
-        if dim is None:
-            return f"{cls} parameter without its sharded dim"
-        size = param.shape[dim]
-        region = _box(shape, dim, module.tp_rank * size, size)
-        return region, (0,) * len(shape), _glob(param, dim, size * module.tp_size)
-    if "ReplicatedLinear" in (c.__name__ for c in type(module).__mro__):  # e.g. a MoE router (GateLinear)
-        return Region((0,) * len(shape), shape), (0,) * len(shape), tuple(param.shape)
-    if cls in ("VocabParallelEmbedding", "ParallelLMHead") and out_dim is not None:
-        idx = module.shard_indices
-        start, end = idx.org_vocab_start_index, idx.org_vocab_end_index
-        if getattr(idx, "num_added_elements", 0):
-            return "vocab embedding with added (LoRA) vocabulary"
-        return (_box(shape, out_dim, start, end - start), (0,) * len(shape),
-                _glob(param, out_dim, int(module.org_vocab_size)))
-    if out_dim is None and in_dim is None:
-        loader = getattr(param, "weight_loader", None)
-        if loader is not None and getattr(loader, "__name__", "") != "default_weight_loader":
-            return f"custom weight loader {getattr(loader, '__qualname__', loader)!r}"
-        if tuple(param.shape) != shape:
-            raise ValueError(f"parameter {param_name(module, param)!r}: vLLM holds it whole with shape "
-                             f"{tuple(param.shape)}, the trainer's tensor has shape {shape}")
-        return Region((0,) * len(shape), shape), (0,) * len(shape), tuple(param.shape)
-    return f"{cls} parameter with shape {tuple(param.shape)} from HF shape {shape} is not a known layout"
+    def is_tied(self, pname: str, module: Any) -> bool:
+        return self.owner.get(id(getattr(module, pname.rpartition(".")[2]))) != pname
 
 
 def checkpoint_layout(module: Any) -> dict[str, torch.Tensor]:
@@ -174,92 +134,89 @@ def _processed(live: torch.Tensor, layout: torch.Tensor | None) -> bool:
     return layout is not None and (tuple(live.shape) != tuple(layout.shape) or live.dtype != layout.dtype)
 
 
-def param_name(module: Any, param: torch.nn.Parameter) -> str:
-    return next((f"{type(module).__name__}.{n}" for n, p in module.named_parameters(recurse=False) if p is param), "?")
+def _loaded(module: Any, attr: str) -> torch.Tensor:
+    """``module.attr`` as vLLM's loader writes it: its checkpoint layout where processing changed it."""
+    live, layout = getattr(module, attr), checkpoint_layout(module)
+    return layout[attr] if _processed(live, layout.get(attr)) else live
+
+
+def _target(view: _ModelView, name: str, shape: tuple[int, ...], doubts: dict[str, str]) -> Target | Unplaced | _Tied:
+    """The vLLM parameter HF tensor ``name`` reaches, or why no placer is asked."""
+    found = view.find(name)
+    if found is None:
+        return Unplaced(UNKNOWN)
+    pname, module, shard = found
+    if view.is_tied(pname, module):
+        return _Tied(pname)
+    param = _loaded(module, pname.rpartition(".")[2])
+    quant = getattr(module, "quant_method", None)
+    if quant is not None and type(quant).__name__ not in _UNQUANTIZED:
+        return Unplaced(f"quantized layer ({type(quant).__name__})", pname)
+    if param.dtype not in _COPY_DTYPES:
+        return Unplaced(f"parameter dtype {param.dtype}", pname)
+    if len(shape) != param.dim():
+        raise ValueError(f"parameter {name!r}: the trainer's shape {shape} and vLLM's {pname} "
+                         f"{tuple(param.shape)} differ in rank")
+    return Target(name, shape, pname, module, param, shard, doubts.get(name))
+
+
+def _place_tensor(view: _ModelView, name: str, shape: tuple[int, ...], doubts: dict[str, str]) -> Placement | _Tied:
+    moe = view.experts.place(name, shape, checkpoint_layout) if view.experts else None
+    if moe is not None:
+        return moe
+    target = _target(view, name, shape, doubts)
+    return place(target) if isinstance(target, Target) else target
 
 
 def resolve_destinations(model: torch.nn.Module, metas: Sequence[tuple[str, str, Sequence[int]]]) -> WorkerDestinations:
     """Destinations on this worker for HF tensors ``(name, dtype name, shape)``, in that order."""
-    modules = dict(model.named_modules())
-    params = dict(model.named_parameters())
-    owner = {id(p): n for n, p in params.items()}
-    packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
+    view = _ModelView(model)
+    doubts = probe_prefused(view, metas)
     pieces: list[DestPiece] = []
     fallbacks: list[Fallback] = []
     tied: list[str] = []
     placed: list[DestPiece] = []  # every placed piece, also those later demoted to a fallback (coverage)
     reached: list[str] = []  # vLLM params a tensor reaches whole through the loader (region unknown)
     sizes: dict[str, int] = {}
-    experts = ExpertLayers(modules)
     for name, dtype, shape in metas:
         shape = tuple(int(s) for s in shape)
         nbytes = sizes[name] = getattr(torch, dtype).itemsize * torch.Size(shape).numel()
-        moe = experts.place(name, shape, checkpoint_layout) if experts else None
-        if moe is not None:
-            pname, _, moe_pieces = moe
-            if isinstance(moe_pieces, str):
-                fallbacks.append(Fallback(name, moe_pieces, nbytes))
-                reached.append(pname)
-            else:
-                placed.extend(moe_pieces)
-                pieces.extend(moe_pieces)
-            continue
-        found = _find(name, modules, packed)
-        if found is None:
-            fallbacks.append(Fallback(name, UNKNOWN, nbytes))
-            continue
-        pname, module, shard = found
-        attr = pname.rpartition(".")[2]
-        live = getattr(module, attr)
-        if owner.get(id(live)) != pname:
+        result = _place_tensor(view, name, shape, doubts)
+        if isinstance(result, _Tied):
             tied.append(name)  # the same storage is reached through another name, sent there
-            continue
-        layout = checkpoint_layout(module)
-        param = layout[attr] if _processed(live, layout.get(attr)) else live  # what the loader writes
-        quant = getattr(module, "quant_method", None)
-        result: Any
-        if quant is not None and _cls(quant) not in _UNQUANTIZED:
-            result = f"quantized layer ({_cls(quant)})"
-        elif param.dtype not in _COPY_DTYPES:
-            result = f"parameter dtype {param.dtype}"
-        elif len(shape) != param.dim():
-            raise ValueError(f"parameter {name!r}: the trainer's shape {shape} and vLLM's {pname} "
-                             f"{tuple(param.shape)} differ in rank")
+        elif isinstance(result, Placed):
+            placed.extend(result.pieces)
+            pieces.extend(result.pieces)
         else:
-            result = _place(shape, module, param, shard)
-        if isinstance(result, str):
-            fallbacks.append(Fallback(name, result, nbytes))
-            reached.append(pname)
-            continue
-        region, offsets, expected = result
-        if shape != expected:
-            d = next(d for d, (a, b) in enumerate(zip(shape, expected)) if a != b)
-            raise ValueError(f"parameter {name!r}: the trainer's shape {shape} does not match vLLM's {pname} "
-                             f"{tuple(param.shape)} on this TP rank: vLLM's model expects {expected} "
-                             f"(dim {d}: {expected[d]}, the trainer's {shape[d]})")
-        placed.append(DestPiece(name, region, pname, offsets))
-        if any(o + s > p for o, s, p in zip(offsets, region.sizes, param.shape)) or any(
-                o + s > g for o, s, g in zip(region.offsets, region.sizes, shape)):
-            raise ValueError(f"parameter {name!r}: the trainer's shape {shape} does not match vLLM's "
-                             f"{pname} {tuple(param.shape)} on this TP rank (it needs rows/cols "
-                             f"{region.offsets}+{region.sizes} at {offsets})")
-        pieces.append(DestPiece(name, region, pname, offsets))
+            fallbacks.append(Fallback(name, result.reason, nbytes))
+            if result.param is not None:
+                reached.append(result.param)
     # Layerwise reload finalizes a module as a unit: a module with any fallback goes whole by fallback.
     fallback_modules = {p.rpartition(".")[0] for p in reached}
-    direct = []
     for p in pieces:
         module_path = p.param.rpartition(".")[0]
         if module_path in fallback_modules:
             fallbacks.append(Fallback(p.name, f"shares module {module_path} with a fallback", sizes[p.name]))
-        else:
-            direct.append(p)
-    pieces = direct
-    shapes = {n: tuple(p.shape) for n, p in params.items()}
-    dtypes = {n: str(p.dtype).removeprefix("torch.") for n, p in params.items()}
+    pieces = [p for p in pieces if p.param.rpartition(".")[0] not in fallback_modules]
+    shapes = {n: tuple(p.shape) for n, p in view.params.items()}
+    dtypes = {n: str(p.dtype).removeprefix("torch.") for n, p in view.params.items()}
+    pieces, demoted, via = _post_processed(view, pieces, sizes, shapes, dtypes)
+    return WorkerDestinations(tuple(pieces), tuple(fallbacks + demoted), tuple(tied), shapes, dtypes, tuple(via),
+                              tuple(placed), tuple(dict.fromkeys(reached)))
+
+
+def _post_processed(view: _ModelView, pieces: list[DestPiece], sizes: dict[str, int], shapes: dict[str, tuple[int, ...]],
+                    dtypes: dict[str, str]) -> tuple[list[DestPiece], list[Fallback], list[str]]:
+    """Modules whose live tensors are not the checkpoint layout (post-processed, or fused MoE) go via
+    the loader: their parameters are received in checkpoint layout (``shapes``/``dtypes`` updated)
+    and re-processed. Where no trainer tensor writes one of their layout tensors, processing would
+    run on it unwritten: their tensors fall back instead. Returns the pieces kept, those fallbacks and
+    the via-loader parameters."""
+    fallbacks: list[Fallback] = []
     via: list[str] = []
     covered = {p.param for p in pieces}
     for path in dict.fromkeys(p.param.rpartition(".")[0] for p in pieces):
-        module = modules[path]
+        module = view.modules[path]
         layout = checkpoint_layout(module)
         if not is_fused_moe(module) and not any(_processed(getattr(module, a), t) for a, t in layout.items()
                                                 if isinstance(getattr(module, a, None), torch.Tensor)):
@@ -275,5 +232,67 @@ def resolve_destinations(model: torch.nn.Module, metas: Sequence[tuple[str, str,
         via.extend(names)
         for a, t in layout.items():
             shapes[f"{path}.{a}"], dtypes[f"{path}.{a}"] = tuple(t.shape), str(t.dtype).removeprefix("torch.")
-    return WorkerDestinations(tuple(pieces), tuple(fallbacks), tuple(tied), shapes, dtypes, tuple(via),
-                              tuple(placed), tuple(dict.fromkeys(reached)))
+    return pieces, fallbacks, via
+
+
+# --- pre-fused checkpoint tensors: what vLLM's load_weights hands the fused layer's loader --------
+
+def probe_prefused(view: _ModelView, metas: Sequence[tuple[str, str, Sequence[int]]]) -> dict[str, str]:
+    """For each HF tensor of ``metas`` that a known fused layer takes whole (a pre-fused checkpoint
+    tensor, e.g. Phi3's ``qkv_proj``): why vLLM's ``load_weights`` is not seen to hand it, unchanged
+    and with no shard id, to that layer's own loader (which then splits it as
+    :func:`~weightsync.worker.placers.fused_parts` says); absent where it is. A model's
+    ``load_weights`` may rewrite such a tensor first (Falcon's regroups its interleaved heads).
+
+    Runs the model's ``load_weights`` on meta tensors of those shapes with each of those parameters'
+    loaders swapped for a recorder, put back after: no data is read or written."""
+    wanted: dict[str, tuple[Any, torch.Tensor]] = {}  # HF name -> (its layer, the live parameter)
+    doubts: dict[str, str] = {}
+    for name, _, _ in metas:
+        found = view.find(name)
+        if found is None or found[2] is not None or type(found[1]).__name__ not in FUSED_LAYERS:
+            continue
+        pname, module, _ = found
+        attr = pname.rpartition(".")[2]
+        if view.is_tied(pname, module) or getattr(_loaded(module, attr), "output_dim", None) is None:
+            continue
+        loader = getattr(_loaded(module, attr), "weight_loader", None)
+        own = (getattr(type(module), "weight_loader", None), getattr(type(module), "weight_loader_v2", None))
+        if getattr(loader, "__func__", None) not in own:
+            doubts[name] = f"{pname} has a custom weight loader {getattr(loader, '__qualname__', loader)!r}"
+        else:
+            wanted[name] = (module, getattr(module, attr))
+    if wanted:
+        doubts.update(_probe(view.model, wanted, {n: (d, s) for n, d, s in metas if n in wanted}))
+    return doubts
+
+
+def _probe(model: torch.nn.Module, wanted: dict[str, tuple[Any, torch.Tensor]],
+           metas: dict[str, tuple[str, Sequence[int]]]) -> dict[str, str]:
+    probes = {n: torch.empty(tuple(int(x) for x in s), dtype=getattr(torch, d), device="meta")
+              for n, (d, s) in metas.items()}
+    calls: dict[str, list[tuple[Any, tuple, dict]]] = {n: [] for n in wanted}
+    saved = []
+    for name, (_, param) in wanted.items():
+        saved.append((param, {k: param.__dict__[k] for k in ("weight_loader", "_weight_loader") if k in param.__dict__}))
+        param.weight_loader = lambda p, w, *a, _n=name, **k: calls[_n].append((w, a, k))
+    try:
+        model.load_weights(iter(probes.items()))
+    except Exception as e:  # noqa: BLE001 - a model whose loading cannot be probed keeps the fallback
+        return {n: f"vLLM's load_weights could not be probed ({type(e).__name__}: {e})" for n in wanted}
+    finally:
+        for param, attrs in saved:
+            for k in ("weight_loader", "_weight_loader"):
+                param.__dict__.pop(k, None)
+            param.__dict__.update(attrs)
+    doubts = {}
+    for name, (module, _) in wanted.items():
+        cls, seen = type(module).__name__, calls[name]
+        shard = next((x for _, a, k in seen for x in (*a, k.get("loaded_shard_id")) if x is not None), None)
+        if not seen:
+            doubts[name] = f"vLLM's load_weights does not hand it to {cls}'s loader"
+        elif shard is not None:
+            doubts[name] = f"vLLM's load_weights splits it before {cls}'s loader (shard {shard!r})"
+        elif len(seen) != 1 or seen[0][0] is not probes[name]:
+            doubts[name] = f"vLLM's load_weights hands {cls}'s loader another tensor than the checkpoint's"
+    return doubts

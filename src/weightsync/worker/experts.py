@@ -28,10 +28,12 @@ from typing import Any
 
 import torch
 
+from .placers import Placed, Placement, Unplaced
 from ..layout.records import DestPiece
 from ..layout.regions import Region
 
-__all__ = ["W13", "W2", "expert_runs", "fused_expert_pieces", "fused_expert_shape", "is_fused_moe", "ExpertLayers"]
+__all__ = ["W13", "W2", "expert_runs", "fused_expert_pieces", "fused_expert_shape", "is_fused_moe", "ExpertLayers",
+           "place_fused_experts", "place_per_expert"]
 
 W13 = "w13"
 """``gate_up_proj`` [E, 2I, H] -> ``w13_weight``: two TP slices (gate, up) of dim 1."""
@@ -111,43 +113,51 @@ class ExpertLayers:
         return bool(self._by_prefix)
 
     def place(self, name: str, shape: tuple[int, ...], layout_of: Callable[[Any], dict[str, torch.Tensor]]
-              ) -> tuple[str, Any, list[DestPiece] | str] | None:
-        """``(vLLM param, module, pieces or the reason they cannot be placed)`` for trainer tensor
-        ``name``, or None when no fused-MoE layer takes it. ``layout_of(module)``: the module's
-        checkpoint layout (``destinations.checkpoint_layout``)."""
-        prefix, _, leaf = name.rpartition(".")
-        hit = self._by_prefix.get(prefix)
-        if hit is None:
-            owner = next((p for p in self._by_prefix if name.startswith(p + ".")), None)
-            if owner is None:
-                return None
-            path, module = self._by_prefix[owner]
-            return f"{path}.w13_weight", module, "a per-expert tensor (not fused [experts, rows, cols])"
-        path, module = hit
-        leaf_name = f"{prefix.rpartition('.')[2]}.{leaf}"  # e.g. "experts.gate_up_proj"
-        kinds = {(_KINDS.get(shard), p.rpartition(".")[2]) for p, w, _, shard in
-                 module.get_expert_mapping(include_fused=True) if w == leaf_name}
-        if len(kinds) != 1 or None in next(iter(kinds), (None,)):
-            return None
-        kind, attr = next(iter(kinds))
-        pname = f"{path}.{attr}"
-        param = layout_of(module).get(attr)
-        if not isinstance(param, torch.Tensor):
-            return pname, module, "vLLM recorded no checkpoint layout for this post-processed layer"
-        if getattr(module, "is_fused_checkpoint_transposed", False):
-            return pname, module, "the layer expects its fused checkpoint tensors transposed"
-        logical = int(getattr(module.moe_config, "num_logical_experts", module.global_num_experts))
-        if logical != int(module.global_num_experts):
-            return pname, module, f"{int(module.global_num_experts) - logical} redundant experts (EPLB)"
-        if not shape or int(shape[0]) != logical:
-            raise ValueError(f"parameter {name!r}: the trainer's shape {shape} has {shape[0] if shape else 0} "
-                             f"experts, vLLM's {pname} has {logical}")
-        pc = module.moe_config.moe_parallel_config
-        emap = module.expert_map
-        if emap is None:
-            local_of = [(e, e) for e in range(int(module.local_num_experts))]
-        else:
-            local_of = [(g, int(l)) for g, l in enumerate(emap.tolist()) if l >= 0]
-        pieces = fused_expert_pieces(name, shape, kind, pname, tuple(param.shape), local_of=local_of,
-                                     tp_rank=int(pc.tp_rank), tp_size=int(pc.tp_size))
-        return pname, module, pieces
+              ) -> Placement | None:
+        """Where trainer tensor ``name`` lands in a fused-MoE layer (None: no such layer takes it).
+        ``layout_of(module)``: the module's checkpoint layout (``destinations.checkpoint_layout``)."""
+        hit = self._by_prefix.get(name.rpartition(".")[0])
+        if hit is not None:
+            return place_fused_experts(name, shape, hit[0], hit[1], layout_of)
+        owner = next((p for p in self._by_prefix if name.startswith(p + ".")), None)
+        return None if owner is None else place_per_expert(self._by_prefix[owner][0])
+
+
+def place_per_expert(path: str) -> Unplaced:
+    """A per-expert tensor (``...experts.3.gate_proj.weight``) of a fused-MoE layer: through its loader."""
+    return Unplaced("a per-expert tensor (not fused [experts, rows, cols])", f"{path}.w13_weight")
+
+
+def place_fused_experts(name: str, shape: tuple[int, ...], path: str, module: Any,
+                        layout_of: Callable[[Any], dict[str, torch.Tensor]]) -> Placement | None:
+    """A fused expert tensor (``experts.gate_up_proj`` / ``experts.down_proj``) into the layer at
+    ``path``: the runs of experts this worker holds, its TP slice of each (None: the layer does not
+    take this tensor as a fused one)."""
+    prefix, _, leaf = name.rpartition(".")
+    leaf_name = f"{prefix.rpartition('.')[2]}.{leaf}"  # e.g. "experts.gate_up_proj"
+    kinds = {(_KINDS.get(shard), p.rpartition(".")[2]) for p, w, _, shard in
+             module.get_expert_mapping(include_fused=True) if w == leaf_name}
+    if len(kinds) != 1 or None in next(iter(kinds), (None,)):
+        return None
+    kind, attr = next(iter(kinds))
+    pname = f"{path}.{attr}"
+    param = layout_of(module).get(attr)
+    if not isinstance(param, torch.Tensor):
+        return Unplaced("vLLM recorded no checkpoint layout for this post-processed layer", pname)
+    if getattr(module, "is_fused_checkpoint_transposed", False):
+        return Unplaced("the layer expects its fused checkpoint tensors transposed", pname)
+    logical = int(getattr(module.moe_config, "num_logical_experts", module.global_num_experts))
+    if logical != int(module.global_num_experts):
+        return Unplaced(f"{int(module.global_num_experts) - logical} redundant experts (EPLB)", pname)
+    if not shape or int(shape[0]) != logical:
+        raise ValueError(f"parameter {name!r}: the trainer's shape {shape} has {shape[0] if shape else 0} "
+                         f"experts, vLLM's {pname} has {logical}")
+    pc = module.moe_config.moe_parallel_config
+    emap = module.expert_map
+    if emap is None:
+        local_of = [(e, e) for e in range(int(module.local_num_experts))]
+    else:
+        local_of = [(g, int(l)) for g, l in enumerate(emap.tolist()) if l >= 0]
+    pieces = fused_expert_pieces(name, shape, kind, pname, tuple(param.shape), local_of=local_of,
+                                 tp_rank=int(pc.tp_rank), tp_size=int(pc.tp_size))
+    return Placed(pname, tuple(pieces))
