@@ -1,5 +1,6 @@
-"""Package structure: no import cycle in src/ (function-level imports count) and no module over 400 lines
-(the package's, and the tests', benchmarks', examples' and scripts' files)."""
+"""Package structure: no import cycle in src/ (function-level imports count), no module over 400 lines
+(the package's, and the tests', benchmarks', examples' and scripts' files) and no function in src/ with
+a body over 80 lines."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pathlib
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
 MAX_LINES = 400
+MAX_BODY = 80
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -83,6 +85,36 @@ def test_no_module_over_400_lines():
     sizes = {str(f.relative_to(ROOT)): len(f.read_text().splitlines()) for f in files}
     big = {m: n for m, n in sizes.items() if n > MAX_LINES}
     assert not big, f"modules over {MAX_LINES} lines: {big}"
+
+
+def _body_lines(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """Lines of ``fn``'s body, its docstring aside: from the first statement after it to the end
+    (nested functions and classes count in the function that holds them)."""
+    body = fn.body
+    if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+        body = body[1:]
+    return fn.end_lineno - body[0].lineno + 1 if body else 0
+
+
+def _long_functions(source: str, where: str) -> dict[str, int]:
+    return {f"{where}:{n.lineno} {n.name}": lines for n in ast.walk(ast.parse(source))
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and (lines := _body_lines(n)) > MAX_BODY}
+
+
+def test_no_function_body_over_80_lines():
+    long = {}
+    for f in SRC.rglob("*.py"):
+        long.update(_long_functions(f.read_text(), str(f.relative_to(ROOT))))
+    assert not long, f"function bodies over {MAX_BODY} lines (docstring aside): {long}"
+
+
+def test_the_body_check_counts_code_not_docstrings():
+    """The check itself: a long docstring does not count, an 81st line of code does."""
+    doc = '    """' + "\n" * 100 + '    """\n'
+    assert _long_functions("def f():\n" + doc + "    x = 1\n" * MAX_BODY, "m") == {}
+    assert _long_functions("def f():\n" + doc + "    x = 1\n" * (MAX_BODY + 1), "m") == {"m:1 f": MAX_BODY + 1}
+    nested = "def outer():\n    def inner():\n" + "        x = 1\n" * MAX_BODY
+    assert _long_functions(nested, "m") == {"m:1 outer": MAX_BODY + 1}
 
 
 def test_layout_is_pure():

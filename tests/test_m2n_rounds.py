@@ -1,4 +1,4 @@
-"""``m2n_exec.run_rounds`` in one process, over a loopback data plane that records what each rank
+"""``m2n_rounds.run_rounds`` in one process, over a loopback data plane that records what each rank
 posts: pipelined rounds (staged rounds ``DEPTH`` in flight and waited in order, no two posted buffers
 sharing a byte, so staging is reused only after its round was waited for), direct messages (one
 contiguous item sent from the shard / received into the parameter without a staging copy, posted as
@@ -13,10 +13,11 @@ import torch
 
 from helpers import execute_reference, make_local_shards
 from weightsync.layout import DestPiece, Region, Shard, TensorSource, build_plan, mesh_coordinates, source_regions
-from weightsync.transport import m2n_exec
+from weightsync.transport import m2n_exec, m2n_rounds
 from weightsync.layout.records import TransferItem
 from weightsync.layout.schedule import Message
-from weightsync.transport.m2n_exec import my_messages, run_rounds
+from weightsync.transport.m2n_exec import my_messages
+from weightsync.transport.m2n_rounds import run_rounds
 
 
 class Loopback:
@@ -96,8 +97,8 @@ def test_pipelined_rounds_direct_and_staged_match_the_reference(staging, monkeyp
     wire_dtypes = {s.name: s.dtype for s in sources}
 
     direct = []
-    real = m2n_exec._direct
-    monkeypatch.setattr(m2n_exec, "_direct", lambda m, *a: direct.append(r) or r if (r := real(m, *a)) is not None
+    real = m2n_rounds._direct
+    monkeypatch.setattr(m2n_rounds, "_direct", lambda m, *a: direct.append(r) or r if (r := real(m, *a)) is not None
                         else None)
     send_staging, recv_staging = torch.empty(staging, dtype=torch.uint8), torch.empty(staging, dtype=torch.uint8)
     send_plane = Loopback(staging=send_staging)
@@ -115,7 +116,7 @@ def test_pipelined_rounds_direct_and_staged_match_the_reference(staging, monkeyp
                           tensor_of=lambda m, i: got[m.items[i].param])
     assert sent == received == plan.coverage().lower_bound[0] and not recv_plane.wire
     # staged rounds pipelined (the sender stages the column slices), never more than DEPTH of them
-    assert 2 <= send_plane.max_in_flight <= m2n_exec.DEPTH and 1 <= recv_plane.max_in_flight <= m2n_exec.DEPTH
+    assert 2 <= send_plane.max_in_flight <= m2n_rounds.DEPTH and 1 <= recv_plane.max_in_flight <= m2n_rounds.DEPTH
     for n in params:
         assert torch.equal(got[n], want[n]), n
     assert sent_sums == {0: recv_sums[0]}
@@ -208,12 +209,12 @@ def test_a_round_stages_only_the_bytes_it_needs_in_the_lowest_free_span():
     plane = Loopback()
     moved = run_rounds(plane, rounds, torch.empty(256, dtype=torch.uint8), sender=True, peer_rank=lambda w: 1 + w,
                        dtypes={"t": "float32"}, tensor_of=lambda m, i: shard)
-    assert moved == 8 * 64 and plane.max_in_flight == min(4, m2n_exec.DEPTH)
+    assert moved == 8 * 64 and plane.max_in_flight == min(4, m2n_rounds.DEPTH)
     assert [plane.wire[(1, k)].view(torch.float32).tolist() for k in range(8)] == shard.T.tolist()
     staging, plane = torch.empty(1024, dtype=torch.uint8), Loopback()
     run_rounds(plane, rounds * 2, staging, sender=True, peer_rank=lambda w: 1 + w, dtypes={"t": "float32"},
                tensor_of=lambda m, i: shard)  # 16 rounds, at most DEPTH x 64 bytes in flight, of 1024
-    assert plane.highest == staging.data_ptr() + min(8, m2n_exec.DEPTH) * 64
+    assert plane.highest == staging.data_ptr() + min(8, m2n_rounds.DEPTH) * 64
     with pytest.raises(ValueError, match="needs 64 bytes of staging, more than the 0 there are"):
         run_rounds(Loopback(), rounds, torch.empty(0, dtype=torch.uint8), sender=True, peer_rank=lambda w: 1 + w,
                    dtypes={"t": "float32"}, tensor_of=lambda m, i: shard)

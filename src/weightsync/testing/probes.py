@@ -111,7 +111,7 @@ def send_weights_without_gathers(weight_version: str) -> dict[str, Any]:
 def m2n_staged_bytes() -> dict[str, int]:
     """An M2N trainer rank's bytes per sync that go through staging (not contiguous in its shard) and
     its total, from the live engine's plan and the source's current shards."""
-    from ..transport.m2n_exec import _direct
+    from ..transport.m2n_rounds import _direct
 
     engine = STATE["engine"]
     shards = dict(engine.source.iter_local())
