@@ -21,10 +21,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from .comm import Communicator
+
+class Channel(Protocol):
+    """What agreement needs of a :class:`~weightsync.comm.Communicator` (which imports this module)."""
+
+    def publish(self, key: str, value: Any) -> None: ...
+
+    def read(self, key: str, timeout_s: float | None = None) -> Any: ...
 
 __all__ = ["JOIN_DECISION", "join_key", "INIT_DONE", "SyncKeys", "Listing", "agree", "gather", "init_ack", "model_metas", "model_digest",
            "m2n_sources", "m2n_sources_digest", "m2n_dest", "m2n_plan_digest", "nccl_loader"]
@@ -157,7 +162,7 @@ class SyncKeys:
 
 
 # ---- agreement ----------------------------------------------------------------------------
-def gather(comm: Communicator, key: Callable[[int], str], value: Any, *, rank: int, ranks: int) -> list[Any]:
+def gather(comm: Channel, key: Callable[[int], str], value: Any, *, rank: int, ranks: int) -> list[Any]:
     """Publish this party's ``value`` under ``key(rank)`` and read every other party's (in rank order)."""
     if ranks > 1:
         comm.publish(key(rank), value)
@@ -175,7 +180,7 @@ class Listing:
     show: Callable[[Any], str] = str
 
 
-def agree(comm: Communicator, key: Callable[[int], str], value: Any, *, rank: int, ranks: int, what: str,
+def agree(comm: Channel, key: Callable[[int], str], value: Any, *, rank: int, ranks: int, what: str,
           who: str = "rank", listing: Listing | None = None) -> Any:
     """Every party (``rank`` of ``ranks``) checks that all hold the same ``value``; on a difference
     every party raises the same ``ValueError``: the first rank differing from rank 0 and both values,
