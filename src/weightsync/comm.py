@@ -36,6 +36,7 @@ import pybase64
 import torch
 import torch.distributed as dist
 
+from .control import JOIN_DECISION, join_key
 from .errors import DataPlaneError, SyncAborted
 
 __all__ = ["Communicator", "DataPlaneError", "SyncAborted", "decode_unique_id", "connect_store", "describe"]
@@ -44,6 +45,7 @@ NCCL_UNIQUE_ID_BYTES = 128
 _ERROR = "error"
 _FAILED = "failed"
 """The value a failing party sets on the keys others block on (``fail_keys``), so that they wake."""
+_OK = "ok"
 _ABSENT = "\x00"
 """Never a published value (those are JSON): ``compare_set(key, _ABSENT, _ABSENT)`` answers it for a
 key not set, and sets nothing (a non-empty expected value is never written to a missing key)."""
@@ -159,9 +161,8 @@ class Communicator:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
         self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
-        self.publish(f"join/{rank}", self.name)
-        for r in range(world_size):
-            self.read(f"join/{r}")
+        self.publish(join_key(rank), self.name)
+        self._agree_to_join(world_size)
         prefixed = dist.PrefixStore(f"{group_name}/", self.store)
         timeout = timedelta(seconds=self.timeout_s)
         if self.device.type == "cuda":
@@ -169,6 +170,26 @@ class Communicator:
         else:
             self._pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
         self.barrier()  # everyone joined before any data moves
+
+    def _agree_to_join(self, world_size: int) -> None:
+        """Every member of the data plane takes the same decision: build the group, or raise. The
+        first member to decide sets it for all (``compare_set``): "ok" once it saw every member
+        announced, "failed" when a failure was reported (or the time ran out) before. Without it, a
+        member that saw a failure while a peer's announcement was still missing left, while the
+        others, who saw every announcement, waited out ``timeout_s`` building the group with it."""
+        seen: DataPlaneError | None = None
+        try:
+            for r in range(world_size):
+                self.read(join_key(r))
+        except DataPlaneError as e:
+            seen = e
+        try:
+            decision = self.store.compare_set(JOIN_DECISION, "", _FAILED if seen else _OK).decode()
+        except Exception as e:  # noqa: BLE001 - the store's host is gone
+            raise self._unreachable(JOIN_DECISION, e) from None
+        if decision != _OK:
+            raise seen or DataPlaneError(f"a party failed while {self.name} joined the data plane: "
+                                         f"{self.peer_error() or 'unknown'}")
 
     # ---- control channel (store) -------------------------------------------------------
     def publish(self, key: str, value: Any) -> None:
@@ -279,6 +300,11 @@ class Communicator:
         except Exception:  # noqa: BLE001 - the store is gone: nothing left to wait for
             return False
         return True
+
+    def delete(self, keys: list[str]) -> None:
+        """Delete ``keys`` from the store (one not set is skipped): keys no party reads any more."""
+        for key in keys:
+            self.store.delete_key(key)
 
     def peek(self, key: str) -> Any | None:
         """The JSON value under ``key`` if set, else None (never blocks)."""

@@ -25,11 +25,10 @@ first failure's message, rank 0 aborts the update on every worker (each leaves t
 worker is ready again, restoring its parameters when ``rollback=True``), and every engine refuses
 further syncs until re-initialized (``PoisonedError``, on every rank).
 
-The worker side is :class:`~weightsync.worker.engine.WorkerEngine`. A transport file is
-then its info fields, ``TRANSPORT`` and these hooks: ``_worker_init_info``, ``_data_rank``
-(optional), ``_handshake`` (optional), ``_preflight``, ``_update_info`` (optional), ``_transfer``,
-``_lower_bound`` on the trainer; ``_init``, ``_receive``, ``_expected_workers`` (and ``_start``,
-optional) on the worker.
+The worker side is :class:`~weightsync.worker.engine.WorkerEngine`; the store keys and agreement,
+:mod:`weightsync.control`. A transport file is its info fields, ``TRANSPORT`` and the hooks:
+``_worker_init_info``, ``_data_rank``, ``_handshake``, ``_preflight``, ``_update_info``, ``_transfer``,
+``_lower_bound`` on the trainer; ``_init``, ``_receive``, ``_expected_workers``, ``_start`` on the worker.
 """
 
 from __future__ import annotations
@@ -42,7 +41,7 @@ from dataclasses import asdict
 from typing import Any, ClassVar
 
 from ..comm import Communicator, describe
-from ..control import held_key
+from ..control import INIT_DONE, SyncKeys, gather, init_ack
 from ..errors import PoisonedError, SyncFailed
 from ..infos import TrainerInitInfo, WorkerInitInfo, WorkerUpdateInfo
 from ..protocol import WeightSource
@@ -71,6 +70,7 @@ class TrainerEngine:
     """The transport's declaration (``weightsync.registry.Transport``), set when it is declared."""
     update_info_cls: ClassVar[type[WorkerUpdateInfo]] = WorkerUpdateInfo
     """The workers' update info (an abort is sent as one)."""
+    _chunks = 0  # chunks the last sync handed over on the store (ipc), whose keys ``_forget`` deletes
 
     def __init__(self, init_info: TrainerInitInfo, *, client: Any, source: WeightSource | None) -> None:
         self.init_info = init_info
@@ -92,7 +92,6 @@ class TrainerEngine:
 
     def _data_rank(self) -> tuple[int, int] | None:
         """``(rank, world size)`` of this trainer rank in the data plane, or None (control only)."""
-        return None
 
     def _handshake(self) -> None:
         """After connecting, before init is agreed (e.g. plan agreement). Every trainer rank."""
@@ -128,7 +127,8 @@ class TrainerEngine:
         _check_source(init_info.backend, cls.spec.source, source)
         self = cls(init_info, client=client, source=source)
         self.sync_id, self.failed, self.comm, self._calls = 0, None, None, None
-        self._outcome_step: str | None = None  # rank 0: the last sync whose outcome the other ranks acknowledge
+        self._outcome_ack: Callable[[int], str] | None = None  # rank 0: the last sync outcome's acknowledgements
+        self._held_syncs: list[int] = []  # rank 0: syncs whose workers' "held" keys are on the store
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="weightsync-client")
         i = init_info
         fut = None
@@ -148,9 +148,9 @@ class TrainerEngine:
                 failure = self.comm.peer_error()  # workers report a refused init here instead of raising
                 if failure is not None:
                     raise RuntimeError(failure)
-                self.comm.publish("init/done", _OK)
+                self.comm.publish(INIT_DONE, _OK)
             else:
-                self.comm.read("init/done")  # raises a failure any rank or worker reported
+                self.comm.read(INIT_DONE)  # raises a failure any rank or worker reported
         except BaseException as e:
             if self.comm is not None:
                 self.comm.fail(describe(e), e)
@@ -159,17 +159,17 @@ class TrainerEngine:
                         client_result(fut, i.timeout_s, "init_weight_transfer_engine")
                     except BaseException:  # noqa: BLE001 - they failed, as they should
                         pass
-                self._acknowledge("init")  # rank 0 (the store's host) lingers until every rank saw it
+                self._acknowledge(init_ack)  # rank 0 (the store's host) lingers until every rank saw it
             if self._calls is not None:
                 self._calls.shutdown()
             self._pool.shutdown(wait=False)
             raise
         return self
 
-    def _acknowledge(self, step: str) -> None:
-        """Ranks > 0 say they read ``step``'s outcome; rank 0, which hosts the store, waits for them
-        (at most ``timeout_s``) so that no rank reads "store unreachable" instead of the outcome."""
-        keys = [f"{step}/ack/{r}" for r in range(1, self.init_info.num_trainer_ranks)]
+    def _acknowledge(self, ack: Callable[[int], str]) -> None:
+        """Ranks > 0 say they read an outcome (under ``ack(rank)``); rank 0, which hosts the store, waits
+        for them (at most ``timeout_s``) so that no rank reads "store unreachable" instead of the outcome."""
+        keys = [ack(r) for r in range(1, self.init_info.num_trainer_ranks)]
         if not self.is_sender:
             try:
                 self.comm.publish(keys[self.rank - 1], True)
@@ -184,14 +184,14 @@ class TrainerEngine:
         the start returned (without ``update``: it has)."""
         if update is None:
             self._start_on_engines()
-            self.comm.publish(self._key("started"), _OK)
+            self.comm.publish(self.keys.started, _OK)
             return lambda: None
         payload, started = asdict(update), Future()
 
         def start_then_update() -> None:
             try:
                 self._start_on_engines()
-                self._calls.publish(self._key("started"), _OK)
+                self._calls.publish(self.keys.started, _OK)
             except BaseException as e:  # noqa: BLE001 - raised in the caller; no update is sent
                 started.set_exception(e)
                 return
@@ -216,7 +216,7 @@ class TrainerEngine:
         """Rank 0, delta sync: the workers that reported holding sync ``base`` complete."""
         if base is None:
             return []
-        return [w for w in range(num_workers) if self.comm.peek(held_key(base, w)) == base]
+        return [w for w in range(num_workers) if self.comm.peek(SyncKeys(base).held(w)) == base]
 
     def _abort_workers(self, reason: str) -> None:
         """Rank 0: every worker of the update restores its parameters (the abort update), then leaves
@@ -231,7 +231,7 @@ class TrainerEngine:
 
     def _recv_keys(self) -> list[str]:
         """Where each worker publishes the bytes it received once it applied this sync's update."""
-        return [self._key("recv", w) for w in sorted(self._lower_bound())]
+        return [self.keys.recv(w) for w in sorted(self._lower_bound())]
 
     def _watched(self, fut: Future, what: str, wake: Sequence[str] = ()) -> Future:
         """A client call whose failure is recorded on the store at once, so every rank waiting there
@@ -257,20 +257,41 @@ class TrainerEngine:
         return None
 
     # ---- one sync ---------------------------------------------------------------------
-    def _key(self, *parts: Any) -> str:
-        return "/".join([f"sync{self.sync_id}", *map(str, parts)])
+    keys = property(lambda self: SyncKeys(self.sync_id), doc="This sync's store keys.")
 
-    def _from_every_trainer(self, step: str, value: Any) -> list[Any]:
-        """Publish this rank's ``value`` for ``step`` and read every other trainer rank's."""
-        if (ranks := self.init_info.num_trainer_ranks) > 1:
-            self.comm.publish(self._key(step, self.rank), value)
-        return [value if r == self.rank else self.comm.read(self._key(step, r)) for r in range(ranks)]
+    def _forget(self, sync_id: int) -> None:
+        """Rank 0, once every rank read sync ``sync_id``'s outcome (then published this sync's preflight):
+        delete its keys and the workers' "held" keys but the last complete sync's (the next delta reads them)."""
+        workers = len(self._lower_bound())
+        keys = SyncKeys(sync_id).outcome_keys(self.init_info.num_trainer_ranks, workers, self._chunks)
+        stale, self._held_syncs = self._held_syncs[:-1], self._held_syncs[-1:]
+        self.comm.delete(keys + [SyncKeys(s).held(w) for s in stale for w in range(workers)])
+
+    def _agreed_preflight(self, verify: bool) -> Any:
+        """``_preflight`` on every rank; any rank's error is every rank's (see the module docstring)."""
+        try:
+            prepared, error = self._preflight(verify), ""
+        except ValueError as e:
+            prepared, error = None, str(e)
+        except BaseException as e:  # the source's own failure: the other ranks raise it now, not at a timeout
+            try:
+                self.comm.publish(self.keys.preflight(self.rank), {"rank": self.rank, "error": describe(e)})
+            except Exception:  # noqa: BLE001 - the store is gone: this rank's own error is what matters
+                pass
+            raise
+        errors = gather(self.comm, self.keys.preflight, error, rank=self.rank, ranks=self.init_info.num_trainer_ranks)
+        if self.is_sender and self.sync_id > 1:
+            self._forget(self.sync_id - 1)
+        if failed := next((e for e in errors if isinstance(e, dict)), None):
+            raise RuntimeError(f"weight sync {self.sync_id}: trainer rank {failed['rank']}: {failed['error']} "
+                               "(in its preflight: nothing moved, the engines were not asked to update)")
+        if any(errors):  # nothing moved; the engines were not asked to update
+            raise ValueError(next(e for e in errors if e))
+        return prepared
 
     def send_weights(self, *, weight_version: str | None = None, verify: bool = False) -> SyncStats:
-        """Push the source's weights to every worker; returns once every worker applied them. With
-        ``verify``, every worker compares checksums of what it applied with what was sent before the
-        sync finishes. Collective on every trainer rank. See the module docstring for what a failure
-        does."""
+        """Push the source's weights to every worker; returns once every worker applied them (``verify``:
+        checked against checksums of what was sent). Collective on every trainer rank; failures: see above."""
         if self.failed is not None:
             raise PoisonedError(f"a previous sync failed ({self.failed}); the engines refuse updates until "
                                 "re-initialized: call trainer_init again on every trainer rank")
@@ -279,22 +300,7 @@ class TrainerEngine:
         self.sync_id += 1
         stats = SyncStats(backend=self.init_info.backend, rank=self.rank, weight_version=weight_version)
         with stats.timed("preflight"):
-            try:
-                prepared, error = self._preflight(verify), ""
-            except ValueError as e:
-                prepared, error = None, str(e)
-            except BaseException as e:  # the source's own failure: the other ranks raise it now, not at a timeout
-                try:
-                    self.comm.publish(self._key("preflight", self.rank), {"rank": self.rank, "error": describe(e)})
-                except Exception:  # noqa: BLE001 - the store is gone: this rank's own error is what matters
-                    pass
-                raise
-            errors = self._from_every_trainer("preflight", error)
-            if failed := next((e for e in errors if isinstance(e, dict)), None):
-                raise RuntimeError(f"weight sync {self.sync_id}: trainer rank {failed['rank']}: {failed['error']} "
-                                   "(in its preflight: nothing moved, the engines were not asked to update)")
-            if any(errors):  # nothing moved; the engines were not asked to update
-                raise ValueError(next(e for e in errors if e))
+            prepared = self._agreed_preflight(verify)
         self._started, self._update_call = False, None
         try:
             with stats.timed("start"):
@@ -308,18 +314,18 @@ class TrainerEngine:
                 if wait is not None:
                     wait()
                 else:
-                    self.comm.await_key(self._key("started"))
+                    self.comm.await_key(self.keys.started)
                 self._started = True
                 waited.append(time.perf_counter() - t0)
             with stats.timed("transfer"):
                 self._transfer(prepared, stats, verify, started)
                 started()
                 if not self.is_sender:  # (rank 0 reads the others')
-                    self.comm.publish(self._key("sent", self.rank), _OK)
+                    self.comm.publish(self.keys.sent(self.rank), _OK)
                 else:
                     received = self._applied()
                     for r in range(1, self.init_info.num_trainer_ranks):
-                        self.comm.read(self._key("sent", r))
+                        self.comm.read(self.keys.sent(r))
             stats.phases["start"] += waited[0]  # what was left to wait for is the start's, not the transfer's
             stats.phases["transfer"] -= waited[0]
             if self.is_sender:
@@ -333,15 +339,16 @@ class TrainerEngine:
                 stats.lower_bound_per_worker = self._lower_bound()
                 workers = sorted(stats.lower_bound_per_worker)
                 if received is None:
-                    received = [self.comm.read(self._key("recv", w)) for w in workers]
+                    received = [self.comm.read(self.keys.recv(w)) for w in workers]
                 stats.bytes_received_per_worker = dict(zip(workers, map(int, received)))
                 stats.worker_phases = {w: p for w in workers
-                                       if (p := self.comm.peek(self._key("phases", w))) is not None}
-                self.comm.publish(self._key("verdict"), _OK)
-                self._outcome_step = f"sync{self.sync_id}"
+                                       if (p := self.comm.peek(self.keys.phases(w))) is not None}
+                self.comm.publish(self.keys.verdict, _OK)
+                self._outcome_ack = self.keys.ack
+                self._held_syncs.append(self.sync_id)
             else:
-                self.comm.await_key(self._key("verdict"))
-                self._acknowledge(f"sync{self.sync_id}")
+                self.comm.await_key(self.keys.verdict)
+                self._acknowledge(self.keys.ack)
         except BaseException as e:
             raise self._failed_sync(e) from e
         stats.verified = True if verify else None
@@ -351,7 +358,7 @@ class TrainerEngine:
         """Every rank: record the first failure and wake every party; rank 0 also waits for its
         update call and aborts the update on every worker. Returns what every rank raises."""
         self.comm.fail(describe(error), error)
-        self.comm.fail_keys([self._key("started"), self._key("verdict")])  # the ranks > 0 block on them
+        self.comm.fail_keys([self.keys.started, self.keys.verdict])  # the ranks > 0 block on them
         reason = self.comm.peer_error() or f"trainer rank {self.rank}: {describe(error)}"
         if self.is_sender:
             if self._update_call is not None:
@@ -363,9 +370,9 @@ class TrainerEngine:
                 self._abort_workers(reason)
         self.failed = reason
         if not self.is_sender:
-            self._acknowledge(f"sync{self.sync_id}")
+            self._acknowledge(self.keys.ack)
         else:
-            self._outcome_step = f"sync{self.sync_id}"
+            self._outcome_ack = self.keys.ack
         restored = self.init_info.rollback or not self._started
         torn = "" if restored else ("; the engines' weights may be partly updated (rollback=False): "
                                     "re-initialize and sync again before serving")
@@ -374,8 +381,8 @@ class TrainerEngine:
     def shutdown(self) -> None:
         """Release the group (and the store, on rank 0, once every rank read the last outcome).
         Call on every trainer rank."""
-        if self.comm is not None and self.is_sender and self._outcome_step:
-            self._acknowledge(self._outcome_step)
+        if self.comm is not None and self.is_sender and self._outcome_ack:
+            self._acknowledge(self._outcome_ack)
         for comm in (self.comm, self._calls):
             if comm is not None:
                 comm.shutdown()

@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..control import SyncKeys
 from ..worker.agreement import agree_on_metadata
 from ..infos import MetadataUpdateInfo, TrainerInitInfo, WorkerInitInfo
 from ..stats import SyncStats
@@ -151,23 +152,23 @@ class IPCTrainerEngine(TrainerEngine):
         started()
         metas, buckets, digest = prepared
         stats.num_tensors, stats.num_steps = len(metas), len(buckets)
-        source_it = self.source.iter_full()
+        source_it, keys, self._chunks = self.source.iter_full(), SyncKeys(self.sync_id), len(buckets)
         it = checked(source_it, metas)
         try:
             with memory_saver_paused():
                 for b, bucket in enumerate(buckets):
                     mine = self._pack(it, bucket, b == len(buckets) - 1, verify, stats)
-                    self.comm.publish(self._key("chunk", b, self.rank), mine)
+                    self.comm.publish(keys.chunk(b, self.rank), mine)
                     if self.is_sender:
-                        packed = [mine] + [self.comm.read(self._key("chunk", b, r))
+                        packed = [mine] + [self.comm.read(keys.chunk(b, r))
                                            for r in range(1, self.init_info.num_trainer_ranks)]
                         self.client.update_weights(self._update(packed, b, len(buckets), digest, metas, verify))
                         failure = self.comm.peer_error()  # a worker reports its failure instead of raising
                         if failure is not None:
                             raise SyncFailed(failure)
-                        self.comm.publish(self._key("applied", b), True)
+                        self.comm.publish(keys.applied(b), True)
                     else:  # the buffer is refilled only once every worker cloned this chunk
-                        self.comm.read(self._key("applied", b))
+                        self.comm.read(keys.applied(b))
                     if self._buffer is not None:
                         self._buffer.unlink()  # every worker mapped it: nothing is left if a process dies
         finally:  # now, not at garbage collection: a source may hold a grad mode or a gather open

@@ -19,6 +19,8 @@ destinations, every party builds the plan and all agree on its digest.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import time
 from collections.abc import Callable
@@ -37,15 +39,15 @@ from ..trainer.sources import tensor_sources
 from ..worker.applier import LayerwiseApplier
 from ..trainer.engine import TrainerEngine
 from .delta import Baseline
-from .m2n_exec import (FALLBACK, agree, dests_to_wire, gather_plan, my_messages, run_rounds, sources_from_wire,
+from .m2n_exec import (FALLBACK, dests_to_wire, gather_plan, my_messages, run_rounds, sources_from_wire,
                        sources_to_wire)
+from ..control import Listing, SyncKeys, agree, m2n_dest, m2n_plan_digest, m2n_sources, m2n_sources_digest
 from ..worker.engine import WorkerEngine
 
 __all__ = ["M2NTrainerInitInfo", "M2NWorkerInitInfo", "M2NUpdateInfo", "M2NTrainerEngine", "M2NWorkerEngine",
            "TRANSPORT"]
 
 DEFAULT_STAGING_BYTES = 256 << 20
-_P = "m2n"
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -118,9 +120,9 @@ class _Plan:
                  staging_bytes: int, *, rank: int, sender: bool) -> None:
         self.sources = sources
         self.dtypes = {s.name: s.dtype for s in sources}
-        self.gathered = gather_plan(comm, sources, num_workers, _P)
+        self.gathered = gather_plan(comm, sources, num_workers)
         self.digest = self.gathered.plan.digest
-        agree(comm, f"{_P}/digest", self.digest, "plan digest")
+        agree(comm, m2n_plan_digest, self.digest, rank=comm.rank, ranks=comm.world_size, what="plan digest")
         cap = message_cap(staging_bytes, num_trainers, num_workers, buffers=2)  # a round stages <= half of it
         g = self.gathered
         self.dense_only = [{*via, *(FALLBACK + n for n, _ in fb)} for via, fb in zip(g.via_loader, g.fallbacks)]
@@ -147,13 +149,9 @@ class M2NTrainerEngine(TrainerEngine):
     def _handshake(self) -> None:
         i = self.init_info
         sources = tensor_sources(self.source.metadata)  # raises on every rank alike for a source without layout
-        wire = sources_to_wire(sources)
-        if self.is_sender:
-            self.comm.publish(f"{_P}/sources", wire)
-        theirs = self.comm.read(f"{_P}/sources")
-        if theirs != wire:
-            first = next((a[0] for a, b in zip(wire, theirs) if a != b), "(count)")
-            raise ValueError(f"parameter {first!r}: trainer rank {i.rank}'s metadata differs from trainer rank 0's")
+        wire = sources_to_wire(sources)  # the ranks' tensor lists agree before any plan (the workers plan from rank 0's)
+        agree(self.comm, m2n_sources_digest, _digest(wire), rank=i.rank, ranks=i.num_trainer_ranks,
+              what="metadata", who="trainer rank", listing=Listing(m2n_sources, wire, _source_name, _show_source))
         self.plan = _Plan(self.comm, sources, i.num_trainer_ranks, math.prod(i.dst_mesh_dims), i.staging_bytes,
                           rank=i.rank, sender=True)
         self._names = [s.name for s in sources]
@@ -197,12 +195,12 @@ class M2NTrainerEngine(TrainerEngine):
         hold it (from what each reported at its last finish), published for every rank."""
         base = self._baseline.version
         holders = self._holding(base, math.prod(self.init_info.dst_mesh_dims))
-        self.comm.publish(self._key("delta"), [base, holders])
+        self.comm.publish(SyncKeys(self.sync_id).delta, [base, holders])
         return base, holders
 
     def _delta_workers(self) -> tuple[int | None, list[int]]:
         """Every rank, before any data moves: rank 0's decision (``_decide_delta``)."""
-        base, holders = self.comm.read(self._key("delta"))
+        base, holders = self.comm.read(SyncKeys(self.sync_id).delta)
         return base, holders
 
     def _encode(self, shards: dict[str, torch.Tensor], base: int | None, holders: list[int], stats: SyncStats) -> Any:
@@ -214,7 +212,7 @@ class M2NTrainerEngine(TrainerEngine):
             return m.dst in takers and not any(it.param in dense_only[m.dst] for it in m.items)
 
         enc = self._baseline.encode(self.plan.rounds, shards, self.plan.dtypes, eligible=eligible)
-        self.comm.publish(self._key("sizes", self.rank), enc.counts)
+        self.comm.publish(SyncKeys(self.sync_id).sizes(self.rank), enc.counts)
         stats.delta = DeltaStats(base=base, workers=holders, changed=enc.changed, compared=enc.compared,
                                  dense_bytes=self.plan.nbytes,
                                  diff_seconds=time.perf_counter() - t0, baseline_bytes=self._baseline.nbytes)
@@ -243,8 +241,21 @@ class M2NTrainerEngine(TrainerEngine):
                                       dtypes=self.plan.dtypes, tensor_of=lambda m, i: tensors[m.items[i].name],
                                       sums=sums, sparse=payloads, ready=started)
         if sums is not None:
-            self.comm.publish(self._key("sums", self.rank), {str(w): v for w, v in sums.items()})
+            self.comm.publish(SyncKeys(self.sync_id).sums(self.rank), {str(w): v for w, v in sums.items()})
         stats.num_tensors, stats.num_steps = len(self._names), len(self.plan.rounds)
+
+
+def _digest(wire: list[Any]) -> str:
+    return hashlib.sha256(json.dumps(wire).encode()).hexdigest()
+
+
+def _source_name(wire: list[Any]) -> str:
+    return wire[0]
+
+
+def _show_source(wire: list[Any]) -> str:
+    """A source's wire form, in a message: dtype, shape and each trainer rank's shard sizes."""
+    return f"{wire[2]} {tuple(wire[1])} (shards {[tuple(sizes) for _, sizes in wire[3]]})"
 
 
 def _covered(pieces: Any) -> dict[str, int]:
@@ -282,13 +293,13 @@ class M2NWorkerEngine(WorkerEngine):
     def _init(self, info: M2NWorkerInitInfo) -> None:
         w = self.worker_rank
         self.comm.join(info.num_trainer_ranks + w, info.world_size, device=self.device)
-        sources = sources_from_wire(self.comm.read(f"{_P}/sources"))
+        sources = sources_from_wire(self.comm.read(m2n_sources(0)))
         try:
             # model agreement and coverage of the plan's regions, before the plan is agreed
             dests = self._check_model([{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in sources])
-            self.comm.publish(f"{_P}/dest/{w}", dests_to_wire(dests))
+            self.comm.publish(m2n_dest(w), dests_to_wire(dests))
         except Exception as e:
-            self.comm.publish(f"{_P}/dest/{w}", {"error": f"{type(e).__name__}: {e}"})
+            self.comm.publish(m2n_dest(w), {"error": f"{type(e).__name__}: {e}"})
             raise
         self.plan = _Plan(self.comm, sources, info.num_trainer_ranks, math.prod(info.dst_mesh_dims),
                           info.staging_bytes, rank=w, sender=False)
@@ -338,13 +349,13 @@ class M2NWorkerEngine(WorkerEngine):
             return {}
         self._check_holds(u.delta_base)
         return {(r, int(k)): n for r in range(self.info.num_trainer_ranks)
-                for k, n in self.comm.read(f"sync{u.sync_id}/sizes/{r}").get(str(w), {}).items()}
+                for k, n in self.comm.read(SyncKeys(u.sync_id).sizes(r)).get(str(w), {}).items()}
 
     def _verify(self, sync_id: int, applied: dict[int, int]) -> None:
         """Compare what this worker applied from each trainer rank with what that rank sent."""
         w = str(self.worker_rank)
         for src in range(self.info.num_trainer_ranks):
-            sent = self.comm.read(f"sync{sync_id}/sums/{src}").get(w)
+            sent = self.comm.read(SyncKeys(sync_id).sums(src)).get(w)
             if sent != applied.get(src):
                 raise ValueError(f"verify: worker {w} applied data from trainer rank {src} with checksum "
                                  f"{applied.get(src)}, the trainer sent {sent}")

@@ -11,6 +11,7 @@ from functools import partial
 from typing import Any
 
 from ..comm import Communicator
+from ..control import m2n_dest
 from ..layout.plan import PairItems, TransferPlan, build_plan
 from ..layout.records import DestPiece, TensorSource, dtype_itemsize
 from ..layout.regions import Region
@@ -61,7 +62,7 @@ class Gathered:
     via_loader: list[list[str]]  # per worker: vLLM params received in checkpoint layout, then processed
 
 
-def gather_plan(comm: Communicator, sources: list[TensorSource], num_workers: int, prefix: str) -> Gathered:
+def gather_plan(comm: Communicator, sources: list[TensorSource], num_workers: int) -> Gathered:
     """Read every worker's destinations from the store and build the plan (every rank, same result).
 
     Raises ``ValueError`` with a worker's own error when it could not resolve its destinations.
@@ -70,7 +71,7 @@ def gather_plan(comm: Communicator, sources: list[TensorSource], num_workers: in
     interned: dict[str, list[DestPiece]] = {}  # equal layouts (replicas) share one list object
     pieces, fallbacks, via = [], [], []
     for w in range(num_workers):
-        raw = comm.read(f"{prefix}/dest/{w}")
+        raw = comm.read(m2n_dest(w))
         if "error" in raw:
             raise ValueError(f"worker {w} could not resolve destinations: {raw['error']}")
         key = json.dumps([raw["pieces"], [f[0] for f in raw["fallbacks"]]])
@@ -84,15 +85,6 @@ def gather_plan(comm: Communicator, sources: list[TensorSource], num_workers: in
         fallbacks.append([(n, r) for n, r, _ in raw["fallbacks"]])
         via.append(list(raw.get("via_loader", ())))
     return Gathered(build_plan(sources, pieces), pieces, fallbacks, via)
-
-
-def agree(comm: Communicator, prefix: str, value: str, what: str) -> None:
-    """Every rank of ``comm`` publishes ``value``; raise ``ValueError`` on every rank if any differs."""
-    comm.publish(f"{prefix}/{comm.rank}", value)
-    for r in range(comm.world_size):
-        theirs = comm.read(f"{prefix}/{r}")
-        if theirs != value:
-            raise ValueError(f"{what} differs between ranks: rank {comm.rank} has {value!r}, rank {r} has {theirs!r}")
 
 
 KEEP_ITEMS = 1 << 20

@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..control import SyncKeys, nccl_loader
 from ..worker.agreement import agree_on_metadata
 from ..stats import DeltaStats, SyncStats
 from ..infos import MetadataUpdateInfo, TrainerInitInfo, WorkerInitInfo
@@ -152,7 +153,7 @@ class NCCLTrainerEngine(TrainerEngine):
         if self._baseline is not None and base is None:
             stats.delta = DeltaStats(base=None, dense_bytes=self._total, baseline_bytes=self._baseline.nbytes)
         if verify:
-            self.comm.publish(self._key("sum"), checksum)
+            self.comm.publish(SyncKeys(self.sync_id).sum, checksum)
         self._sent_digest = digest
 
     def send_weights(self, *, weight_version: str | None = None, verify: bool = False) -> SyncStats:
@@ -175,7 +176,7 @@ class NCCLTrainerEngine(TrainerEngine):
             b.version = None
             return None
         if self._loader_only is None:
-            self._loader_only = set().union(*(self.comm.read(f"nccl/loader/{w}") for w in workers))
+            self._loader_only = set().union(*(self.comm.read(nccl_loader(w)) for w in workers))
         return b.version
 
     def _keep(self, meta: ParamMeta, tensor: torch.Tensor) -> torch.Tensor:
@@ -209,7 +210,7 @@ class NCCLTrainerEngine(TrainerEngine):
             else:
                 first.append((m, kept))
                 entries.append([m.name, -1])
-        self.comm.publish(self._key("delta"), entries)
+        self.comm.publish(SyncKeys(self.sync_id).delta, entries)
         order = [m for m, _ in first] + later
         stats.delta = DeltaStats(base=base, workers=list(range(self.init_info.world_size - 1)), changed=changed,
                                  compared=compared, dense_bytes=self._total, diff_seconds=time.perf_counter() - t0,
@@ -272,7 +273,7 @@ class NCCLWorkerEngine(WorkerEngine):
         for p in dests.pieces:
             self._pieces.setdefault(p.name, []).append(p)
         loader_only = {f.name for f in dests.fallbacks} | {p.name for p in dests.pieces if p.param in via}
-        self.comm.publish(f"nccl/loader/{self.worker_rank}", sorted(loader_only))  # delta syncs send these dense
+        self.comm.publish(nccl_loader(self.worker_rank), sorted(loader_only))  # delta syncs send these dense
 
     def _start(self, applier: LayerwiseApplier) -> None:
         applier.start(layerwise=False)  # a delta sync writes in place first; layerwise reload begins in _receive
@@ -290,7 +291,7 @@ class NCCLWorkerEngine(WorkerEngine):
             return self._receive_buckets(plan_buckets(self._metas, self.info.bucket_bytes), u,
                                          lambda buf, bucket: self._applier.load(unpack(buf, bucket)))
         self._check_holds(u.delta_base)
-        entries = dict(self.comm.read(f"sync{u.sync_id}/delta"))  # name -> changed values (-1: dense), in order
+        entries = dict(self.comm.read(SyncKeys(u.sync_id).delta))  # name -> changed values (-1: dense), in order
         by_name = {m.name: m for m in self._metas}
         order = [by_name[n] if k < 0 else
                  ParamMeta(n, torch.uint8, (sparse_nbytes([math.prod(by_name[n].shape)], k, by_name[n].dtype.itemsize),))
@@ -333,7 +334,7 @@ class NCCLWorkerEngine(WorkerEngine):
             if u.verify:
                 checksum = fold_checksum(checksum, buf[: bucket.nbytes])
             apply(buf, bucket)
-        if u.verify and (sent := self.comm.read(f"sync{u.sync_id}/sum")) != checksum:
+        if u.verify and (sent := self.comm.read(SyncKeys(u.sync_id).sum)) != checksum:
             raise ValueError(f"verify: worker {self.worker_rank} received buckets with checksum {checksum}, "
                              f"the sender sent {sent}")
         return received

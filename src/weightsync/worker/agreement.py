@@ -29,13 +29,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .destinations import UNKNOWN, WorkerDestinations, checkpoint_layout, resolve_destinations
+from ..control import Listing, agree, model_digest, model_metas
 from ..layout.buckets import metadata_digest
 from ..layout.regions import Region, format_regions, uncovered
 
 if TYPE_CHECKING:
     from ..comm import Communicator
 
-__all__ = ["check_model", "coverage_gaps"]
+__all__ = ["agree_on_metadata", "check_model", "coverage_gaps"]
 
 _VOCAB = ("VocabParallelEmbedding", "ParallelLMHead")
 
@@ -126,25 +127,15 @@ def _missing_hint(model: torch.nn.Module, name: str, metas: Sequence[tuple[str, 
 
 
 def agree_on_metadata(comm: Communicator, metadata: Sequence[Any], *, rank: int, num_ranks: int) -> str:
-    """Every trainer rank of a full-tensor transport: publish this rank's metadata (names, dtypes,
-    shapes) and its digest, compare the digests; on a mismatch every rank reads rank 0's and the first
-    differing rank's metadata and raises the same ``ValueError`` naming the first differing parameter.
-    Rank 0's is what the workers check their model against (``model/metas/0``). Returns the digest
+    """Every trainer rank of a full-tensor transport: the ranks agree on their metadata (names, dtypes,
+    shapes) with :func:`weightsync.control.agree`; on a difference every rank raises the same
+    ``ValueError`` naming the first missing or differing parameter and both ranks' values. Rank 0's
+    listing is what the workers check their model against (``model/metas/0``). Returns the digest
     every rank agreed on."""
     mine = [m.wire() for m in metadata]
-    comm.publish(f"model/metas/{rank}", mine)  # read in full by the workers, or on a mismatch
-    comm.publish(f"model/digest/{rank}", metadata_digest(mine))
-    digests = [comm.read(f"model/digest/{r}") for r in range(num_ranks)]
-    for r, theirs_digest in enumerate(digests):
-        if theirs_digest != digests[0]:
-            first, theirs = (mine if k == rank else comm.read(f"model/metas/{k}") for k in (0, r))
-            i = next((k for k, (a, b) in enumerate(zip(first, theirs)) if a != b), min(len(first), len(theirs)))
-            a, b = (x[i] if i < len(x) else "nothing" for x in (first, theirs))
-            what = a["name"] if isinstance(a, dict) else b["name"]
-            raise ValueError(f"parameter {what!r}: trainer rank {r}'s metadata differs from trainer rank 0's "
-                             f"at position {i}: {_short(b)} vs {_short(a)}")
-    return digests[0]
+    return agree(comm, model_digest, metadata_digest(mine), rank=rank, ranks=num_ranks, what="metadata",
+                 who="trainer rank", listing=Listing(model_metas, mine, lambda m: m["name"], _short))
 
 
 def _short(meta: Any) -> str:
-    return meta if isinstance(meta, str) else f"{meta['name']} {meta['dtype']} {tuple(meta['shape'])}"
+    return f"{meta['dtype']} {tuple(meta['shape'])}"

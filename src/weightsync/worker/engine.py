@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..comm import Communicator, describe
-from ..control import held_key
+from ..control import SyncKeys, model_metas
 from ..errors import PoisonedError
 from ..infos import WorkerInitInfo, WorkerUpdateInfo, parse_info
 from ..registry import TRANSPORTS, transport
@@ -115,7 +115,7 @@ class WorkerEngine:
         an update's, unless it is the one already checked; returns its destinations."""
         from ..layout.buckets import metadata_digest
 
-        wire = self.comm.read("model/metas/0") if metas is None else [m.wire() for m in metas]
+        wire = self.comm.read(model_metas(0)) if metas is None else [m.wire() for m in metas]
         digest = metadata_digest(wire)
         if digest != getattr(self, "_checked_digest", None):
             self._dests = self._check_model(wire)
@@ -232,7 +232,7 @@ class WorkerEngine:
             t0, self._sync_id = time.perf_counter(), update_info.sync_id
             self._received += self._receive(update_info)
             self.phases["receive"] = self.phases.get("receive", 0.0) + time.perf_counter() - t0
-            self.comm.publish(f"sync{update_info.sync_id}/recv/{self.worker_rank}", self._received)
+            self.comm.publish(SyncKeys(update_info.sync_id).recv(self.worker_rank), self._received)
         except BaseException as e:
             if self.comm is None:
                 raise
@@ -259,8 +259,9 @@ class WorkerEngine:
         self.phases["finish"] = time.perf_counter() - t0
         if self.comm is not None and self._sync_id is not None:  # the trainer's stats: SyncStats.worker_phases
             self.held = self._sync_id
-            self.comm.publish(f"sync{self._sync_id}/phases/{self.worker_rank}", self.phases)
-            self.comm.publish(held_key(self._sync_id, self.worker_rank), self.held)
+            keys = SyncKeys(self._sync_id)
+            self.comm.publish(keys.phases(self.worker_rank), self.phases)
+            self.comm.publish(keys.held(self.worker_rank), self.held)
 
     def _check_holds(self, base: int | None) -> None:
         """A delta against sync ``base`` patches weights this worker must hold; refuse otherwise."""
@@ -274,7 +275,7 @@ class WorkerEngine:
         held, self.held = self.held, None
         if held is not None and self.comm is not None:
             try:
-                self.comm.publish(held_key(held, self.worker_rank), None)
+                self.comm.publish(SyncKeys(held).held(self.worker_rank), None)
             except Exception:  # noqa: BLE001 - the store is gone: no sync can follow under this init
                 pass
 
