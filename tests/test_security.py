@@ -143,3 +143,83 @@ def test_a_failed_group_releases_its_fixed_port_for_the_next_init():
         assert second.port == port and second.peer_error() is None
     finally:
         second.shutdown()
+
+
+# --- delta messages are validated before any patch (item 2) ---------------------------------------
+def _valid_message(g: torch.Generator, bitmap: bool):
+    """Two parameters, each patched through a non-contiguous region view; a valid sparse message."""
+    from weightsync.transport.delta import _layout, diff, encode
+
+    params = [torch.randint(-50, 50, (40, 50), generator=g, dtype=torch.int16).view(torch.bfloat16),
+              torch.randint(-50, 50, (12, 30), generator=g, dtype=torch.int16).view(torch.bfloat16)]
+    targets = [params[0][1:39, 2:49], params[1][1:11, 1:29:2]]  # 1786 and 140 values, neither contiguous
+    news = [t.clone() for t in targets]
+    for new in news:
+        flat = new.view(-1)
+        k = (60 if bitmap else 2) + int(torch.randint(0, 60 if bitmap else 12, (1,), generator=g))
+        where = torch.randperm(flat.numel(), generator=g)[:k]
+        flat[where] = (flat[where].view(torch.int16) + 1).view(torch.bfloat16)
+    parts = [diff(n, t) for n, t in zip(news, targets)]
+    numels = [t.numel() for t in targets]
+    n = sum(v.numel() for _, v in parts)
+    assert _layout(numels, n, 2)[0] == bitmap
+    return params, targets, encode(parts, 2), numels, n
+
+
+def _malform(buf: torch.Tensor, numels: list[int], n: int, bitmap: bool, g: torch.Generator):
+    """A copy of the message broken in one way that must be refused; returns (buf, n)."""
+    from weightsync.transport.delta import _layout
+
+    buf, r = buf.clone(), int(torch.randint(0, 1000, (1,), generator=g))
+    counts = buf[:8].view(torch.int32)
+    i = r % 2
+    at = 8 + (0 if i == 0 else (4 * int(counts[0]) if not bitmap else (numels[0] + 7) // 8))
+    kinds = ["count_negative", "count_too_big", "count_off", "n_off", "n_negative", "truncated"]
+    kinds += ["padding_bit", "bit_flip"] if bitmap else ["duplicate", "too_big", "negative", "decreasing"]
+    kind = kinds[int(torch.randint(0, len(kinds), (1,), generator=g))]
+    pos = buf[at : at + 4 * int(counts[i])].view(torch.int32) if not bitmap else None
+    if kind == "count_negative":
+        counts[i] = -1 - r
+    elif kind == "count_too_big":
+        counts[i] = numels[i] + 1 + r
+    elif kind == "count_off":
+        counts[i] += 1
+    elif kind == "n_off":
+        n += 1 + r % (sum(numels) - n)
+    elif kind == "n_negative":
+        n = -1 - r
+    elif kind == "truncated":
+        buf = buf[: _layout(numels, n, 2)[2] - 1 - r % 8]
+    elif kind == "padding_bit":
+        buf[8 + (numels[0] + 7) // 8 - 1] |= 0x80  # 1786 values: the last byte's bit 7 is past the end
+    elif kind == "bit_flip":
+        j = r % numels[i]
+        buf[at + j // 8] ^= 1 << (j % 8)
+    elif kind == "duplicate":
+        pos[1] = pos[0]
+    elif kind == "too_big":
+        pos[-1] = numels[i] + r
+    elif kind == "negative":
+        pos[0] = -1 - r
+    else:
+        pos[0], pos[1] = pos[1].clone(), pos[0].clone()
+    return buf, n
+
+
+def test_a_thousand_malformed_delta_messages_write_nothing_and_name_the_parameter():
+    from weightsync.transport.delta import decode, patch
+
+    g = torch.Generator().manual_seed(34)
+    names = ["model.layers.0.mlp.down_proj.weight", "model.norm.weight"]
+    for trial in range(1000):
+        bitmap = trial % 2 == 0
+        params, targets, buf, numels, n = _valid_message(g, bitmap)
+        bad, bad_n = _malform(buf, numels, n, bitmap, g)
+        before = [p.clone() for p in params]
+        with pytest.raises(ValueError, match=r"parameter '(model\.layers\.0\.mlp\.down_proj|model\.norm)\.weight'"):
+            for target, (positions, values) in zip(targets, decode(bad, numels, bad_n, 2, names)):
+                patch(target, positions, values)
+        assert all(torch.equal(b.view(torch.int16), p.view(torch.int16)) for b, p in zip(before, params)), trial
+    params, targets, buf, numels, n = _valid_message(g, bitmap=False)  # and a valid one still patches
+    for target, (positions, values) in zip(targets, decode(buf, numels, n, 2, names)):
+        patch(target, positions, values)

@@ -203,7 +203,8 @@ def run_rounds(comm: Communicator, plan_rounds: Iterable[list[Message]], staging
         for m in rnd:
             if (sp := sparse.get(key(m))) is not None:
                 kinds.append("sparse")
-                bufs.append(sp if sender else sparse_nbytes(_numels(m), sp, _itemsize(m, dtypes)))
+                bufs.append(sp if sender else sparse_nbytes(_numels(m), sp, _itemsize(m, dtypes),
+                                                            [it.name for it in m.items]))
             elif (view := _direct(m, tensor_of, dtypes, sender)) is not None:
                 kinds.append("direct")
                 bufs.append(view)
@@ -267,7 +268,8 @@ def run_rounds(comm: Communicator, plan_rounds: Iterable[list[Message]], staging
         for m, buf, kind in zip(rnd, bufs, kinds):
             if kind == "direct" and sums is None:
                 continue  # it arrived in place
-            patches = decode(buf, _numels(m), sparse[key(m)], _itemsize(m, dtypes)) if kind == "sparse" else None
+            patches = None if kind != "sparse" else decode(buf, _numels(m), sparse[key(m)], _itemsize(m, dtypes),
+                                                           [it.name for it in m.items])
             views = []
             for i, (item, off) in enumerate(zip(m.items, m.offsets)):
                 target = tensor_of(m, i)[box_slices(item.param_offsets, item.region.sizes)]
