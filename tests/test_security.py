@@ -4,7 +4,11 @@ without it reads nothing and forges nothing; a failed group's port can be hosted
 from __future__ import annotations
 
 import errno
+import multiprocessing as mp
+import os
+import signal
 import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -14,6 +18,8 @@ import torch.distributed as dist
 from weightsync.comm import Communicator
 from weightsync.errors import DataPlaneError
 from weightsync.sealed import SECRET_ENV, ForgedValueError
+from weightsync.testing.actors import RemoteError
+from weightsync.testing.faults import JsonRoundTripClient
 
 pytestmark = [pytest.mark.timeout(600)]
 TIMEOUT_S = 20.0
@@ -223,3 +229,93 @@ def test_a_thousand_malformed_delta_messages_write_nothing_and_name_the_paramete
     params, targets, buf, numels, n = _valid_message(g, bitmap=False)  # and a valid one still patches
     for target, (positions, values) in zip(targets, decode(buf, numels, n, 2, names)):
         patch(target, positions, values)
+
+
+# --- the CPU ipc buffer never outlives its process (item 7) --------------------------------------
+def _own_files(pid: int) -> list[str]:
+    from weightsync.transport.ipc_handles import SHM_DIR, SHM_PREFIX
+
+    return [f for f in os.listdir(SHM_DIR) if f.startswith(f"{SHM_PREFIX}{pid}-")]
+
+
+def _until(condition, what: str) -> None:
+    """Wait (bounded by the test timeout) for a condition another process brings about."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def _buffer_in(conn, kill: bool) -> None:
+    from weightsync.transport.ipc_handles import ExportedBuffer
+
+    buf = ExportedBuffer(1 << 20, torch.device("cpu"), tag="test-")
+    buf.tensor.fill_(1)
+    conn.send(buf.path)  # a pipe: sent before the kill (a queue's feeder thread may not be)
+    if kill:
+        os.kill(os.getpid(), signal.SIGKILL)
+    del buf  # collected without unlink or close: the finalizer removes the file
+    conn.send(None)
+
+
+@pytest.mark.parametrize("kill", [False, True], ids=["collected", "sigkilled"])
+def test_a_cpu_buffer_file_is_removed_when_its_owner_drops_it_or_dies(kill):
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=_buffer_in, args=(child, kill))
+    p.start()
+    child.close()
+    assert parent.poll(120)
+    path = parent.recv()
+    p.join(120)
+    assert p.exitcode == (-signal.SIGKILL if kill else 0)
+    _until(lambda: not os.path.exists(path), f"{path} outlived its process")
+
+
+class KillingClient(JsonRoundTripClient):
+    """SIGKILLs the trainer process it runs in at its first ``update_weights`` of a sync: the ipc
+    buffer exists, its handle went out, nothing unlinked it yet."""
+
+    def update_weights(self, update_info):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.vllm
+def test_sigkilled_ipc_trainers_mid_sync_leave_nothing_in_dev_shm(cluster):
+    from helpers import init_info
+    from weightsync.testing.cluster import Layout
+
+    layout = Layout(trainers=2, tp=2, backend="weightsync_ipc")
+    cluster.setup(layout)
+    try:
+        pids = [a.call("os:getpid") for a in cluster.active_trainers]
+        cluster.make_engines(init_info("weightsync_ipc", layout, buffer_bytes=64 << 10, timeout_s=TIMEOUT_S),
+                             client=KillingClient(cluster.client()))
+        futs = [a.submit("weightsync.testing.trainer:send_weights", "killed") for a in cluster.active_trainers]
+        with pytest.raises((RemoteError, OSError, EOFError)):
+            futs[0].result(timeout=4 * TIMEOUT_S)  # rank 0 killed itself mid-sync
+        assert _own_files(pids[1]), "rank 1's buffer exists mid-sync"
+        cluster.active_trainers[1].kill()
+        for pid in pids:
+            _until(lambda: not _own_files(pid), f"trainer {pid}'s ipc buffer outlived it: {_own_files(pid)}")
+    finally:
+        cluster.replace_dead()
+
+
+# --- re-init after a failed sync: the error says what to call (item 8) ---------------------------
+def test_poisoned_errors_name_the_call_that_recovers():
+    from weightsync.errors import PoisonedError
+    from weightsync.registry import transport
+
+    spec = transport("weightsync_nccl")
+    trainer = object.__new__(spec.trainer_engine)  # the state send_weights checks first
+    trainer.failed = "worker 1: ValueError: a wrong shape"
+    with pytest.raises(PoisonedError, match=r"call NCCLTrainerEngine\.trainer_init\(init_info, client=\.\.\., "
+                                            r"source=\.\.\.\) again on every trainer rank \(the same master_port "
+                                            r"works\)"):
+        trainer.send_weights()
+    worker = object.__new__(spec.worker_engine)
+    worker.poisoned = "ValueError: a wrong shape"
+    with pytest.raises(PoisonedError, match=r"re-initialize from the trainer: TrainerEngine\.trainer_init on every "
+                                            r"trainer rank, which calls init_weight_transfer_engine on every engine"):
+        worker.start_weight_update()
