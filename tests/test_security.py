@@ -151,6 +151,40 @@ def test_a_failed_group_releases_its_fixed_port_for_the_next_init():
         second.shutdown()
 
 
+def _set_secret(actors, value: str | None) -> None:
+    code = (f"import os; os.environ[{SECRET_ENV!r}] = {value!r}" if value else
+            f"import os; os.environ.pop({SECRET_ENV!r}, None)")
+    for a in actors:
+        a.call("builtins:exec", code, {})
+
+
+@pytest.mark.vllm
+def test_a_sync_with_the_secret_works_end_to_end_and_a_party_without_it_is_refused(cluster):
+    from helpers import init_info, mismatches
+    from weightsync.testing.cluster import Layout
+
+    layout = Layout(trainers=2, tp=2, backend="weightsync_nccl")  # its data plane: gloo, rendezvous on the store
+    cluster.setup(layout)
+    parties = cluster.active_trainers + cluster.active_receivers
+    info = init_info("weightsync_nccl", layout, buffer_bytes=1 << 16, timeout_s=TIMEOUT_S)
+    try:
+        _set_secret(parties, SECRET)
+        cluster.make_engines(info)
+        cluster.train_step(3)
+        cluster.sync(weight_version="sealed", verify=True)
+        assert mismatches(cluster) == {}
+        assert cluster.client().weight_versions() == ["sealed"] * layout.num_workers
+        _set_secret(cluster.active_trainers, None)  # the workers still have it: each refuses the open store
+        futs = [a.submit("weightsync.testing.trainer:make_engine", info, cluster.client(), source="full")
+                for a in cluster.active_trainers]
+        for f in futs:
+            with pytest.raises(RemoteError, match=r"has no shared secret but this party has one "
+                                                  rf"\({SECRET_ENV}\): set the same secret on every party"):
+                f.result(timeout=4 * TIMEOUT_S)
+    finally:
+        _set_secret(parties, None)
+
+
 # --- delta messages are validated before any patch (item 2) ---------------------------------------
 def _valid_message(g: torch.Generator, bitmap: bool):
     """Two parameters, each patched through a non-contiguous region view; a valid sparse message."""
