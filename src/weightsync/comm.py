@@ -72,7 +72,7 @@ def connect_store(host: str, port: int, timeout_s: float, *, is_master: bool = F
     return open_store(host, port, timeout_s, is_master=is_master, secret=secret)
 
 
-_HOSTED: dict[int, "weakref.ref[Communicator]"] = {}
+_HOSTED: "weakref.WeakValueDictionary[int, Communicator]" = weakref.WeakValueDictionary()
 """Port -> this process's store host on it: a failed one (its engine never shut down) is released
 when a new group is hosted on its port."""
 
@@ -146,7 +146,7 @@ class Communicator:
         if not host_store:
             return cls(connect_store(host, port, timeout_s, secret=secret), name=name, timeout_s=timeout_s,
                        secret=secret)
-        if (old := _HOSTED[port]() if port in _HOSTED else None) is not None and old.failed:
+        if (old := _HOSTED.get(port)) is not None and old.failed:
             old, _ = None, old.shutdown()  # the store's server closes its socket with its last reference
         try:
             store = connect_store(host, port, timeout_s, is_master=True, secret=secret)
@@ -156,7 +156,7 @@ class Communicator:
             live = " by a live sync group of this process: shut its engine down first" if old and old.store else ""
             raise OSError(e.errno, f"master_port {port} on {host!r} is in use{live}") from None
         comm = cls(store, name=name, timeout_s=timeout_s, secret=secret)
-        _HOSTED[comm.port] = weakref.ref(comm)
+        _HOSTED[comm.port] = comm
         return comm
 
     def second_channel(self) -> "Communicator":
