@@ -9,7 +9,9 @@ backoff (``read``); the keys every failure path sets as well (``fail_keys``: a s
 (``await_key``), woken the moment they are set.
 
 Parties that move data then :meth:`~Communicator.join` a process group built on that store and
-independent of the trainer's and vLLM's own groups: gloo on CPU, NCCL on CUDA. On an unregistered
+independent of the trainer's and vLLM's own groups: gloo on CPU, NCCL on CUDA; their rendezvous goes
+through the same store object. The store's host listens on ``master_address`` only; with a shared
+secret every key name and value is sealed (:mod:`weightsync.sealed`, docs/security.md). On an unregistered
 group ``torch.distributed.send`` and ``batch_isend_irecv`` refuse to work, so this module calls the
 backend's raw ``send``/``recv``/``broadcast`` and waits on their works itself.
 
@@ -23,11 +25,13 @@ party closes its connections (``fail`` drops its group), which wakes every peer 
 
 from __future__ import annotations
 
+import errno
 import gc
 import json
 import os
 import time
 import traceback
+import weakref
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -38,6 +42,7 @@ import torch.distributed as dist
 
 from .control import JOIN_DECISION, join_key
 from .errors import DataPlaneError, SyncAborted
+from .sealed import ForgedValueError, open_store
 
 __all__ = ["Communicator", "DataPlaneError", "SyncAborted", "decode_unique_id", "connect_store", "describe"]
 
@@ -63,10 +68,15 @@ def _pauses() -> Iterator[float]:
         pause = min(2 * pause, _STORE_POLL_S)
 
 
-def connect_store(host: str, port: int, timeout_s: float, *, is_master: bool = False) -> Any:
-    """A TCPStore client (or its host, with ``is_master``; port 0 picks a free port)."""
-    return dist.TCPStore(host, port, None, is_master=is_master, timeout=timedelta(seconds=timeout_s),
-                         wait_for_workers=False, use_libuv=True)
+def connect_store(host: str, port: int, timeout_s: float, *, is_master: bool = False, secret: Any = None) -> Any:
+    """A TCPStore client (or its host, with ``is_master``, listening on ``host`` only; port 0 picks a
+    free port), sealed with ``secret`` or ``$WEIGHTSYNC_STORE_SECRET`` when either is set."""
+    return open_store(host, port, timeout_s, is_master=is_master, secret=secret)
+
+
+_HOSTED: "weakref.WeakValueDictionary[int, Communicator]" = weakref.WeakValueDictionary()
+"""Port -> this process's store host on it: a failed one (its engine never shut down) is released
+when a new group is hosted on its port."""
 
 
 def describe(error: BaseException) -> str:
@@ -114,8 +124,10 @@ class Communicator:
     Every method that moves data must be called by the matching peers (collective rule).
     """
 
-    def __init__(self, store: Any, *, name: str, timeout_s: float) -> None:
+    def __init__(self, store: Any, *, name: str, timeout_s: float, secret: Any = None) -> None:
         self.store = store
+        self._secret = secret
+        self.failed = False  # set by ``fail``: a hosted store may then be released (``connect``)
         self.name = name
         """Who this party is, in messages (``trainer rank 1``, ``worker 3``)."""
         self.timeout_s = timeout_s
@@ -126,17 +138,34 @@ class Communicator:
         self._pg: Any = None
 
     @classmethod
-    def connect(cls, host: str, port: int, *, name: str, timeout_s: float = 300.0,
-                host_store: bool = False) -> "Communicator":
-        """The control channel of the group at ``host:port``; ``host_store`` hosts it (port 0: any free port)."""
+    def connect(cls, host: str, port: int, *, name: str, timeout_s: float = 300.0, host_store: bool = False,
+                secret: Any = None) -> "Communicator":
+        """The control channel of the group at ``host:port``; ``host_store`` hosts it, listening on
+        ``host`` only (port 0: any free port). ``secret`` (default ``$WEIGHTSYNC_STORE_SECRET``) seals
+        the store: every party must have the same one. A failed group of this process on ``port`` is released."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        return cls(connect_store(host, port, timeout_s, is_master=host_store), name=name, timeout_s=timeout_s)
+        if not host_store:
+            return cls(connect_store(host, port, timeout_s, secret=secret), name=name, timeout_s=timeout_s,
+                       secret=secret)
+        if (old := _HOSTED.get(port)) is not None and old.failed:
+            old, _ = None, old.shutdown()  # the store's server closes its socket with its last reference
+        try:
+            store = connect_store(host, port, timeout_s, is_master=True, secret=secret)
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                raise
+            live = " by a live sync group of this process: shut its engine down first" if old and old.store else ""
+            raise OSError(e.errno, f"master_port {port} on {host!r} is in use{live}") from None
+        comm = cls(store, name=name, timeout_s=timeout_s, secret=secret)
+        _HOSTED[comm.port] = comm
+        return comm
 
     def second_channel(self) -> "Communicator":
         """Another connection to this group's store (no data plane), for a thread that must reach the
         store while this party blocks in ``await_keys``: a store client serves one request at a time."""
-        return Communicator.connect(self.store.host, self.store.port, name=self.name, timeout_s=self.timeout_s)
+        return Communicator.connect(self.store.host, self.store.port, name=self.name, timeout_s=self.timeout_s,
+                                    secret=self._secret)
 
     @property
     def ordered(self) -> bool:
@@ -150,9 +179,9 @@ class Communicator:
         return int(self.store.port)
 
     @staticmethod
-    def report(host: str, port: int, message: str, timeout_s: float = 10.0) -> None:
+    def report(host: str, port: int, message: str, timeout_s: float = 10.0, secret: Any = None) -> None:
         """Tell every party of the group at ``host:port`` that this one failed (it never connected)."""
-        connect_store(host, port, timeout_s).compare_set(_ERROR, "", message)
+        connect_store(host, port, timeout_s, secret=secret).compare_set(_ERROR, "", message)
 
     def join(self, rank: int, world_size: int, *, device: torch.device | str = "cpu",
              group_name: str = "weightsync") -> None:
@@ -203,6 +232,7 @@ class Communicator:
         they hold keeps gloo's connections open (only freeing the group and its works closes them)."""
         if error is not None:
             traceback.clear_frames(error.__traceback__)
+        self.failed = True
         self.record(message)
         self.abort()
 
@@ -231,6 +261,8 @@ class Communicator:
         try:
             raw = _get_if_set(store, _ERROR)
             return None if raw is None else raw.decode()
+        except ForgedValueError as e:  # garbage under the failure key's sealed name: not a party's report
+            return str(e)
         except Exception as e:  # noqa: BLE001 - the store's host (trainer rank 0) is gone
             return f"the sync group's store is unreachable ({str(e).splitlines()[0][:200]})"
 
@@ -243,6 +275,8 @@ class Communicator:
             try:
                 if (raw := _get_if_set(self.store, key)) is not None:
                     return json.loads(raw)
+            except ForgedValueError:
+                raise
             except Exception as e:  # noqa: BLE001 - the store's host is gone
                 raise self._unreachable(key, e) from None
             if (err := self.peer_error()) is not None:
@@ -262,6 +296,8 @@ class Communicator:
         try:
             self.store.wait(keys, timedelta(seconds=self.timeout_s))
             raws = self.store.multi_get(keys)
+        except ForgedValueError:
+            raise
         except Exception as e:  # noqa: BLE001 - timed out, or the store's host (trainer rank 0) is gone
             what = keys[0] if len(keys) == 1 else f"{keys[0]} (and {len(keys) - 1} more)"
             if isinstance(e, dist.DistStoreError) and "timeout" in str(e):

@@ -294,7 +294,8 @@ class TrainerEngine:
         checked against checksums of what was sent). Collective on every trainer rank; failures: see above."""
         if self.failed is not None:
             raise PoisonedError(f"a previous sync failed ({self.failed}); the engines refuse updates until "
-                                "re-initialized: call trainer_init again on every trainer rank")
+                                f"re-initialized: call {type(self).__name__}.trainer_init(init_info, client=..., "
+                                "source=...) again on every trainer rank (the same master_port works)")
         if self.comm is None:
             raise RuntimeError("the engine was shut down; call trainer_init again")
         self.sync_id += 1

@@ -56,9 +56,21 @@ def _layout(numels: Sequence[int], n: int, itemsize: int) -> tuple[bool, int, in
     return bitmap, values_at, values_at + n * itemsize
 
 
-def sparse_nbytes(numels: Sequence[int], n: int, itemsize: int) -> int:
-    """Bytes of a sparse message of items with ``numels`` values and ``n`` changes of ``itemsize``."""
+def sparse_nbytes(numels: Sequence[int], n: int, itemsize: int, names: Sequence[str] = ()) -> int:
+    """Bytes of a sparse message of items with ``numels`` values and ``n`` changes of ``itemsize``
+    (``names``: the items' parameters, for the ``ValueError`` when ``n`` is not in [0, their size],
+    e.g. a count read from the store)."""
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= sum(numels):
+        raise ValueError(f"{_who(names)}: a sparse delta message announces {n!r} changed values, not in "
+                         f"[0, {sum(numels)}] (the region's size)")
     return _layout(numels, n, itemsize)[2]
+
+
+def _who(names: Sequence[str], i: int | None = None) -> str:
+    if not names:
+        return "sparse message" if i is None else f"sparse message item {i}"
+    return f"parameter {names[0 if i is None else i]!r}" + (f" (and {len(names) - 1} more)" if i is None and
+                                                               len(names) > 1 else "")
 
 
 def diff(new: torch.Tensor, base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,31 +114,57 @@ def encode(parts: list[tuple[torch.Tensor, torch.Tensor]], itemsize: int) -> tor
     return out
 
 
-def decode(buf: torch.Tensor, numels: Sequence[int], n: int, itemsize: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``(positions, value bits)`` per item of the sparse message in ``buf`` (uint8), items of ``numels`` values."""
+def decode(buf: torch.Tensor, numels: Sequence[int], n: int, itemsize: int,
+           names: Sequence[str] = ()) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(positions, value bits)`` per item of the sparse message in ``buf`` (uint8), items of ``numels``
+    values (of the parameters ``names``). The whole message is validated first, so that nothing is
+    patched from a malformed one: ``n`` and each item's count in [0, its size], positions strictly
+    increasing and below the item's size, bitmaps marking exactly the announced changes and no bit
+    past the item's end; else a ``ValueError`` naming the parameter."""
+    sparse_nbytes(numels, n, itemsize, names)  # n in [0, the region's size]
     bitmap, values_at, total = _layout(numels, n, itemsize)
     if buf.numel() < total:
-        raise ValueError(f"sparse message: {buf.numel()} bytes cannot hold the {n} values announced")
+        raise ValueError(f"{_who(names)}: a sparse delta message of {buf.numel()} bytes cannot hold the {n} "
+                         f"values announced ({total} bytes)")
     head = 4 * len(numels)
     counts = buf[:head].view(torch.int32).tolist()
-    if sum(counts) != n or min(counts, default=0) < 0:
-        raise ValueError(f"sparse message: item counts {counts[:8]} do not add up to the {n} values announced")
+    for i, (c, numel) in enumerate(zip(counts, numels)):
+        if not 0 <= c <= numel:
+            raise ValueError(f"{_who(names, i)}: a sparse delta message counts {c} changed values, not in "
+                             f"[0, {numel}] (the region's size)")
+    if sum(counts) != n:
+        raise ValueError(f"{_who(names)}: a sparse delta message's item counts {counts[:8]} do not add up to "
+                         f"the {n} values announced")
     values = buf[values_at:total].view(_INT[itemsize])
     out, at, k = [], head, 0
-    for c, numel in zip(counts, numels):
+    for i, (c, numel) in enumerate(zip(counts, numels)):
         if bitmap:
             nb = (numel + 7) // 8
-            bits = buf[at : at + nb].unsqueeze(1).bitwise_and(_bit_weights(buf.device)).ne(0).reshape(-1)[:numel]
-            pos = bits.nonzero().squeeze(1)
+            bits = buf[at : at + nb].unsqueeze(1).bitwise_and(_bit_weights(buf.device)).ne(0).reshape(-1)
+            pos = bits[:numel].nonzero().squeeze(1)
             at += nb
-            if pos.numel() != c:
-                raise ValueError(f"sparse message: a bitmap marks {pos.numel()} changes where {c} were announced")
+            if pos.numel() != c or bool(bits[numel:].any()):
+                raise ValueError(f"{_who(names, i)}: a sparse delta message's bitmap marks {int(bits.sum())} "
+                                 f"changes in {numel} values where {c} were announced")
         else:
             pos = buf[at : at + 4 * c].view(torch.int32)
             at += 4 * c
+            _check_positions(pos, numel, names, i)
         out.append((pos, values[k : k + c]))
         k += c
     return out
+
+
+def _check_positions(pos: torch.Tensor, numel: int, names: Sequence[str], i: int) -> None:
+    """Positions strictly increasing, in [0, numel): else ``patch`` would fail midway, wrap around a
+    non-contiguous region (``unravel_index``) or write one value twice."""
+    if pos.numel() == 0:
+        return
+    ends = torch.stack([pos[0], pos[-1]]).tolist()
+    rising = pos.numel() == 1 or bool((pos[1:] > pos[:-1]).all())
+    if ends[0] < 0 or ends[1] >= numel or not rising:
+        raise ValueError(f"{_who(names, i)}: a sparse delta message's positions are not strictly increasing "
+                         f"in [0, {numel}) (first {ends[0]}, last {ends[1]})")
 
 
 def patch(target: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:

@@ -9,6 +9,11 @@ the same handle again returns the cached tensor; a new handle releases the old i
 CUDA IPC only exports plain ``cudaMalloc`` memory, so the buffer is allocated with
 ``torch_memory_saver``'s tracking paused and with ``expandable_segments`` switched off for that one
 allocation (in a private memory pool); :func:`memory_saver_paused` is also used around the push.
+
+A CPU buffer's file is removed on every exit path: ``unlink`` once every consumer mapped it, ``close``,
+a finalizer when the buffer is collected, and, for a process that dies without running any of them
+(SIGKILL, a crash), a reaper: a tiny ``sh`` in its own session holding a pipe from this process,
+which removes the file when the pipe closes, i.e. when this process is gone.
 """
 
 from __future__ import annotations
@@ -18,8 +23,10 @@ import json
 import os
 import secrets
 import socket
+import subprocess
 import sys
 import tempfile
+import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -126,6 +133,33 @@ def _open_cuda(fields: Mapping[str, Any], device: torch.device) -> torch.Tensor:
         return torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", index)).set_(storage)
 
 
+# --- CPU files: removed on every exit path ------------------------------------------------------
+_REAPER = 'read _; rm -f -- "$1"'
+"""Waits for its stdin to close (the owner unlinked the file, or died), then removes the file."""
+
+
+def _reaper(path: str) -> subprocess.Popen | None:
+    """A process that removes ``path`` once this process closes its pipe or dies (None without sh)."""
+    if not os.path.exists("/bin/sh"):
+        return None
+    return subprocess.Popen(["/bin/sh", "-c", _REAPER, "weightsync-shm-reaper", path], stdin=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def _remove(path: str, reaper: subprocess.Popen | None) -> None:
+    """Remove the file now and let its reaper go (idempotent: a ``weakref.finalize`` callback)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    if reaper is not None:
+        try:
+            reaper.stdin.close()
+            reaper.wait(10)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+
+
 # --- both devices -----------------------------------------------------------------------------
 class ExportedBuffer:
     """The producer side: a flat ``uint8`` buffer of ``nbytes`` on ``device``, exported once per consumer."""
@@ -138,17 +172,19 @@ class ExportedBuffer:
         self._unlinked = False
         self._pool: Any = None
         self._exports: dict[int, dict[str, dict[str, Any]]] = {}
+        self._remove: weakref.finalize | None = None
         if device.type == "cuda":
             with _exportable_cuda_memory(device) as self._pool:
                 self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
             return
         path = os.path.join(SHM_DIR, f"{SHM_PREFIX}{os.getpid()}-{tag}{secrets.token_hex(4)}")
+        self._remove = weakref.finalize(self, _remove, path, _reaper(path))  # from here on, every exit removes it
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.posix_fallocate(fd, 0, nbytes)  # ENOSPC now, rather than SIGBUS while packing
         except OSError as e:
             os.close(fd)
-            os.unlink(path)
+            self._remove()
             raise RuntimeError(f"cannot reserve {nbytes} bytes in {SHM_DIR} for the ipc buffer ({e}); "
                                f"lower bucket_bytes or enlarge {SHM_DIR}") from e
         os.close(fd)
@@ -171,11 +207,8 @@ class ExportedBuffer:
     def unlink(self) -> None:
         """Remove a CPU buffer's file name once every consumer mapped it (the mappings stay valid and
         the memory goes when the last one does); later exports are refused. No-op on CUDA."""
-        if self.path is not None:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+        if self._remove is not None:
+            self._remove()
         self._unlinked = self.device.type == "cpu"
 
     def close(self) -> None:

@@ -263,7 +263,7 @@ class _Receiver(_Executor):
         return m.src
 
     def _sparse_slot(self, m: Message, sp: Any) -> torch.Tensor | int:
-        return sparse_nbytes(_numels(m), sp, _itemsize(m, self.dtypes))
+        return sparse_nbytes(_numels(m), sp, _itemsize(m, self.dtypes), [it.name for it in m.items])
 
     def _own(self, kind: SlotKind) -> bool:
         return kind is SlotKind.DIRECT
@@ -285,7 +285,8 @@ class _Receiver(_Executor):
         tensor_of, dtypes = self.tensor_of, self.dtypes
         patches = None
         if kind is SlotKind.SPARSE:
-            patches = decode(buf, _numels(m), self.sparse[self.key(m)], _itemsize(m, dtypes))
+            patches = decode(buf, _numels(m), self.sparse[self.key(m)], _itemsize(m, dtypes),
+                             [it.name for it in m.items])
         views = []
         for i, (item, off) in enumerate(zip(m.items, m.offsets)):
             target = tensor_of(m, i)[box_slices(item.param_offsets, item.region.sizes)]

@@ -293,8 +293,8 @@ class NCCLWorkerEngine(WorkerEngine):
         self._check_holds(u.delta_base)
         entries = dict(self.comm.read(SyncKeys(u.sync_id).delta))  # name -> changed values (-1: dense), in order
         by_name = {m.name: m for m in self._metas}
-        order = [by_name[n] if k < 0 else
-                 ParamMeta(n, torch.uint8, (sparse_nbytes([math.prod(by_name[n].shape)], k, by_name[n].dtype.itemsize),))
+        order = [by_name[n] if k < 0 else ParamMeta(
+                     n, torch.uint8, (sparse_nbytes([math.prod(by_name[n].shape)], k, by_name[n].dtype.itemsize, [n]),))
                  for n, k in entries.items()] + [m for m in self._metas if m.name not in entries]
         params = {n: p.data for n, p in self.model.named_parameters()}
 
@@ -307,7 +307,7 @@ class NCCLWorkerEngine(WorkerEngine):
                 elif k < 0:
                     write_pieces(t, pieces, params)
                 else:
-                    (positions, values), = decode(t, [math.prod(meta.shape)], k, meta.dtype.itemsize)
+                    (positions, values), = decode(t, [math.prod(meta.shape)], k, meta.dtype.itemsize, [name])
                     patch_pieces(meta.shape, positions, values, pieces, params)
             if later:
                 if not self._applier.active:

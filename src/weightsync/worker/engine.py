@@ -81,7 +81,8 @@ class WorkerEngine:
     def _check_not_poisoned(self) -> None:
         if self.poisoned is not None:
             raise PoisonedError(f"{type(self).__name__} refuses updates after a failed sync "
-                                f"({self.poisoned}); call init_weight_transfer_engine again")
+                                f"({self.poisoned}); re-initialize from the trainer: TrainerEngine.trainer_init on "
+                                "every trainer rank, which calls init_weight_transfer_engine on every engine")
 
     # ---- hooks ------------------------------------------------------------------------
     def _expected_workers(self, info: Any) -> tuple[int, str]:
