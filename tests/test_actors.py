@@ -4,12 +4,13 @@ errors (never a hang), and a fan-out whose requests all go out before any reply 
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 
 import pytest
 
-from weightsync.testing.actors import Actor, RemoteError, call, call_many
+from weightsync.testing.actors import Actor, ActorAddress, RemoteError, _forget, call, call_many
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -52,18 +53,52 @@ def test_a_call_times_out_and_the_next_one_is_answered(actors):
     assert call(a0.address, "os:getpid") == a0.process.pid  # queued behind the sleep, on a new connection
 
 
-def test_calls_from_many_threads_at_once(actors):
+def test_calls_from_many_threads_at_once_lose_no_reply(actors):
+    """64 threads each open fresh connections to both actors at once and every reply comes back.
+    (With ``multiprocessing``'s listen backlog of 1, the kernel dropped handshakes under such a burst
+    and 2 of 128 calls waited forever for an actor that never accepted them.)"""
+    for a in actors:
+        _forget(a.address)  # no idle connection to reuse: every call connects now
     results: list[object] = []
+    timeout_s = 60.0
 
     def worker() -> None:
-        results.extend(call_many([(a.address, "os:getpid", (), {}) for a in actors]))
+        results.extend(call_many([(a.address, "os:getpid", (), {}) for a in actors], timeout_s=timeout_s))
 
-    threads = [threading.Thread(target=worker) for _ in range(8)]
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(64)]  # daemon: a hang fails, never blocks exit
     for t in threads:
         t.start()
+    deadline = time.monotonic() + 2 * timeout_s  # every call_many returns by its timeout
     for t in threads:
-        t.join(30)
-    assert sorted(results) == sorted([a.process.pid for a in actors] * 8)
+        t.join(max(0.0, deadline - time.monotonic()))
+    assert [t for t in threads if t.is_alive()] == []
+    assert sorted(results) == sorted([a.process.pid for a in actors] * 64)
+
+
+def test_a_silent_peer_fails_the_call_at_its_timeout_instead_of_hanging():
+    """A peer that accepts the connection but never speaks (a lost handshake or reply): the call
+    raises ``TimeoutError`` once its timeout has passed; no read of the harness waits unbounded."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        addr = ActorAddress("127.0.0.1", server.getsockname()[1], b"k" * 16, "silent")
+        outcome: list[object] = []
+        t0 = time.monotonic()
+        thread = threading.Thread(target=lambda: outcome.extend(call_many([(addr, "os:getpid", (), {})],
+                                                                          timeout_s=0.5)), daemon=True)
+        thread.start()
+        thread.join(30)
+        elapsed = time.monotonic() - t0
+        assert not thread.is_alive(), "the call hung on a silent peer"
+        (error,) = outcome
+        assert isinstance(error, TimeoutError) and str(error) == (
+            "actor silent did not complete the handshake within 0.5s"), error
+        assert elapsed >= 0.5  # it failed at its timeout, not before
+
+
+def test_a_silent_client_holds_up_no_other_connection(actors):
+    a0 = actors[0]
+    _forget(a0.address)
+    with socket.create_connection((a0.address.host, a0.address.port)):  # connects, never authenticates
+        assert call(a0.address, "os:getpid", timeout_s=30) == a0.process.pid
 
 
 def test_a_dead_actor_is_an_error_for_its_call_only():

@@ -43,6 +43,12 @@ def nccl_info(**kw):
     return info("weightsync_nccl", **kw)
 
 
+def failed_before_the_timeout(elapsed: float, what: str = "") -> None:
+    """A failure every rank reports at once comes back before ``timeout_s`` (TIMEOUT) has passed: no rank
+    waited it out (stated relative to the timeout, not in absolute seconds: the suite runs on loaded machines)."""
+    assert elapsed < TIMEOUT, f"{what}failed after {elapsed:.1f} s: a rank waited out timeout_s={TIMEOUT}"
+
+
 def on_every_trainer(cluster, fn: str, *args, **kwargs) -> list[str]:
     """Run ``fn`` on every trainer rank; return each rank's error text (all must fail)."""
     futs = [a.submit(fn, *args, **kwargs) for a in cluster.active_trainers]
@@ -98,7 +104,7 @@ def test_source_disagreeing_with_metadata_fails_every_rank_fast_and_workers_roll
     assert len(errors) == layout.trainers
     for err in errors:  # every trainer rank raises, naming the parameter
         assert re.search(FAULT_MESSAGES[source, fault], err), err
-    assert elapsed < 5, f"rejected after {elapsed:.1f} s"
+    failed_before_the_timeout(elapsed)
     assert cluster.on_receivers("checksum") == before
     assert cluster.client().weight_versions() == ["good"] * layout.num_workers
 
@@ -122,7 +128,7 @@ def test_a_source_raising_on_one_rank_fails_every_rank_fast_with_its_error(clust
     elapsed = time.perf_counter() - t0
     assert "RuntimeError: the source's own collective failed" in errors[1], errors[1]
     assert "trainer rank 1: RuntimeError: the source's own collective failed" in errors[0], errors[0]
-    assert elapsed < 5, f"failed after {elapsed:.1f} s"
+    failed_before_the_timeout(elapsed)
     assert cluster.client().weight_versions() == ["good"] * layout.num_workers
     poisoned = [a.call("weightsync.testing.probes:engine_poisoned") for a in cluster.active_receivers]
     # M2N reads its local shards in the preflight: nothing moved, the engines were not asked to update
@@ -207,7 +213,7 @@ def test_bad_input_rejected_on_every_rank_fast_weights_unchanged(cluster, case):
     assert len(errors) == layout.trainers
     for err in errors:
         assert re.search(message, err), (case, err)
-    assert elapsed < 5, f"{case}: rejected after {elapsed:.1f} s"
+    failed_before_the_timeout(elapsed, f"{case}: ")
     assert cluster.on_receivers("checksum") == before
     assert cluster.client().weight_versions() == versions
 
@@ -254,7 +260,7 @@ def test_source_not_fitting_the_engine_fails_at_init_on_every_rank_then_a_good_s
     for err in errors:  # every trainer rank raises, naming the parameter
         assert re.search(message, err), (case, err)
     print(f"{backend} {case}: rejected after {elapsed:.2f} s")
-    assert elapsed < 5, f"{case}: rejected after {elapsed:.1f} s"
+    failed_before_the_timeout(elapsed, f"{case}: ")
     assert cluster.on_receivers("checksum") == before
     assert cluster.client().weight_versions() == versions
 

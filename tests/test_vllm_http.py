@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from types import SimpleNamespace
 
 import pytest
@@ -16,6 +17,7 @@ from helpers import init_info, mismatches
 from weightsync import HTTPVLLMWeightSyncClient, RemoteCallError
 from weightsync.clients import paused
 from weightsync.integrations.vllm_http import WeightSyncRequestValidation, validate_request
+from weightsync.registry import transport
 from weightsync.testing.actors import Actor
 from weightsync.testing.cluster import Layout, free_port
 from weightsync.testing.receiver import VLLM_CPU_ENV
@@ -189,6 +191,169 @@ def test_validate_request_returns_the_transport_an_init_names():
     assert validate_request("/init_weight_transfer_engine", body, "weightsync") == "weightsync_m2n"
     assert validate_request("/init_weight_transfer_engine", body, "weightsync_m2n") == "weightsync_m2n"
     assert validate_request("/init_weight_transfer_engine", b"not json", "nccl") is None
+
+
+# --- limits, the token, init during an update, malformed inits ---------------------------------------
+IPC_INIT = {"master_address": "127.0.0.1", "master_port": 29500, "num_workers": 1, "worker_to_trainer": [0],
+            "num_trainer_ranks": 1, "bucket_bytes": 1 << 20, "transport": "weightsync_ipc"}
+CUDA_HANDLE = {"kind": "cuda", "handle": "AAAA", "size": 1 << 20, "offset": 0, "ref_counter": "AAAA",
+               "ref_counter_offset": 0, "event": None, "event_sync_required": True}
+
+
+def ipc_update(**handle):
+    return {"sync_id": 1, "chunk": 0, "num_chunks": 1,
+            "handles": {"0": {"trainer_rank": 0, "handle": {"cuda:GPU-0": {**CUDA_HANDLE, **handle}}}}}
+
+
+def raw_call(mw, app, path: str, body: bytes, headers: list | None = None) -> tuple[int, dict]:
+    sent: list[dict] = []
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive():
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(m):
+        sent.append(m)
+
+    scope = {"type": "http", "method": "POST", "path": path, "root_path": "", "app": app, "headers": headers or []}
+    asyncio.run(mw(scope, receive, send))
+    return sent[0]["status"], json.loads(sent[1]["body"])
+
+
+@pytest.mark.parametrize("init_info, param, text", [
+    ({**IPC_INIT, "bucket_bytes": 1 << 60}, "bucket_bytes", "init_info.bucket_bytes must be in [1, 1125899906842624]"),
+    ({**M2N_INIT, "dst_mesh_dims": [0]}, "dst_mesh_dims", "init_info.dst_mesh_dims[0] must be in [1, 1048576], got 0"),
+    ({**M2N_INIT, "num_trainer_ranks": 1 << 40}, "num_trainer_ranks", "must be in [1, 1048576]"),
+    ({**NCCL_INIT, "timeout_s": 0}, "timeout_s", "init_info.timeout_s must be in (0, 604800] seconds, got 0"),
+    ({**NCCL_INIT, "engine_index": 1 << 70}, "engine_index", "init_info.engine_index must be in [0, 1048576]"),
+])
+def test_init_numbers_out_of_range_are_400_naming_the_field(init_info, param, text):
+    app = FakeApp()
+    status, body = post(app, "/init_weight_transfer_engine", {"init_info": init_info})
+    assert (status, body["error"]["param"]) == (400, param) and text in body["error"]["message"], body
+    assert app.bodies == []
+
+
+@pytest.mark.parametrize("update, param, text", [
+    (ipc_update(size=-1), "size", "update_info.handles.0.handle.cuda:GPU-0.size must be in [1, 1125899906842624], "
+                                  "got -1"),
+    (ipc_update(size=0), "size", "size must be in [1, 1125899906842624], got 0"),
+    (ipc_update(offset=1 << 62), "offset", "offset must be in [0, 1125899906842624], got 4611686018427387904"),
+    (ipc_update(ref_counter_offset=-8), "ref_counter_offset", "ref_counter_offset must be in [0,"),
+    (ipc_update(size="4096"), "size", "size must be an int, got '4096'"),
+    (ipc_update(handle="not base64!"), "handle", "handle is not base64: 'not base64!'"),
+    ({**ipc_update(), "handles": {"x": {}}}, "handles", "update_info.handles keys must be worker ranks"),
+    ({**ipc_update(), "sync_id": -1}, "sync_id", "update_info.sync_id must be in [0, 9223372036854775807], got -1"),
+    ({**ipc_update(), "shapes": [[2, -3]], "names": ["a"], "dtype_names": ["float32"]}, "shapes",
+     "update_info.shapes[0][1] must be in [0, 1099511627776], got -3"),
+])
+def test_ipc_update_sizes_offsets_and_counts_out_of_range_are_400_before_any_worker(update, param, text):
+    """IPC ``size``/``offset`` would reach ``torch.UntypedStorage._new_shared_cuda`` on the worker."""
+    app = FakeApp()
+    mw = WeightSyncRequestValidation(app)
+    assert post(app, "/init_weight_transfer_engine", {"init_info": IPC_INIT}, mw)[0] == 200
+    status, body = post(app, "/update_weights", {"update_info": update}, mw)
+    assert (status, body["error"]["param"]) == (400, param) and text in body["error"]["message"], body
+    assert len(app.bodies) == 1, "only the init reached vLLM"
+    assert post(app, "/update_weights", {"update_info": ipc_update()}, mw)[0] == 200  # in range: it passes
+
+
+@pytest.mark.parametrize("body, text", [
+    (b'{"init_info": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "the request body nests deeper than 16 levels"),
+    (b'{"init_info": ' + b"[" * 17 + b"]" * 17 + b"}", "the request body nests deeper than 16 levels"),
+    (json.dumps({"init_info": {**NCCL_INIT, "timeout_s": float("nan")}}).encode(),
+     "the request body holds NaN, which is not a JSON number"),
+    (json.dumps({"init_info": {**NCCL_INIT, "timeout_s": float("inf")}}).encode(),
+     "the request body holds Infinity, which is not a JSON number"),
+])
+def test_deep_nesting_and_non_finite_numbers_are_400_not_500(body, text):
+    app = FakeApp()
+    status, reply = call(WeightSyncRequestValidation(app), app, "/init_weight_transfer_engine", body, chunk=1 << 20)
+    assert (status, reply["error"]["message"]) == (400, text) and app.bodies == []
+
+
+def test_a_body_over_the_limit_is_413_and_never_read_to_the_end(monkeypatch):
+    app = FakeApp()
+    monkeypatch.setenv("WEIGHTSYNC_HTTP_MAX_BODY_BYTES", "1000")
+    mw = WeightSyncRequestValidation(app)
+    assert mw.max_body_bytes == 1000
+    big = json.dumps({"init_info": {**NCCL_INIT, "partial": ["x" * 1000]}}).encode()
+    status, body = call(mw, app, "/init_weight_transfer_engine", big, chunk=100)  # chunked, no length
+    assert (status, body["error"]["type"]) == (413, "PayloadTooLargeError")
+    assert body["error"]["message"] == ("the request body has more than the limit max_body_bytes=1000 bytes "
+                                        "(WEIGHTSYNC_HTTP_MAX_BODY_BYTES)")
+    status, body = raw_call(mw, app, "/update_weights", b"{}", [(b"content-length", b"5000")])
+    assert (status, body["error"]["message"]) == (413, "the request body has 5000 bytes, more than the limit "
+                                                       "max_body_bytes=1000 (WEIGHTSYNC_HTTP_MAX_BODY_BYTES)")
+    assert app.bodies == []
+    assert call(mw, app, "/init_weight_transfer_engine", json.dumps({"init_info": NCCL_INIT}).encode())[0] == 200
+    with pytest.raises(ValueError, match="max_body_bytes must be an int >= 1, got 0"):
+        WeightSyncRequestValidation(app, max_body_bytes=0)
+
+
+def test_init_while_an_update_is_active_is_409_until_it_finishes():
+    app = FakeApp()
+    mw = WeightSyncRequestValidation(app)
+    init = {"init_info": NCCL_INIT}
+    assert post(app, "/init_weight_transfer_engine", init, mw)[0] == 200
+    assert post(app, "/start_weight_update", {}, mw)[0] == 200 and mw.active
+    status, body = post(app, "/init_weight_transfer_engine", init, mw)
+    assert (status, body["error"]["type"]) == (409, "ConflictError")
+    assert body["error"]["message"].startswith("init_weight_transfer_engine refused: a weight update is active on "
+                                               "this server (started, not finished)")
+    assert len(app.bodies) == 2, "the init never reached vLLM"
+    assert post(app, "/finish_weight_update", {}, mw)[0] == 200 and not mw.active
+    assert post(app, "/init_weight_transfer_engine", init, mw)[0] == 200
+    failing = FakeApp(reply=(500, {"error": {"message": "disk on fire", "code": 500}}))
+    mw = WeightSyncRequestValidation(failing)
+    mw.active = True  # an update vLLM's worker left when update_weights failed (5xx)
+    assert post(failing, "/update_weights", {"update_info": {"sync_id": 1}}, mw)[0] == 500 and not mw.active
+
+
+def test_the_token_guards_the_weight_transfer_routes_only():
+    app = FakeApp()
+    mw = WeightSyncRequestValidation(app, token="s3cret")
+    body = json.dumps({"init_info": NCCL_INIT}).encode()
+    status, reply = raw_call(mw, app, "/init_weight_transfer_engine", body)
+    assert (status, reply["error"]["type"]) == (401, "UnauthorizedError")
+    assert reply["error"]["message"] == ("/init_weight_transfer_engine needs the weight-transfer token: send it in "
+                                         "the X-Weightsync-Token header (none sent)")
+    status, reply = raw_call(mw, app, "/collective_rpc", b"{}", [(b"x-weightsync-token", b"s3cre")])
+    assert status == 401 and reply["error"]["message"].endswith("(wrong token)")
+    assert app.bodies == []
+    assert raw_call(mw, app, "/init_weight_transfer_engine", body, [(b"x-weightsync-token", b"s3cret")])[0] == 200
+    assert raw_call(mw, app, "/v1/completions", b"{}")[0] == 200  # generation needs no token
+    assert app.bodies == [body, b"{}"]
+
+
+def test_the_token_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv("WEIGHTSYNC_HTTP_TOKEN", "from-env")
+    assert WeightSyncRequestValidation(FakeApp()).token == b"from-env"
+    monkeypatch.setenv("WEIGHTSYNC_HTTP_TOKEN", "")
+    assert WeightSyncRequestValidation(FakeApp()).token is None
+
+
+def test_the_client_sends_the_token():
+    client = HTTPVLLMWeightSyncClient("http://127.0.0.1:1", token="s3cret")
+    assert client._headers()["X-Weightsync-Token"] == "s3cret"
+    assert "X-Weightsync-Token" not in HTTPVLLMWeightSyncClient("http://127.0.0.1:1")._headers()
+
+
+def test_a_refused_init_info_connects_nowhere():
+    """The worker used to report a refused info to the host and port it named: anyone who could post an
+    init could make every worker connect to any address. Now nothing connects out."""
+    import torch
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        server.setblocking(False)
+        port = server.getsockname()[1]
+        engine = transport("weightsync_m2n").worker_engine(None, None, torch.device("cpu"), torch.nn.Linear(1, 1))
+        for bad in ({**M2N_INIT, "master_port": port, "bogus": 1}, {**M2N_INIT, "master_port": port,
+                                                                    "transport": "weightsync_nccl"}):
+            with pytest.raises(ValueError, match="bogus|init_info.transport is 'weightsync_nccl'"):
+                engine.parse_init_info(bad)
+        with pytest.raises(BlockingIOError):  # the report, had there been one, connected before the raise
+            server.accept()
 
 
 # --- HTTPVLLMWeightSyncClient through vLLM's RL routes ------------------------------------------------

@@ -71,21 +71,25 @@ class HTTPVLLMWeightSyncClient:
     Args:
         base_url: ``http://host:port`` or a list of them (one per replica).
         timeout_s: per-request limit.
+        token: sent as ``X-Weightsync-Token`` when the servers require one (``WEIGHTSYNC_HTTP_TOKEN``).
     """
 
     concurrent_calls = True
 
-    def __init__(self, base_url: str | list[str], *, timeout_s: float = 300.0) -> None:
+    def __init__(self, base_url: str | list[str], *, timeout_s: float = 300.0, token: str | None = None) -> None:
         urls = [base_url] if isinstance(base_url, str) else list(base_url)
         if not urls or any(not isinstance(u, str) or not u.startswith(("http://", "https://")) for u in urls):
             raise ValueError(f"base_url must be http(s) URL(s), got {base_url!r}")
         self.base_urls = [u.rstrip("/") for u in urls]
         self.timeout_s = timeout_s
+        self.token = token
+
+    def _headers(self) -> dict[str, str]:
+        return {"Content-Type": "application/json", **({"X-Weightsync-Token": self.token} if self.token else {})}
 
     def _post_one(self, url: str, path: str, body: dict[str, Any] | None) -> Any:
         data = json.dumps(body if body is not None else {}).encode()
-        req = urllib.request.Request(f"{url}/{path}", data=data, method="POST",
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(f"{url}/{path}", data=data, method="POST", headers=self._headers())
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
                 raw = resp.read()

@@ -19,21 +19,36 @@ has already swapped the worker's transport engine by then. With it:
   any call before init) -> 409 Conflict with the worker's own words, instead of 500 (vLLM raises
   those as ``RuntimeError`` through the route, answered by Starlette's outermost error handler).
 
-Servers whose backend is not weightsync's pass every body through unchanged (only the 409 mapping
-applies). Pure ASGI: no vLLM, FastAPI or Starlette import (``import weightsync`` stays free of them).
+* Limits (``weightsync.integrations.http_limits``), answered before anything reaches a worker: a body
+  over ``max_body_bytes`` (``WEIGHTSYNC_HTTP_MAX_BODY_BYTES``, 16 MiB by default) -> 413; JSON nested
+  deeper than 16 levels, NaN/Infinity, or any number out of its range (ports, ranks, counts, byte sizes,
+  offsets, IPC handle fields) -> 400 naming the field.
+* ``POST /init_weight_transfer_engine`` while an update this API server started is active (a 2xx
+  ``/start_weight_update`` not yet followed by its ``/finish_weight_update``) -> 409: an init would
+  replace the trainer mid-update. (Tracked per API server process: with ``--api-server-count`` > 1
+  it is not known here and the init passes.)
+* With a token (``WEIGHTSYNC_HTTP_TOKEN`` in the server's environment, or ``token=``), every route of
+  ``TOKEN_ROUTES`` needs the header ``X-Weightsync-Token: <token>`` -> 401 without it.
+
+Servers whose backend is not weightsync's pass every body through unchanged (only the 409 mapping,
+the size limit and the token apply). Pure ASGI: no vLLM, FastAPI or Starlette import (``import weightsync`` stays free of them).
 """
 
 from __future__ import annotations
 
+import hmac
 import json
+import os
 import re
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from ..infos import parse_info
+from .http_limits import LimitError, check_ranges, loads
 from ..registry import TRANSPORTS, transport
 
-__all__ = ["WeightSyncRequestValidation", "validate_request", "RequestError", "OUT_OF_ORDER"]
+__all__ = ["WeightSyncRequestValidation", "validate_request", "RequestError", "OUT_OF_ORDER", "TOKEN_ROUTES",
+           "TOKEN_ENV", "MAX_BODY_ENV", "TOKEN_HEADER"]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -43,9 +58,16 @@ ANY = "weightsync"
 """vLLM's worker backend that serves whichever weightsync transport an init info names."""
 ROUTES = {"/init_weight_transfer_engine": "init_info", "/update_weights": "update_info"}
 """Route -> the one body field it takes (validated)."""
-ORDERED = {"/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update",
-           "/shutdown_weight_transfer_engine"}
-"""Routes whose out-of-order refusals are answered 409."""
+ORDERED = {"/init_weight_transfer_engine", "/start_weight_update", "/start_draft_weight_update", "/update_weights",
+           "/finish_weight_update", "/shutdown_weight_transfer_engine"}
+"""Routes whose out-of-order refusals are answered 409 (and whose bodies are read here)."""
+TOKEN_ROUTES = ORDERED | {"/update_weight_version", "/weight_checker", "/pause",
+                          "/resume", "/abort_requests", "/collective_rpc", "/sleep", "/wake_up",
+                          "/release_kv_cache_memory"}
+"""vLLM's weight-transfer (RL) and dev-mode routes that change the engine: they need the token when one is set."""
+TOKEN_ENV, MAX_BODY_ENV = "WEIGHTSYNC_HTTP_TOKEN", "WEIGHTSYNC_HTTP_MAX_BODY_BYTES"
+TOKEN_HEADER = "X-Weightsync-Token"
+DEFAULT_MAX_BODY_BYTES = 16 << 20
 OUT_OF_ORDER = (
     "start_weight_update must be called before update_weights",           # vLLM's worker
     "start_weight_update called while a weight update is already active",
@@ -82,6 +104,13 @@ def _parse(cls: type, value: Any, what: str) -> Any:
         raise RequestError(str(e), _field(str(e))) from None
 
 
+def _check_ranges(value: Any, what: str) -> None:
+    try:
+        check_ranges(value, what)
+    except LimitError as e:
+        raise RequestError(str(e), e.param) from None
+
+
 def _backend_of(config: Any) -> str | None:
     if isinstance(config, str):
         try:
@@ -99,7 +128,9 @@ def validate_request(path: str, body: bytes, backend: str | None, current: str |
         return None
     key = ROUTES[path]
     try:
-        data = json.loads(body) if body.strip() else None
+        data = loads(body) if body.strip() else None
+    except LimitError as e:
+        raise RequestError(str(e), e.param) from None
     except ValueError as e:
         raise RequestError(f"the request body is not JSON: {e}") from None
     if not isinstance(data, dict):
@@ -123,6 +154,7 @@ def validate_request(path: str, body: bytes, backend: str | None, current: str |
                                f"'{{\"backend\": \"weightsync\"}}' to serve every weightsync transport", "transport")
         name = named if backend == ANY else backend
         _parse(transport(name).worker_engine.init_info_cls, value, "init_info")
+        _check_ranges(value, "init_info")
         return name
     infos = value if isinstance(value, list) else [value]
     if not infos or not all(isinstance(i, dict) for i in infos):
@@ -131,12 +163,15 @@ def validate_request(path: str, body: bytes, backend: str | None, current: str |
     classes = list(dict.fromkeys(transport(n).worker_engine.update_info_cls for n in names))
     for i, info in enumerate(infos):
         errors = []
+        what = "update_info" if len(infos) == 1 else f"update_info[{i}]"
         for cls in classes:
             try:
-                _parse(cls, info, "update_info" if len(infos) == 1 else f"update_info[{i}]")
-                break
+                _parse(cls, info, what)
             except RequestError as e:
                 errors.append(e)
+                continue
+            _check_ranges(info, what)  # it fits this class: its numbers must be in range
+            break
         else:
             raise errors[0]
     return None
@@ -150,13 +185,29 @@ def _error_body(message: str, code: int, kind: str, param: str | None = None) ->
 class WeightSyncRequestValidation:
     """The ASGI middleware (``vllm serve --middleware weightsync.integrations.vllm_http.WeightSyncRequestValidation``).
 
-    ``backend`` defaults to the server's own (``app.state.args.weight_transfer_config``, read per request)."""
+    ``backend`` defaults to the server's own (``app.state.args.weight_transfer_config``, read per request);
+    ``token`` to ``$WEIGHTSYNC_HTTP_TOKEN`` (unset or empty: no token), ``max_body_bytes`` to
+    ``$WEIGHTSYNC_HTTP_MAX_BODY_BYTES`` or 16 MiB."""
 
-    def __init__(self, app: ASGIApp, backend: str | None = None) -> None:
+    def __init__(self, app: ASGIApp, backend: str | None = None, token: str | None = None,
+                 max_body_bytes: int | None = None) -> None:
         self.app = app
         self.backend = backend
+        token = os.environ.get(TOKEN_ENV, "") if token is None else token
+        self.token = token.encode() if token else None
+        if max_body_bytes is None:
+            raw = os.environ.get(MAX_BODY_ENV, "")
+            try:
+                max_body_bytes = int(raw) if raw else DEFAULT_MAX_BODY_BYTES
+            except ValueError:
+                raise ValueError(f"{MAX_BODY_ENV} must be a number of bytes, got {raw!r}") from None
+        if not isinstance(max_body_bytes, int) or max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be an int >= 1, got {max_body_bytes!r}")
+        self.max_body_bytes = max_body_bytes
         self.current: str | None = None
         """The transport this API server process last initialized successfully."""
+        self.active = False
+        """An update this API server process started (2xx start) has not finished."""
 
     def _server_backend(self, scope: Scope) -> str | None:
         if self.backend is not None:
@@ -168,26 +219,61 @@ class WeightSyncRequestValidation:
         args = getattr(getattr(scope.get("app"), "state", None), "args", None)
         return int(getattr(args, "api_server_count", 1) or 1) > 1
 
+    def _refusal(self, scope: Scope, path: str) -> tuple[int, str, str] | None:
+        """Status, error type and message for a request refused before its body is read."""
+        headers = dict(scope.get("headers") or [])
+        if self.token is not None and path in TOKEN_ROUTES:
+            given = headers.get(TOKEN_HEADER.lower().encode(), b"")
+            if not hmac.compare_digest(given, self.token):
+                return 401, "UnauthorizedError", (f"{path} needs the weight-transfer token: send it in the "
+                                                  f"{TOKEN_HEADER} header ({'wrong token' if given else 'none sent'})")
+        try:
+            length = int(headers.get(b"content-length", b"0"))
+        except ValueError:
+            length = 0
+        if path in ORDERED and length > self.max_body_bytes:
+            return 413, "PayloadTooLargeError", (f"the request body has {length} bytes, more than the limit "
+                                                 f"max_body_bytes={self.max_body_bytes} ({MAX_BODY_ENV})")
+        return None
+
     async def __call__(self, scope: Scope, receive: Callable[[], Awaitable[Message]],
                        send: Callable[[Message], Awaitable[None]]) -> None:
         path = scope.get("path", "")
         root = scope.get("root_path", "")
         if root and path.startswith(root):
             path = path[len(root):]
-        if scope.get("type") != "http" or scope.get("method") != "POST" or path not in ORDERED:
+        if scope.get("type") != "http" or scope.get("method") not in ("POST", "GET") or path not in TOKEN_ROUTES:
             await self.app(scope, receive, send)
             return
-        chunks, more = [], True
+        if (refused := self._refusal(scope, path)) is not None:
+            status, kind, text = refused
+            await _respond(send, status, _error_body(text, status, kind))
+            return
+        if scope.get("method") != "POST" or path not in ORDERED:
+            await self.app(scope, receive, send)
+            return
+        chunks, size, more = [], 0, True
         while more:
             message = await receive()
             if message["type"] != "http.request":  # the client went away
                 return
             chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_body_bytes:
+                text = f"the request body has more than the limit max_body_bytes={self.max_body_bytes} bytes " \
+                       f"({MAX_BODY_ENV})"
+                await _respond(send, 413, _error_body(text, 413, "PayloadTooLargeError"))
+                return
             more = message.get("more_body", False)
         body = b"".join(chunks)
-        current = None if self._multi_server(scope) else self.current
+        multi = self._multi_server(scope)
+        if path == "/init_weight_transfer_engine" and self.active and not multi:
+            text = ("init_weight_transfer_engine refused: a weight update is active on this server (started, not "
+                    "finished); an init would replace its trainer mid-update. Call /finish_weight_update first")
+            await _respond(send, 409, _error_body(text, 409, "ConflictError"))
+            return
         try:
-            named = validate_request(path, body, self._server_backend(scope), current)
+            named = validate_request(path, body, self._server_backend(scope), None if multi else self.current)
         except RequestError as e:
             await _respond(send, 400, _error_body(str(e), 400, "BadRequestError", e.param))
             return
@@ -200,9 +286,24 @@ class WeightSyncRequestValidation:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
-        status = await _forward_mapping_conflicts(self.app, scope, replay, send)
+        try:
+            status = await _forward_mapping_conflicts(self.app, scope, replay, send)
+        except BaseException:
+            self._track(path, 500)  # raised through the route: Starlette answers 500
+            raise
+        self._track(path, status)
         if named is not None and 200 <= status < 300:
             self.current = named
+
+    def _track(self, path: str, status: int) -> None:
+        """Follow vLLM's worker: a 2xx start opens an update; a finish (2xx, or 409: none was open), or
+        an update that failed with 5xx (vLLM's worker leaves the update then), closes it."""
+        ok = 200 <= status < 300
+        if path in ("/start_weight_update", "/start_draft_weight_update") and ok:
+            self.active = True
+        elif (path == "/finish_weight_update" and (ok or status == 409)) or (
+                path == "/update_weights" and status >= 500):
+            self.active = False
 
 
 async def _respond(send: Callable[[Message], Awaitable[None]], status: int, body: bytes) -> None:

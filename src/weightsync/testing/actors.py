@@ -15,6 +15,7 @@ import os
 import queue
 import secrets
 import socket
+import struct
 import threading
 import time
 import traceback
@@ -80,14 +81,46 @@ def _resolve(fn: str) -> Any:
     return getattr(importlib.import_module(module), attr)
 
 
-def _client(addr: ActorAddress) -> Connection:
-    """``multiprocessing.connection.Client`` with ``TCP_NODELAY``: each call's small messages (the
-    authentication, the request, the reply) would otherwise wait for delayed ACKs (~40 ms a call)."""
-    sock = socket.create_connection((addr.host, addr.port))
+READ_BOUND_S = 120.0
+"""The longest any socket read of the harness waits for a byte (handshakes, requests, replies): a
+peer that went silent fails its call with ``TimeoutError`` (an ``OSError``) instead of hanging."""
+BACKLOG = 128
+"""The actors' listen backlog. (``multiprocessing``'s default of 1 overflowed when 16 calls connected
+at once on a loaded machine: the kernel dropped handshakes, and clients waited forever on a
+connection the actor never accepted.)"""
+
+
+def _bound_reads(sock: socket.socket | Connection, seconds: float) -> None:
+    """Make every blocking read of ``sock`` give up after ``seconds`` without data (``SO_RCVTIMEO``:
+    the socket stays blocking, a read that waits longer raises ``BlockingIOError``)."""
+    usec = max(1000, int(seconds * 1e6))
+    value = struct.pack("ll", usec // 1_000_000, usec % 1_000_000)
+    if isinstance(sock, Connection):
+        with socket.socket(fileno=os.dup(sock.fileno())) as dup:  # options belong to the socket, not the fd
+            dup.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
+    else:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
+
+
+def _client(addr: ActorAddress, bound_s: float = READ_BOUND_S) -> Connection:
+    """``multiprocessing.connection.Client`` with ``TCP_NODELAY`` (each call's small messages would
+    otherwise wait for delayed ACKs, ~40 ms a call); connecting and authenticating take at most
+    ``bound_s``, and every later read waits at most ``READ_BOUND_S`` for a byte."""
+    sock = socket.create_connection((addr.host, addr.port), timeout=bound_s)
+    sock.settimeout(None)  # blocking again; reads are bounded by SO_RCVTIMEO
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    _bound_reads(sock, bound_s)
     conn = Connection(sock.detach())
-    answer_challenge(conn, addr.authkey)
-    deliver_challenge(conn, addr.authkey)
+    try:
+        answer_challenge(conn, addr.authkey)
+        deliver_challenge(conn, addr.authkey)
+    except BlockingIOError:
+        conn.close()
+        raise TimeoutError(f"actor {addr.name} did not complete the handshake within {bound_s:.3g}s") from None
+    except BaseException:
+        conn.close()
+        raise
+    _bound_reads(conn, READ_BOUND_S)
     return conn
 
 
@@ -97,7 +130,7 @@ _IDLE_LOCK = threading.Lock()
 _IDLE_PID = os.getpid()
 
 
-def _take(addr: ActorAddress) -> Connection:
+def _take(addr: ActorAddress, bound_s: float = READ_BOUND_S) -> Connection:
     global _IDLE_PID
     with _IDLE_LOCK:
         if _IDLE_PID != os.getpid():  # a forked child must not share its parent's sockets
@@ -106,7 +139,7 @@ def _take(addr: ActorAddress) -> Connection:
         idle = _IDLE.get(addr)
         if idle:
             return idle.pop()
-    return _client(addr)
+    return _client(addr, bound_s)
 
 
 def _forget(addr: ActorAddress) -> None:
@@ -137,7 +170,8 @@ def call_many(calls: list[tuple[ActorAddress, str, tuple[Any, ...], dict[str, An
     for addr, fn, args, kwargs in calls:
         conn = None
         try:
-            conn = _take(addr)
+            conn = _take(addr, READ_BOUND_S if deadline is None else
+                         min(READ_BOUND_S, max(0.001, deadline - time.monotonic())))
             conn.send((fn, args, kwargs))
             sent.append(conn)
         except (OSError, EOFError) as e:  # this call failed on the wire; the others go on
@@ -177,18 +211,32 @@ def _actor_main(name: str, env: dict[str, str], ready: Any) -> None:
     connections and wakes the main thread to add them."""
     os.environ.update(env)
     authkey = secrets.token_bytes(16)
-    listener = Listener(("127.0.0.1", 0), authkey=authkey)
+    listener = Listener(("127.0.0.1", 0), backlog=BACKLOG)  # authenticated per connection below
     listener._listener._socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # accepted sockets inherit it
     accepted: queue.SimpleQueue[Connection] = queue.SimpleQueue()
     wake_recv, wake_send = mp.Pipe(duplex=False)
+    wake_lock = threading.Lock()
+
+    def handshake(conn: Connection) -> None:
+        """Authenticate one connection (its own thread: a silent client holds up no other)."""
+        try:
+            _bound_reads(conn, READ_BOUND_S)
+            deliver_challenge(conn, authkey)
+            answer_challenge(conn, authkey)
+        except (AuthenticationError, OSError, EOFError):
+            conn.close()  # a client that failed the handshake, went away or went silent
+            return
+        accepted.put(conn)
+        with wake_lock:
+            wake_send.send_bytes(b"")
 
     def accept_loop() -> None:
         while True:
             try:
-                accepted.put(listener.accept())
-            except (AuthenticationError, OSError, EOFError):
-                continue  # a client that failed the handshake or went away
-            wake_send.send_bytes(b"")
+                conn = listener.accept()
+            except OSError:
+                continue
+            threading.Thread(target=handshake, args=(conn,), daemon=True).start()
 
     threading.Thread(target=accept_loop, daemon=True).start()
     host, port = listener.address

@@ -126,18 +126,9 @@ class WorkerEngine:
     # ---- vLLM's worker calls ------------------------------------------------------------
     def parse_init_info(self, init_dict: dict[str, Any]) -> Any:
         """The typed init info; an info for another transport is refused naming both. A refused info
-        is reported on the trainer's store when it names one, so the trainer ranks fail at once."""
-        try:
-            return self._parse_init_info(init_dict)
-        except ValueError as e:
-            host, port = (init_dict.get(k) if isinstance(init_dict, dict) else None
-                          for k in ("master_address", "master_port"))
-            if isinstance(host, str) and isinstance(port, int):
-                try:
-                    Communicator.report(host, port, f"worker {self.worker_rank}: {describe(e)}")
-                except Exception:  # noqa: BLE001 - the trainer side still has its timeout
-                    pass
-            raise
+        connects nowhere (the host and port it names are not trusted): the client's init call raises,
+        and trainer rank 0 reports it to the other ranks."""
+        return self._parse_init_info(init_dict)
 
     def _parse_init_info(self, init_dict: dict[str, Any]) -> Any:
         named = init_dict.get("transport") if isinstance(init_dict, dict) else None
