@@ -43,7 +43,7 @@ from typing import Any, ClassVar
 
 from ..comm import Communicator, describe
 from ..control import held_key
-from ..errors import PoisonedError, SyncFailed
+from ..errors import PoisonedError, SyncFailed, refusal
 from ..infos import TrainerInitInfo, WorkerInitInfo, WorkerUpdateInfo
 from ..protocol import WeightSource
 from ..stats import SyncStats
@@ -146,8 +146,8 @@ class TrainerEngine:
             if fut is not None:
                 client_result(fut, i.timeout_s, "init_weight_transfer_engine")
                 failure = self.comm.peer_error()  # workers report a refused init here instead of raising
-                if failure is not None:
-                    raise RuntimeError(failure)
+                if failure is not None:  # a worker's ValueError (bad input) is a ValueError here too
+                    raise refusal(failure) or RuntimeError(failure)
                 self.comm.publish("init/done", _OK)
             else:
                 self.comm.read("init/done")  # raises a failure any rank or worker reported
