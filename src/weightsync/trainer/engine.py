@@ -163,6 +163,9 @@ class TrainerEngine:
             if self._calls is not None:
                 self._calls.shutdown()
             self._pool.shutdown(wait=False)
+            if isinstance(e, Exception) and not isinstance(e, ValueError) and self.comm is not None:
+                if (refused := refusal(self.comm.peer_error())) is not None:  # a worker refused: every rank says so
+                    raise refused from e
             raise
         return self
 
