@@ -193,10 +193,11 @@ def _place_weightless(model: torch.nn.Module) -> None:
     seen: set[int] = set()
     for layer in model.modules():
         info = get_layerwise_info(layer)
-        params = info.kernel_tensors[0] if info.kernel_tensors is not None else dict(layer.named_parameters(recurse=False))
+        held = info.kernel_tensors  # the live tensors, kept aside while the layer is on meta
+        params = held[0] if held is not None else dict(layer.named_parameters(recurse=False))
         weightless = all(id(p) in seen for p in params.values())
         seen.update(id(p) for p in params.values())
-        if (weightless and info.can_load() and info.load_numel <= 0 and info.kernel_tensors is not None
+        if (weightless and info.can_load() and info.load_numel <= 0 and held is not None
                 and info.load_numel_total > 0 and not is_deferred_attention_layer(layer)):
             _place_kernel_tensors(layer, info)
             info.reset()
