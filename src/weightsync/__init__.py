@@ -8,8 +8,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from . import configs
 from .clients import HTTPVLLMWeightSyncClient, RayVLLMWeightSyncClient, WeightSyncClient
-from .errors import DataPlaneError, PoisonedError, RemoteCallError, SyncAborted, SyncFailed
+from .errors import DataPlaneError, EngineDead, PoisonedError, Refused, RemoteCallError, SyncAborted, SyncFailed
 from .infos import TrainerInitInfo, WorkerInitInfo, WorkerUpdateInfo
 from .protocol import ParamMeta, WeightSource
 from .registry import TRANSPORTS, Transport, WeightTransferTrainerFactory, WorkerEngineFactory, transport, transport_names
@@ -23,7 +24,8 @@ __all__ = [
     "ParamMeta", "WeightSource", "FullTensorSource", "DTensorModuleSource", "TrainerInitInfo", "WorkerInitInfo",
     "WorkerUpdateInfo", "TrainerEngine", "SyncStats", "DeltaStats", "WeightTransferTrainerFactory", "WorkerEngineFactory",
     "WeightSyncClient", "HTTPVLLMWeightSyncClient", "RayVLLMWeightSyncClient", "Transport", "transport",
-    "transport_names", "SyncFailed", "PoisonedError", "DataPlaneError", "SyncAborted", "RemoteCallError",
+    "transport_names", "SyncFailed", "PoisonedError", "DataPlaneError", "SyncAborted", "RemoteCallError", "Refused",
+    "EngineDead", "configs",
 ]
 
 

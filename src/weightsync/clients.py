@@ -15,10 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Protocol, runtime_checkable
 
-from .errors import RemoteCallError
+from .errors import EngineDead, RemoteCallError
 
-__all__ = ["WeightSyncClient", "RemoteCallError", "per_engine", "HTTPVLLMWeightSyncClient", "RayVLLMWeightSyncClient", "paused",
-           "PAUSE_MODES"]
+__all__ = ["WeightSyncClient", "RemoteCallError", "EngineDead", "per_engine", "HTTPVLLMWeightSyncClient",
+           "RayVLLMWeightSyncClient", "paused", "PAUSE_MODES"]
 
 PAUSE_MODES = ("abort", "wait", "keep")
 """How vLLM treats in-flight requests while paused for a sync:
@@ -152,7 +152,7 @@ class RayVLLMWeightSyncClient:
         try:
             ray.get(refs, timeout=self.timeout_s)
         except ray.exceptions.RayError as e:
-            raise RemoteCallError(f"{method} failed on an inference actor: {e}") from None
+            raise remote_call_error(method, e) from None
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         """Each engine gets the init info with its ``engine_index`` (see ``per_engine``)."""
@@ -184,10 +184,56 @@ class RayVLLMWeightSyncClient:
         try:
             ray.get(refs, timeout=self.timeout_s)
         except ray.exceptions.RayError as e:
-            raise RemoteCallError(f"pause_generation failed on an inference actor: {e}") from None
+            raise remote_call_error("pause_generation", e) from None
 
     def resume_generation(self) -> None:
         self._call("resume_generation")
+
+    def shutdown_engines(self, *, timeout_s: float = 60.0) -> None:
+        """Stop every engine for good: vLLM's engine core and its workers shut down inside each actor
+        (their shared memory in /dev/shm unlinked, as vLLM does at exit), then the actor is killed.
+        ``ray.kill`` alone leaves the engine's shared memory behind. A dead engine core is cleaned up
+        the same way; an actor that does not answer within ``timeout_s`` is killed all the same."""
+        import ray
+
+        refs = [h.__ray_call__.remote(_stop_engine_core, timeout_s) for h in self.handles]
+        for ref in refs:
+            try:
+                ray.get(ref, timeout=timeout_s + 10)
+            except ray.exceptions.RayError:  # a dead or stuck actor: killed below all the same
+                pass
+        for h in self.handles:
+            ray.kill(h, no_restart=True)
+
+
+def _stop_engine_core(llm: Any, timeout_s: float) -> None:
+    """Inside an ``LLM`` actor: vLLM's own engine-core shutdown (processes joined, queues unlinked)."""
+    llm.llm_engine.engine_core.shutdown(timeout=timeout_s)
+
+
+def remote_call_error(method: str, error: BaseException) -> RemoteCallError:
+    """What a failed call on an ``LLM`` actor raises: the remote exception and where it was raised,
+    without the actor's repr Ray adds (``LLM``'s prints the whole model); ``EngineDead`` when vLLM's
+    engine core died (the actor lives, every later call fails the same way)."""
+    cause = getattr(error, "cause", None)
+    if not isinstance(cause, BaseException):
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return RemoteCallError(f"{method} failed on an inference actor: {type(error).__name__}: {first[:500]}")
+    chain = [cause]
+    while (nxt := chain[-1].__cause__ or chain[-1].__context__) is not None and len(chain) < 8:
+        chain.append(nxt)
+    where = _innermost_frame(getattr(error, "traceback_str", "") or "")
+    if any(type(c).__name__ == "EngineDeadError" for c in chain):
+        return EngineDead(f"{method} failed on an inference actor: vLLM's engine core is dead ({type(cause).__name__}: "
+                          f"{cause}); the actor is alive, but every call fails until the engine restarts: restart the "
+                          "engine, then trainer_init")
+    return RemoteCallError(f"{method} failed on an inference actor: {type(cause).__name__}: {cause}{where}")
+
+
+def _innermost_frame(traceback_str: str) -> str:
+    """`` (at File "...", line N, in f)``: the last frame of a remote traceback, or nothing."""
+    frames = [ln.strip() for ln in traceback_str.splitlines() if ln.strip().startswith("File ")]
+    return f" (at {frames[-1]})" if frames else ""
 
 
 @contextmanager

@@ -5,13 +5,17 @@
 - :class:`DataPlaneError`: a peer failed, or a data-plane operation failed or timed out.
 - :class:`SyncAborted`: the trainer aborted a sync in-band (a ``DataPlaneError``).
 - :class:`RemoteCallError`: an inference-side client call failed (carries the remote error text).
+- :class:`EngineDead`: a ``RemoteCallError``: the vLLM engine core behind a live actor or server died.
+- :class:`Refused`: a ``ValueError``: the engine refused the trainer's init (a model or deployment
+  mismatch, an info for another transport) before any data moved; carries the worker's message.
 
 Bad input (a model mismatch, a wrongly typed info field) is a ``ValueError`` naming the parameter.
 """
 
 from __future__ import annotations
 
-__all__ = ["SyncFailed", "PoisonedError", "DataPlaneError", "SyncAborted", "RemoteCallError"]
+__all__ = ["SyncFailed", "PoisonedError", "DataPlaneError", "SyncAborted", "RemoteCallError", "EngineDead", "Refused",
+           "refusal"]
 
 
 class SyncFailed(RuntimeError):
@@ -40,3 +44,24 @@ class SyncAborted(DataPlaneError):
 
 class RemoteCallError(RuntimeError):
     """An inference-side call failed; the message carries the remote error text."""
+
+
+class EngineDead(RemoteCallError):
+    """The vLLM engine core behind an inference actor died (vLLM's ``EngineDeadError``) while the actor
+    lives: no call will succeed until the engine is restarted; then ``trainer_init`` again."""
+
+
+class Refused(ValueError):
+    """The inference side refused the trainer's init info or metadata before any data moved (a model
+    mismatch naming the parameter and both shapes, a deployment or transport mismatch). The message
+    is the worker's (``worker N: ValueError: ...``); the engine's weights and version are unchanged,
+    and a corrected ``trainer_init`` may follow at once."""
+
+
+def refusal(failure: str | None) -> Refused | None:
+    """``Refused`` when a failure reported on the store (``"<party>: <Type>: <message>"``) is a
+    worker's ``ValueError`` (its refusal of bad input), else None."""
+    if failure is None or not failure.startswith("worker "):
+        return None
+    party, _, rest = failure.partition(": ")
+    return Refused(failure) if rest.startswith("ValueError: ") and party[7:].isdigit() else None

@@ -29,6 +29,7 @@ class DeltaStats:
 
     @property
     def changed_fraction(self) -> float | None:
+        """``changed / compared`` (None when nothing was compared)."""
         return self.changed / self.compared if self.compared else None
 
 
@@ -37,7 +38,9 @@ class SyncStats:
     """What one ``send_weights()`` did, as seen by this trainer rank."""
 
     backend: str
+    """The transport: ``weightsync_m2n``, ``weightsync_nccl`` or ``weightsync_ipc``."""
     rank: int
+    """The trainer rank these stats are from (rank 0 alone has the per-worker fields)."""
     bytes_sent: int = 0
     """Payload bytes this rank put on the wire (per destination: a broadcast counts once)."""
     bytes_received_per_worker: dict[int, int] = field(default_factory=dict)
@@ -47,6 +50,7 @@ class SyncStats:
     """Least payload bytes each worker needs, from the plan (its shard of every tensor for M2N, every
     tensor whole for the full-tensor transports); rank 0 only."""
     num_tensors: int = 0
+    """Tensors in this sync (the source's metadata entries)."""
     num_steps: int = 0
     """Fills of the bounded staging memory: buckets (nccl, ipc) or point-to-point rounds (m2n)."""
     phases: dict[str, float] = field(default_factory=dict)
@@ -56,6 +60,7 @@ class SyncStats:
     staging), ``receive`` (wire waits and applying),
     ``finish`` (vLLM's processing of post-processed layers, layerwise finalize)."""
     weight_version: str | None = None
+    """The version the engines report after this sync (``send_weights(weight_version=...)``)."""
     delta: DeltaStats | None = None
     """Set for an engine with ``delta=True``: what changed and what that saved."""
     verified: bool | None = None
@@ -63,6 +68,7 @@ class SyncStats:
 
     @property
     def seconds(self) -> float:
+        """Wall seconds of the sync on this rank: the sum of ``phases``."""
         return sum(self.phases.values())
 
     @property
@@ -73,6 +79,22 @@ class SyncStats:
 
     def timed(self, phase: str) -> "_Timer":
         return _Timer(self, phase)
+
+    def __repr__(self) -> str:
+        """The fields users read first (``seconds`` and ``gbps`` included, times rounded), then the rest."""
+        head = {"backend": self.backend, "rank": self.rank, "weight_version": self.weight_version,
+                "seconds": round(self.seconds, 4), "gbps": round(self.gbps, 3), "verified": self.verified,
+                "bytes_sent": self.bytes_sent, "bytes_received_per_worker": self.bytes_received_per_worker,
+                "lower_bound_per_worker": self.lower_bound_per_worker, "num_tensors": self.num_tensors,
+                "num_steps": self.num_steps, "phases": _rounded(self.phases),
+                "worker_phases": {w: _rounded(p) for w, p in self.worker_phases.items()}}
+        if self.delta is not None:
+            head["delta"] = self.delta
+        return f"SyncStats({', '.join(f'{k}={v!r}' for k, v in head.items())})"
+
+
+def _rounded(phases: dict[str, float]) -> dict[str, float]:
+    return {k: round(v, 4) for k, v in phases.items()}
 
 
 class _Timer:

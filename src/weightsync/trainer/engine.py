@@ -42,7 +42,7 @@ from typing import Any, ClassVar
 
 from ..comm import Communicator, describe
 from ..control import INIT_DONE, SyncKeys, gather, init_ack
-from ..errors import PoisonedError, SyncFailed
+from ..errors import PoisonedError, SyncFailed, refusal
 from ..infos import TrainerInitInfo, WorkerInitInfo, WorkerUpdateInfo
 from ..protocol import WeightSource
 from ..stats import SyncStats
@@ -146,8 +146,8 @@ class TrainerEngine:
             if fut is not None:
                 client_result(fut, i.timeout_s, "init_weight_transfer_engine")
                 failure = self.comm.peer_error()  # workers report a refused init here instead of raising
-                if failure is not None:
-                    raise RuntimeError(failure)
+                if failure is not None:  # a worker's ValueError (bad input) is a ValueError here too
+                    raise refusal(failure) or RuntimeError(failure)
                 self.comm.publish(INIT_DONE, _OK)
             else:
                 self.comm.read(INIT_DONE)  # raises a failure any rank or worker reported
@@ -163,6 +163,9 @@ class TrainerEngine:
             if self._calls is not None:
                 self._calls.shutdown()
             self._pool.shutdown(wait=False)
+            if isinstance(e, Exception) and not isinstance(e, ValueError) and self.comm is not None:
+                if (refused := refusal(self.comm.peer_error())) is not None:  # a worker refused: every rank says so
+                    raise refused from e
             raise
         return self
 

@@ -139,6 +139,7 @@ class LayerwiseApplier:
         if self.active:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
+            _place_weightless(self.model)
             finalize_layerwise_reload(self.model, self.model_config)
         self.active = False
 
@@ -184,6 +185,27 @@ class LayerwiseApplier:
         finally:
             self.active = False
             self._restore_moe_kernels(unprocessed_only=False)
+
+
+def _place_weightless(model: torch.nn.Module) -> None:
+    """Layers that take no weights and got none (only buffers, like RotaryEmbedding's cos/sin cache,
+    or every parameter tied to an earlier layer's, like a tied lm_head): their tensors put back as
+    vLLM's finalize does, without its "Failed to load weights" warning, which it still logs for
+    every layer that should have loaded and did not."""
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    from vllm.model_executor.model_loader.reload.layerwise import _place_kernel_tensors, get_layerwise_info
+
+    seen: set[int] = set()
+    for layer in model.modules():
+        info = get_layerwise_info(layer)
+        held = info.kernel_tensors  # the live tensors, kept aside while the layer is on meta
+        params = held[0] if held is not None else dict(layer.named_parameters(recurse=False))
+        weightless = all(id(p) in seen for p in params.values())
+        seen.update(id(p) for p in params.values())
+        if (weightless and info.can_load() and info.load_numel <= 0 and held is not None
+                and info.load_numel_total > 0 and not is_deferred_attention_layer(layer)):
+            _place_kernel_tensors(layer, info)
+            info.reset()
 
 
 @torch.no_grad()
