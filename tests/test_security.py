@@ -175,8 +175,9 @@ def test_a_sync_with_the_secret_works_end_to_end_and_a_party_without_it_is_refus
         assert mismatches(cluster) == {}
         assert cluster.client().weight_versions() == ["sealed"] * layout.num_workers
         _set_secret(cluster.active_trainers, None)  # the workers still have it: each refuses the open store
-        futs = [a.submit("weightsync.testing.trainer:make_engine", info, cluster.client(), source="full")
-                for a in cluster.active_trainers]
+        fresh = init_info("weightsync_nccl", layout, buffer_bytes=1 << 16, timeout_s=TIMEOUT_S)  # a new port:
+        futs = [a.submit("weightsync.testing.trainer:make_engine", fresh, cluster.client(), source="full")  # not
+                for a in cluster.active_trainers]  # the old group's store, which rank 0 may still host
         for f in futs:
             with pytest.raises(RemoteError, match=r"has no shared secret but this party has one "
                                                   rf"\({SECRET_ENV}\): set the same secret on every party"):

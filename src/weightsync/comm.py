@@ -1,12 +1,10 @@
 """The sync group's two channels: a control channel (a TCPStore) and a data plane (a stateless group).
 
-Trainer rank 0 hosts the store; every party of a sync group (trainer ranks and vLLM workers)
-connects to it with :meth:`Communicator.connect`. The store carries small JSON values only:
-agreement, verdicts, byte counts, checksums, and the first failure (``fail``), which wakes every
-party waiting on the store at once. It never carries weights. Most waits poll the store with a
-backoff (``read``); the keys every failure path sets as well (``fail_keys``: a sync's "started" and
-"verdict", which the trainer ranks > 0 wait for) are awaited with one blocking request instead
-(``await_key``), woken the moment they are set.
+Trainer rank 0 hosts the store; every party (trainer ranks, vLLM workers) connects with
+:meth:`Communicator.connect`. The store carries small JSON values only (agreement, verdicts, byte
+counts, checksums, the first failure: ``fail`` wakes every waiting party), never weights. Waits
+poll with a backoff (``read``); the keys every failure path sets (``fail_keys``) are awaited with
+one blocking request (``await_key``).
 
 Parties that move data then :meth:`~Communicator.join` a process group built on that store and
 independent of the trainer's and vLLM's own groups: gloo on CPU, NCCL on CUDA; their rendezvous goes
@@ -15,12 +13,10 @@ secret every key name and value is sealed (:mod:`weightsync.sealed`, docs/securi
 group ``torch.distributed.send`` and ``batch_isend_irecv`` refuse to work, so this module calls the
 backend's raw ``send``/``recv``/``broadcast`` and waits on their works itself.
 
-Waiting on NCCL: a blocked party polls its works and the store together, so a peer's reported
-failure or the deadline aborts its own communicator and raises ``DataPlaneError`` in the caller.
-This is what makes failures fail fast on NCCL, where aborting one rank's communicator does not wake
-its peers and ProcessGroupNCCL's watchdog would otherwise tear the process down on a timeout (the
-NCCL group is built with async error handling off; our own deadline governs). On gloo a failing
-party closes its connections (``fail`` drops its group), which wakes every peer blocked on it.
+Waiting on NCCL: a blocked party polls its works and the store together, so a peer's failure or
+the deadline aborts its own communicator and raises ``DataPlaneError`` (NCCL's async error handling
+is off: our deadline governs, not the watchdog). On gloo a failing party drops its group, which
+wakes every peer blocked on it.
 """
 
 from __future__ import annotations
@@ -36,7 +32,6 @@ from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
-import pybase64
 import torch
 import torch.distributed as dist
 
@@ -44,20 +39,16 @@ from .control import JOIN_DECISION, join_key
 from .errors import DataPlaneError, SyncAborted
 from .sealed import ForgedValueError, open_store
 
-__all__ = ["Communicator", "DataPlaneError", "SyncAborted", "decode_unique_id", "connect_store", "describe"]
+__all__ = ["Communicator", "DataPlaneError", "SyncAborted", "describe"]
 
-NCCL_UNIQUE_ID_BYTES = 128
 _ERROR = "error"
-_FAILED = "failed"
-"""The value a failing party sets on the keys others block on (``fail_keys``), so that they wake."""
+_FAILED = "failed"  # what a failing party sets on the keys others block on (``fail_keys``)
 _OK = "ok"
 _ABSENT = "\x00"
 """Never a published value (those are JSON): ``compare_set(key, _ABSENT, _ABSENT)`` answers it for a
 key not set, and sets nothing (a non-empty expected value is never written to a missing key)."""
-_STORE_POLL_S = 0.005
-"""Longest pause between two looks at the store while waiting for a key."""
-_FIRST_POLL_S = 5e-5
-"""First pause: a key set moments later (most waits of a sync) is seen within ~0.1 ms, not 5 ms."""
+_STORE_POLL_S = 0.005  # the longest pause between two looks at the store while waiting for a key
+_FIRST_POLL_S = 5e-5  # the first: a key set moments later is seen within ~0.1 ms, not 5 ms
 
 
 def _pauses() -> Iterator[float]:
@@ -68,12 +59,6 @@ def _pauses() -> Iterator[float]:
         pause = min(2 * pause, _STORE_POLL_S)
 
 
-def connect_store(host: str, port: int, timeout_s: float, *, is_master: bool = False, secret: Any = None) -> Any:
-    """A TCPStore client (or its host, with ``is_master``, listening on ``host`` only; port 0 picks a
-    free port), sealed with ``secret`` or ``$WEIGHTSYNC_STORE_SECRET`` when either is set."""
-    return open_store(host, port, timeout_s, is_master=is_master, secret=secret)
-
-
 _HOSTED: "weakref.WeakValueDictionary[int, Communicator]" = weakref.WeakValueDictionary()
 """Port -> this process's store host on it: a failed one (its engine never shut down) is released
 when a new group is hosted on its port."""
@@ -82,17 +67,6 @@ when a new group is hosted on its port."""
 def describe(error: BaseException) -> str:
     """``"TypeName: message"``: how failures are reported to the other parties."""
     return f"{type(error).__name__}: {error}"
-
-
-def decode_unique_id(b64: str) -> bytes:
-    """Decode a standard-base64 NCCL unique id, checking its length."""
-    try:
-        raw = pybase64.b64decode(b64, validate=True)
-    except (ValueError, TypeError) as e:
-        raise ValueError("nccl_unique_id_b64 is not valid standard base64") from e
-    if len(raw) != NCCL_UNIQUE_ID_BYTES:
-        raise ValueError(f"nccl_unique_id_b64 must decode to {NCCL_UNIQUE_ID_BYTES} bytes, got {len(raw)}")
-    return raw
 
 
 def _get_if_set(store: Any, key: str) -> bytes | None:
@@ -146,12 +120,12 @@ class Communicator:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if not host_store:
-            return cls(connect_store(host, port, timeout_s, secret=secret), name=name, timeout_s=timeout_s,
+            return cls(open_store(host, port, timeout_s, is_master=False, secret=secret), name=name, timeout_s=timeout_s,
                        secret=secret)
         if (old := _HOSTED.get(port)) is not None and old.failed:
             old, _ = None, old.shutdown()  # the store's server closes its socket with its last reference
         try:
-            store = connect_store(host, port, timeout_s, is_master=True, secret=secret)
+            store = open_store(host, port, timeout_s, is_master=True, secret=secret)
         except OSError as e:
             if e.errno != errno.EADDRINUSE:
                 raise
@@ -181,7 +155,7 @@ class Communicator:
     @staticmethod
     def report(host: str, port: int, message: str, timeout_s: float = 10.0, secret: Any = None) -> None:
         """Tell every party of the group at ``host:port`` that this one failed (it never connected)."""
-        connect_store(host, port, timeout_s, secret=secret).compare_set(_ERROR, "", message)
+        open_store(host, port, timeout_s, is_master=False, secret=secret).compare_set(_ERROR, "", message)
 
     def join(self, rank: int, world_size: int, *, device: torch.device | str = "cpu",
              group_name: str = "weightsync") -> None:

@@ -1,14 +1,10 @@
-"""The transport core, trainer side: the lifecycle every transport shares, around small hooks.
-
-Trainer side (:class:`TrainerEngine`), on every trainer rank::
+"""The transport core, trainer side (:class:`TrainerEngine`), on every trainer rank::
 
     trainer_init: trainer rank 0 hosts the group's store; rank 0 calls the client's
         init_weight_transfer_engine in a thread while every rank connects (and joins the data plane,
         for a transport that has one: ``_data_rank``), runs ``_handshake`` and agrees that init is done.
-        In the handshake the trainer ranks agree on their metadata (M2N's plan, or
-        :func:`~weightsync.worker.agreement.agree_on_metadata`) and every worker checks it against its model
-        and for coverage (:mod:`weightsync.worker.agreement`): a mismatch fails init on every rank, naming
-        the parameter.
+        There the ranks agree on their metadata and every worker checks it against its model and
+        for coverage (:mod:`weightsync.worker.agreement`): a mismatch fails init, naming the parameter.
     send_weights: preflight (``_preflight`` on every rank; any rank's error is every rank's, before
         anything moves: a ``ValueError`` on every rank, or the rank's own exception there and a
         ``RuntimeError`` naming it on the others; the engines stay ready for the next sync) ->
@@ -21,9 +17,8 @@ Trainer side (:class:`TrainerEngine`), on every trainer rank::
         finishes the update (the version advances) and publishes the verdict.
 
 One outcome per sync: after a failure anywhere, every trainer rank raises ``SyncFailed`` with the
-first failure's message, rank 0 aborts the update on every worker (each leaves the update, so vLLM's
-worker is ready again, restoring its parameters when ``rollback=True``), and every engine refuses
-further syncs until re-initialized (``PoisonedError``, on every rank).
+first failure's message, rank 0 aborts the update on every worker (restoring its parameters when ``rollback=True``),
+and every engine refuses further syncs until re-initialized (``PoisonedError``, on every rank).
 
 The worker side is :class:`~weightsync.worker.engine.WorkerEngine`; the store keys and agreement,
 :mod:`weightsync.control`. A transport file is its info fields, ``TRANSPORT`` and the hooks:
