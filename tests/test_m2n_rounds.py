@@ -97,9 +97,9 @@ def test_pipelined_rounds_direct_and_staged_match_the_reference(staging, monkeyp
     wire_dtypes = {s.name: s.dtype for s in sources}
 
     direct = []
-    real = m2n_rounds._direct
-    monkeypatch.setattr(m2n_rounds, "_direct", lambda m, *a: direct.append(r) or r if (r := real(m, *a)) is not None
-                        else None)
+    real = m2n_rounds._Executor._direct
+    monkeypatch.setattr(m2n_rounds._Executor, "_direct",
+                        lambda self, m: direct.append(r) or r if (r := real(self, m)) is not None else None)
     send_staging, recv_staging = torch.empty(staging, dtype=torch.uint8), torch.empty(staging, dtype=torch.uint8)
     send_plane = Loopback(staging=send_staging)
     send_rounds = my_messages(plan, sources, rank=0, sender=True, cap=staging // 2)
@@ -244,3 +244,36 @@ def test_rounds_cut_anew_equal_the_kept_ones_on_both_ends(monkeypatch):
     send = {(m.src, m.dst, m.index): m for rs in anew[0] for rnd in rs for m in rnd}
     recv = {(m.src, m.dst, m.index): m for rs in anew[1] for rnd in rs for m in rnd}
     assert send == recv and len(send) > 3
+
+
+def test_byte_runs_views_equal_the_boxes_bytes_and_grouped_views_equal_single_ones():
+    """``ByteRuns.box``: a box of a contiguous tensor as bytes (one slice when it is one run, else a
+    strided byte view) holds exactly ``t[box]``'s bytes; None for a tensor that is not contiguous.
+    ``likes``: boxes back to back in a buffer, grouped by shape, view the same bytes as ``like``."""
+    from weightsync.layout.regions import box_slices
+    from weightsync.transport.packing import ByteRuns
+
+    t = torch.arange(4 * 6 * 5, dtype=torch.float32).reshape(4, 6, 5)
+    runs = ByteRuns()
+    boxes = [((1, 0, 0), (2, 6, 5)), ((2, 3, 0), (1, 2, 5)), ((0, 1, 2), (3, 2, 3)), ((3, 5, 4), (1, 1, 1)),
+             ((0, 0, 1), (4, 6, 2)), ((1, 2, 0), (2, 2, 5))]
+    views = []
+    for off, size in boxes:
+        v = runs.box(t, off, size)
+        want = t[box_slices(off, size)].contiguous().reshape(-1).view(torch.uint8)
+        assert torch.equal(v.reshape(-1), want), (off, size)
+        assert (v.dim() == 1) == ((off, size) in (((1, 0, 0), (2, 6, 5)), ((2, 3, 0), (1, 2, 5)), ((3, 5, 4), (1, 1, 1))))
+        views.append(v)
+    assert runs.box(t.transpose(0, 2), (0, 0, 0), (1, 1, 1)) is None
+    same = [runs.box(t, (0, 0, 0), (2, 2, 2)), runs.box(t, (1, 0, 0), (2, 2, 2)), runs.box(t, (2, 1, 0), (2, 2, 2))]
+    offsets, at = [], 0
+    for v in [*views, *same]:
+        offsets.append(at)
+        at += v.numel()
+    buf = torch.arange(at, dtype=torch.int64).to(torch.uint8)
+    grouped = runs.likes(buf, tuple(offsets), [*views, *same])
+    for g, off, v in zip(grouped, offsets, [*views, *same]):
+        single = runs.like(buf, off, v)
+        assert g.shape == v.shape and torch.equal(g, single) and g.data_ptr() == single.data_ptr()
+    with_gap = runs.likes(buf, (0, 1), [None, views[3]])
+    assert with_gap[0] is None and torch.equal(with_gap[1], buf[1:5])

@@ -39,7 +39,7 @@ from weightsync.layout.records import (
     dtype_itemsize,
     new_item,
 )
-from weightsync.layout.schedule import Message, iter_rounds, peer_messages
+from weightsync.layout.schedule import ALONE, Message, iter_rounds, peer_messages
 
 __all__ = [
     "DestPiece",
@@ -240,11 +240,13 @@ class PairItems:
                     yield new_item(src, dst, name, p.region, p.src_offsets, pn[p.piece], p.param_offsets)
 
     def rounds(self, *, cap: int, itemsize_of: Callable[[str], int],
-               apart: Callable[[TransferItem], bool] | None = None) -> Iterator[list[Message]]:
+               apart: Callable[[TransferItem], bool] | None = None,
+               alone: int = ALONE) -> Iterator[list[Message]]:
         """This rank's rounds: every peer's items cut by :func:`~weightsync.layout.schedule.peer_messages`
-        (``itemsize_of`` maps a tensor name to bytes per element; ``apart`` as there), made as they are consumed."""
-        return iter_rounds({p: peer_messages(partial(self.items, p), cap=cap, itemsize_of=itemsize_of, apart=apart)
-                            for p in self.peers})
+        (``itemsize_of`` maps a tensor name to bytes per element; ``apart``, ``alone`` as there), made as
+        they are consumed."""
+        return iter_rounds({p: peer_messages(partial(self.items, p), cap=cap, itemsize_of=itemsize_of, apart=apart,
+                                             alone=alone) for p in self.peers})
 
 
 def build_plan(

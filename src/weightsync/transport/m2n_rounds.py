@@ -1,6 +1,6 @@
 """The M2N round executor: moves this rank's messages, round by round, between its own tensors and
 the data plane, through spans of one staging buffer where a message's bytes are not ready in place.
-:func:`run_rounds` is the entry point; :class:`Staging` hands out the spans, :class:`_Sender` and
+:func:`run_rounds` is the entry point; :class:`~.packing.Staging` hands out the spans, :class:`_Sender` and
 :class:`_Receiver` are the two ends of the same schedule (:class:`_Executor`)."""
 
 from __future__ import annotations
@@ -14,12 +14,11 @@ from typing import Any
 import torch
 
 from ..comm import Communicator
-from ..layout.records import align_up
 from ..layout.regions import box_slices
-from ..layout.schedule import ALIGN, Message
+from ..layout.schedule import Message
 from ..protocol import dtype_from_name
 from .delta import decode, patch, sparse_nbytes
-from .packing import fold_checksum, fold_value
+from .packing import ByteRuns, Staging, fold_checksum, fold_value  # Staging: re-exported
 
 __all__ = ["DEPTH", "SlotKind", "Staging", "run_rounds"]
 
@@ -48,43 +47,6 @@ class _Posted:
     span: tuple[int, int] = (0, 0)  # staging bytes [start, end) it holds; empty for an early part
 
 
-class Staging:
-    """The staging buffer's spans: a staged round takes just the bytes its slots need, aligned, at
-    the lowest offset no posted round holds, so low bytes are reused first and only as much of the
-    buffer is touched as the rounds in flight stage at once."""
-
-    def __init__(self, buf: torch.Tensor) -> None:
-        self.buf = buf
-        self.room = buf.numel() // ALIGN * ALIGN
-
-    def need(self, slots: list[torch.Tensor | int]) -> int:
-        """Bytes a round's slots to place (their byte counts) take; ``ValueError`` above the room."""
-        need = sum(align_up(b, ALIGN) for b in slots if isinstance(b, int))
-        if need > self.room:
-            raise ValueError(f"a round needs {need} bytes of staging, more than the {self.room} there are")
-        return need
-
-    def spot(self, need: int, held: Iterable[tuple[int, int]]) -> int | None:
-        """The lowest offset with ``need`` bytes free of every ``held`` span, or None."""
-        spans = [span for span in held if span[0] < span[1]]
-        for at in sorted({0, *(e for _, e in spans)}):
-            if at + need <= self.room and all(e <= at or at + need <= s for s, e in spans):
-                return at
-        return None
-
-    def place(self, slots: list[torch.Tensor | int], start: int, need: int) -> list[torch.Tensor]:
-        """The slots as buffers: each byte count becomes the next aligned span from ``start``."""
-        area = self.buf[start : start + need]
-        out, base = [], 0
-        for b in slots:
-            if isinstance(b, int):
-                out.append(area[base : base + b])
-                base += align_up(b, ALIGN)
-            else:
-                out.append(b)
-        return out
-
-
 class _Executor:
     """One end of the rounds (see :func:`run_rounds`): what both ends do alike. A subclass says who
     its peer is, what a sparse slot is, which slots need no staging, how it posts, what it does to a
@@ -98,6 +60,8 @@ class _Executor:
         self.comm, self.peer_rank, self.dtypes, self.tensor_of = comm, peer_rank, dtypes, tensor_of
         self.sums, self.sparse, self.ready = sums, sparse or {}, ready
         self.staging = Staging(staging)
+        self.runs = ByteRuns()  # this sync's tensors' bytes, flat: an item is one view of them
+        self.wire: dict[str, torch.dtype] = {}  # tensor name -> its wire dtype
         self.whole_rounds = getattr(comm, "ordered", False)
         self.folded: dict[tuple[int, int], int] = {}  # (peer, message index) -> that message's checksum
         self.moved = 0
@@ -169,7 +133,7 @@ class _Executor:
             if (sp := self.sparse.get(self.key(m))) is not None:
                 kinds.append(SlotKind.SPARSE)
                 bufs.append(self._sparse_slot(m, sp))
-            elif (view := _direct(m, self.tensor_of, self.dtypes, self.sender)) is not None:
+            elif (view := self._direct(m)) is not None:
                 kinds.append(SlotKind.DIRECT)
                 bufs.append(view)
             else:
@@ -209,6 +173,44 @@ class _Executor:
         self.folded[self.key(m)] = acc
 
 
+    def _wire(self, name: str) -> torch.dtype:
+        dt = self.wire.get(name)
+        if dt is None:
+            dt = self.wire[name] = dtype_from_name(self.dtypes[name])
+        return dt
+
+    def _pairs(self, m: Message, buf: torch.Tensor, tensors: list[torch.Tensor],
+               offsets: list[tuple[int, ...]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(this rank's side, ``buf``'s side) of each item of staged message ``m``: byte views where
+        its tensor is contiguous in the wire dtype, else views in the item's shape (the tensor's side
+        may then differ in dtype: the copy casts)."""
+        runs, wire = self.runs, self._wire
+        mine = [runs.box(t, at, item.region.sizes) if t.dtype == wire(item.name) else None
+                for item, t, at in zip(m.items, tensors, offsets)]
+        theirs = runs.likes(buf, m.offsets, mine)
+        for i, box in enumerate(mine):
+            if box is None:
+                item = m.items[i]
+                mine[i] = tensors[i][box_slices(offsets[i], item.region.sizes)]
+                theirs[i] = _view(buf, m.offsets[i], item, self.dtypes)
+        return mine, theirs
+
+    def _direct(self, m: Message) -> torch.Tensor | None:
+        """The bytes of message ``m`` in this rank's own tensor, when ``m`` is one item contiguous
+        there in the wire dtype: sent from the shard or received into the parameter with no
+        staging copy. Each end decides for itself; the bytes on the wire are the same either way."""
+        if len(m.items) != 1:
+            return None
+        item, tensor = m.items[0], self.tensor_of(m, 0)
+        if tensor.dtype != self._wire(item.name):
+            return None
+        at = item.src_offsets if self.sender else item.param_offsets
+        box = self.runs.box(tensor, at, item.region.sizes)
+        if box is None:  # not contiguous: the item's own view may still be
+            return _direct(m, self.tensor_of, self.dtypes, self.sender)
+        return box if box.dim() == 1 and box.numel() == m.nbytes else None
+
+
 class _Sender(_Executor):
     """Packs each staged item's region of its shard into the span and posts while the earlier
     rounds are on the wire; direct messages and sparse payloads go from where they are."""
@@ -236,8 +238,13 @@ class _Sender(_Executor):
                 self._pack(m, buf, kind)
 
     def _pack(self, m: Message, buf: torch.Tensor, kind: SlotKind) -> None:
-        """Copy a staged message's items into ``buf``; with ``sums``, fold what it sends."""
+        """Copy a staged message's items into ``buf`` (one grouped copy); with ``sums``, fold what it sends."""
         tensor_of, dtypes = self.tensor_of, self.dtypes
+        if kind is SlotKind.STAGED and self.sums is None:
+            shards = [tensor_of(m, i) for i in range(len(m.items))]
+            srcs, dsts = self._pairs(m, buf, shards, [it.src_offsets for it in m.items])
+            torch._foreach_copy_(dsts, srcs)
+            return
         views = []
         for i, (item, off) in enumerate(zip(m.items, m.offsets)):
             if kind is SlotKind.SPARSE:  # the checksum is of the values the payload makes
@@ -283,6 +290,11 @@ class _Receiver(_Executor):
         """Copy (or patch) a received message's items into their targets; with ``sums``, fold what
         was applied (in the wire dtype)."""
         tensor_of, dtypes = self.tensor_of, self.dtypes
+        if kind is SlotKind.STAGED and self.sums is None:
+            targets = [tensor_of(m, i) for i in range(len(m.items))]
+            targets, received = self._pairs(m, buf, targets, [it.param_offsets for it in m.items])
+            torch._foreach_copy_(targets, received)
+            return
         patches = None
         if kind is SlotKind.SPARSE:
             patches = decode(buf, _numels(m), self.sparse[self.key(m)], _itemsize(m, dtypes),
@@ -349,8 +361,7 @@ def _numels(m: Message) -> list[int]:
 
 def _direct(m: Message, tensor_of: TensorOf, dtypes: Mapping[str, str], sender: bool) -> torch.Tensor | None:
     """The bytes of message ``m`` in this rank's own tensor, when ``m`` is one item whose region is
-    contiguous there in the wire dtype: sent from the shard or received into the parameter with no
-    staging copy. Each end decides for itself; the bytes on the wire are the same either way."""
+    contiguous there in the wire dtype (``_Executor._direct`` without its byte views: any tensor)."""
     if len(m.items) != 1:
         return None
     item, tensor = m.items[0], tensor_of(m, 0)

@@ -1,7 +1,8 @@
 """Bytes in and out of flat uint8 buffers, and the checksum both ends of a transfer fold.
 
 :func:`pack` / :func:`unpack` move tensors into and out of the buckets that
-:func:`weightsync.layout.buckets.plan_buckets` plans. :func:`fold_checksum` folds a tensor's bytes
+:func:`weightsync.layout.buckets.plan_buckets` plans. :class:`Staging` hands out the M2N executor's
+spans of its staging buffer; :class:`ByteRuns` views boxes of tensors as byte slices. :func:`fold_checksum` folds a tensor's bytes
 into a running checksum for ``verify=True`` syncs, on the tensor's own device, in bounded memory.
 
 The checksum of one tensor
@@ -26,14 +27,17 @@ transient memory <= 2 x CHUNK_BYTES on the tensor's device, whatever the tensor'
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 
 from ..layout.buckets import Bucket, BucketEntry
+from ..layout.records import align_up
+from ..layout.schedule import ALIGN
 from ..protocol import dtype_from_name
 
-__all__ = ["CHUNK_BYTES", "ROW_WORDS", "fold_checksum", "fold_value", "pack", "unpack"]
+__all__ = ["CHUNK_BYTES", "ROW_WORDS", "ByteRuns", "Staging", "fold_checksum", "fold_value", "pack", "unpack"]
 
 CHUNK_BYTES = 16 << 20
 """Bytes of the int64 work buffer one :func:`fold_checksum` call allocates (bounds its memory)."""
@@ -61,6 +65,114 @@ def unpack(buffer: torch.Tensor, bucket: Bucket) -> list[tuple[str, torch.Tensor
         raw = buffer[e.offset : e.offset + e.nbytes]
         out.append((e.name, raw.view(dtype_from_name(e.dtype)).view(e.shape)))
     return out
+
+
+class Staging:
+    """The staging buffer's spans: a staged round takes just the bytes its slots need, aligned, at
+    the lowest offset no posted round holds, so low bytes are reused first and only as much of the
+    buffer is touched as the rounds in flight stage at once."""
+
+    def __init__(self, buf: torch.Tensor) -> None:
+        self.buf = buf
+        self.room = buf.numel() // ALIGN * ALIGN
+
+    def need(self, slots: list[torch.Tensor | int]) -> int:
+        """Bytes a round's slots to place (their byte counts) take; ``ValueError`` above the room."""
+        need = sum(align_up(b, ALIGN) for b in slots if isinstance(b, int))
+        if need > self.room:
+            raise ValueError(f"a round needs {need} bytes of staging, more than the {self.room} there are")
+        return need
+
+    def spot(self, need: int, held: Iterable[tuple[int, int]]) -> int | None:
+        """The lowest offset with ``need`` bytes free of every ``held`` span, or None."""
+        spans = [span for span in held if span[0] < span[1]]
+        for at in sorted({0, *(e for _, e in spans)}):
+            if at + need <= self.room and all(e <= at or at + need <= s for s, e in spans):
+                return at
+        return None
+
+    def place(self, slots: list[torch.Tensor | int], start: int, need: int) -> list[torch.Tensor]:
+        """The slots as buffers: each byte count becomes the next aligned span from ``start``."""
+        area = self.buf[start : start + need]
+        out, base = [], 0
+        for b in slots:
+            if isinstance(b, int):
+                out.append(area[base : base + b])
+                base += align_up(b, ALIGN)
+            else:
+                out.append(b)
+        return out
+
+
+class ByteRuns:
+    """Boxes of tensors as bytes: each tensor's bytes are viewed flat once (per instance: one sync),
+    then a box of a contiguous tensor is one view of them (one slice when the box is one run), with
+    no view in the tensor's dtype and no slice per dim (the executor's per-item hot path)."""
+
+    def __init__(self) -> None:
+        self._of: dict[int, tuple[torch.Tensor, torch.Tensor | None, tuple[int, ...], tuple[int, ...], int]] = {}
+        self._strides: dict[tuple[int, ...], tuple[int, ...]] = {}  # a shape -> its row-major strides
+
+    def box(self, t: torch.Tensor, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor | None:
+        """``t[box]``'s bytes as a uint8 view of ``t``: 1-D when the box (``offsets``, ``sizes``, in
+        ``t``'s index space) is one run of ``t``, else its ``sizes`` and a last dim of ``t``'s element
+        bytes; None when ``t`` is not contiguous."""
+        got = self._of.get(id(t))
+        if got is None:  # (it holds t: no other tensor takes t's id meanwhile)
+            flat = t.reshape(-1).view(torch.uint8) if t.is_contiguous() else None
+            es = t.element_size()
+            got = self._of[id(t)] = (t, flat, tuple(t.shape), tuple(st * es for st in t.stride()), es)
+        _, flat, shape, strides, n = got
+        nd = len(shape)
+        if flat is None or len(sizes) != nd:
+            return None
+        start = 0
+        for o, st in zip(offsets, strides):
+            start += o * st
+        j, run = 0, True
+        while j < nd - 1 and sizes[j] == 1:  # one run: every dim after its first longer one whole
+            j += 1
+        for k in range(j + 1, nd):
+            run = run and sizes[k] == shape[k]
+        if run:
+            for s in sizes:
+                n *= s
+            return flat[start : start + n]
+        return flat.as_strided((*sizes, n), (*strides, 1), flat.storage_offset() + start)
+
+    def likes(self, buf: torch.Tensor, offsets: tuple[int, ...], boxes: list[torch.Tensor | None]) -> list[Any]:
+        """:meth:`like` of each box (None where it is None); a run of boxes of one shape that lie
+        back to back in ``buf`` is one view of it, unbound (no Python call per box)."""
+        out: list[Any] = [None] * len(boxes)
+        i, n = 0, len(boxes)
+        while i < n:
+            b = boxes[i]
+            if b is None:
+                i += 1
+                continue
+            shape, nb, j = b.shape, b.numel(), i + 1
+            while j < n and (c := boxes[j]) is not None and c.shape == shape and offsets[j] == offsets[i] + (j - i) * nb:
+                j += 1
+            if j - i == 1:
+                out[i] = self.like(buf, offsets[i], b)
+            else:
+                out[i:j] = buf[offsets[i] : offsets[i] + (j - i) * nb].view(j - i, *shape).unbind(0)
+            i = j
+        return out
+
+    def like(self, buf: torch.Tensor, off: int, view: torch.Tensor) -> torch.Tensor:
+        """The bytes of the uint8 ``buf`` from ``off``, in ``view``'s shape (a :meth:`box`), row-major."""
+        if view.dim() == 1:
+            return buf[off : off + view.numel()]
+        shape = tuple(view.shape)
+        strides = self._strides.get(shape)
+        if strides is None:
+            acc, out = 1, []
+            for s in reversed(shape):
+                out.append(acc)
+                acc *= s
+            strides = self._strides[shape] = tuple(reversed(out))
+        return buf.as_strided(shape, strides, buf.storage_offset() + off)
 
 
 def _byte_blocks(t: torch.Tensor, limit: int) -> Iterator[torch.Tensor]:
