@@ -84,7 +84,13 @@ class TrainerRank:
         return self.trainer.train_step(samples)
 
     def sync(self, version: str) -> float:
-        return self.trainer.sync_weights(self.engine, weight_version=version).seconds
+        """Generation paused for the sync (rank 0 drives vLLM; an unpaused sync is refused)."""
+        from contextlib import nullcontext
+
+        from weightsync.clients import paused
+
+        with paused(self.engine.client) if self.engine.rank == 0 else nullcontext():
+            return self.trainer.sync_weights(self.engine, weight_version=version).seconds
 
     def full_state_dict(self) -> dict | None:
         return self.trainer.full_state_dict()  # collective; rank 0 gets the weights (for the CPU checks)

@@ -106,6 +106,8 @@ class TrainerRank:
 
     def sync(self, version: str) -> dict:
         """Collective over the trainer ranks: push the weights; returns this rank's stats."""
+        # no clients.paused here: vLLM's sleep paused its scheduler (the sync's check sees it paused), and
+        # its wake_up resumes it once the KV cache is back
         stats = self.engine.send_weights(weight_version=version)
         return {"seconds": stats.seconds, "phases": stats.phases, "chunks": stats.num_steps,
                 "bytes_sent": stats.bytes_sent}

@@ -38,7 +38,10 @@ def run_gpu(model_name: str) -> None:
     from vllm.config import WeightTransferConfig
     from vllm.utils.network_utils import get_ip, get_open_port
 
+    from contextlib import nullcontext
+
     from weightsync import DTensorModuleSource, RayVLLMWeightSyncClient, WeightTransferTrainerFactory
+    from weightsync.clients import paused
     from weightsync.transport.m2n import M2NTrainerInitInfo
 
     class MyLLM(LLM):
@@ -73,7 +76,9 @@ def run_gpu(model_name: str) -> None:
             )
 
         def send_weights(self, version: str) -> dict:
-            stats = self.engine.send_weights(weight_version=version)
+            """Generation paused for the sync (rank 0 drives vLLM; syncs are refused otherwise)."""
+            with paused(self.engine.client) if self.rank == 0 else nullcontext():
+                stats = self.engine.send_weights(weight_version=version)
             return {"seconds": stats.seconds, "gbps": stats.gbps, "bytes": stats.bytes_sent}
 
     ray.init()

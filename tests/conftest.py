@@ -19,3 +19,13 @@ def cluster():
     c = LocalCluster()
     yield c
     c.close()
+
+
+@pytest.fixture(autouse=True)
+def _replace_dead_peers(request):
+    """A test that killed a peer and failed before recovering must not fail every later test."""
+    yield
+    if "cluster" in request.fixturenames:
+        c = request.getfixturevalue("cluster")
+        if not all(a.alive() for a in c.trainers + c.receivers):
+            c.replace_dead()

@@ -18,6 +18,7 @@ import atexit
 import importlib.util
 import os
 import random
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -50,6 +51,14 @@ def init_info(backend: str, layout: Layout, *, buffer_bytes: int = 64 << 10, tim
     """A valid CPU init info for ``backend`` on ``layout``'s deployment (bucket or staging ``buffer_bytes``)."""
     return cluster_init_info(replace(layout, backend=backend), buffer_bytes=buffer_bytes, timeout_s=timeout_s,
                              **fields)
+
+
+def until(condition: Any, what: str, timeout_s: float) -> None:
+    """Wait (bounded by ``timeout_s``) for a condition another process brings about."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
 
 
 def mismatches(cluster: Any) -> dict[str, list[str]]:

@@ -72,6 +72,8 @@ def test_calls_from_many_threads_at_once_lose_no_reply(actors):
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
     assert [t for t in threads if t.is_alive()] == []
+    lost = [r for r in results if not isinstance(r, int)]
+    assert lost == [], f"{len(lost)} of {2 * 64} calls got no reply: {lost[:3]}"
     assert sorted(results) == sorted([a.process.pid for a in actors] * 64)
 
 
@@ -92,6 +94,30 @@ def test_a_silent_peer_fails_the_call_at_its_timeout_instead_of_hanging():
         assert isinstance(error, TimeoutError) and str(error) == (
             "actor silent did not complete the handshake within 0.5s"), error
         assert elapsed >= 0.5  # it failed at its timeout, not before
+
+
+def test_a_peer_that_stops_reading_fails_the_call_instead_of_blocking_its_write(monkeypatch):
+    """A peer that authenticates, then never reads: a request larger than the socket buffers cannot
+    be written; the write gives up once it made no progress for the harness's bound (here 0.5 s)."""
+    from multiprocessing.connection import Listener
+
+    import weightsync.testing.actors as actors_module
+
+    monkeypatch.setattr(actors_module, "READ_BOUND_S", 0.5)
+    with Listener(("127.0.0.1", 0), authkey=b"k" * 16) as listener:
+        addr = ActorAddress(*listener.address, b"k" * 16, "deaf")
+        held = []
+        threading.Thread(target=lambda: held.append(listener.accept()), daemon=True).start()
+        outcome: list[object] = []
+        thread = threading.Thread(target=lambda: outcome.extend(call_many([(addr, "os:getpid", (b"x" * (64 << 20),),
+                                                                            {})], timeout_s=30)), daemon=True)
+        thread.start()
+        thread.join(60)
+        assert not thread.is_alive(), "the write blocked on a peer that does not read"
+        (error,) = outcome
+        assert isinstance(error, BlockingIOError), error
+        for conn in held:
+            conn.close()
 
 
 def test_a_silent_client_holds_up_no_other_connection(actors):

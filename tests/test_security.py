@@ -8,12 +8,12 @@ import multiprocessing as mp
 import os
 import signal
 import threading
-import time
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import until
 
 from weightsync.comm import Communicator
 from weightsync.errors import DataPlaneError
@@ -273,14 +273,6 @@ def _own_files(pid: int) -> list[str]:
     return [f for f in os.listdir(SHM_DIR) if f.startswith(f"{SHM_PREFIX}{pid}-")]
 
 
-def _until(condition, what: str) -> None:
-    """Wait (bounded by the test timeout) for a condition another process brings about."""
-    deadline = time.monotonic() + TIMEOUT_S
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
-
-
 def _buffer_in(conn, kill: bool) -> None:
     from weightsync.transport.ipc_handles import ExportedBuffer
 
@@ -304,7 +296,7 @@ def test_a_cpu_buffer_file_is_removed_when_its_owner_drops_it_or_dies(kill):
     path = parent.recv()
     p.join(120)
     assert p.exitcode == (-signal.SIGKILL if kill else 0)
-    _until(lambda: not os.path.exists(path), f"{path} outlived its process")
+    until(lambda: not os.path.exists(path), f"{path} outlived its process", TIMEOUT_S)
 
 
 class KillingClient(JsonRoundTripClient):
@@ -332,7 +324,8 @@ def test_sigkilled_ipc_trainers_mid_sync_leave_nothing_in_dev_shm(cluster):
         assert _own_files(pids[1]), "rank 1's buffer exists mid-sync"
         cluster.active_trainers[1].kill()
         for pid in pids:
-            _until(lambda: not _own_files(pid), f"trainer {pid}'s ipc buffer outlived it: {_own_files(pid)}")
+            until(lambda: not _own_files(pid), f"trainer {pid}'s ipc buffer outlived it: {_own_files(pid)}",
+                  TIMEOUT_S)
     finally:
         cluster.replace_dead()
 
@@ -354,3 +347,41 @@ def test_poisoned_errors_name_the_call_that_recovers():
     with pytest.raises(PoisonedError, match=r"re-initialize from the trainer: TrainerEngine\.trainer_init on every "
                                             r"trainer rank, which calls init_weight_transfer_engine on every engine"):
         worker.start_weight_update()
+
+
+# ---- pausing by default (issue 34 item 5) ---------------------------------------------------------
+@pytest.mark.vllm
+def test_an_unpaused_sync_is_refused_on_every_rank_before_anything_moves(cluster):
+    """More in tests/test_pausing.py (partly applied weights stay paused; the middleware's /resume)."""
+    from helpers import init_info, mismatches
+    from test_failures import on_every_trainer
+    from weightsync.testing.cluster import Layout
+
+    layout = Layout(trainers=2, tp=2, replicas=2, backend="weightsync_nccl")
+    cluster.setup(layout)
+    client, info = cluster.client(), lambda **kw: init_info("weightsync_nccl", layout, timeout_s=TIMEOUT_S, **kw)
+    cluster.make_engines(info())
+    cluster.sync(weight_version="good")  # inside clients.paused: resumed after it
+    assert list(client.generation_paused().values()) == [False, False]
+    before = cluster.on_receivers("checksum")
+    cluster.train_step(5)
+    client.pause_generation()
+    for a in cluster.active_receivers[2:]:  # engine 1 (replica 1) serves again
+        a.call("weightsync.testing.client:_set", "weightsync_paused", False)
+    t0 = time.perf_counter()
+    errors = on_every_trainer(cluster, "weightsync.testing.trainer:send_weights", "unpaused", pause=False)
+    elapsed = time.perf_counter() - t0
+    r2, r3 = (a.name for a in cluster.active_receivers[2:])
+    for e in errors:  # every rank: the same refusal, naming the engine that serves
+        assert (f"Refused: weight sync refused: engine 1 ({r2}, {r3}): generation is not paused (1 of 2 engine(s)); "
+                "call client.pause_generation() before send_weights") in e, e
+    assert elapsed < TIMEOUT_S, f"refused after {elapsed:.1f} s"
+    assert cluster.on_receivers("checksum") == before  # nothing moved, nothing poisoned
+    assert cluster.client().weight_versions() == ["good"] * layout.num_workers
+    assert [a.call("weightsync.testing.probes:engine_poisoned") for a in cluster.active_receivers] == [None] * 4
+    client.resume_generation()  # none paused: both named
+    errors = on_every_trainer(cluster, "weightsync.testing.trainer:send_weights", "unpaused", pause=False)
+    assert all("engine 0 (" in e and "engine 1 (" in e and "(2 of 2 engine(s))" in e for e in errors), errors
+    cluster.make_engines(info(require_paused=False))  # explicitly allowed: syncs while serving
+    cluster.on_trainers("send_weights", "unpaused-allowed", pause=False)
+    assert mismatches(cluster) == {} and list(client.generation_paused().values()) == [False, False]

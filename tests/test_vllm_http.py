@@ -380,7 +380,8 @@ def test_sync_through_vllm_http_routes_is_bit_exact(cluster, http_server):
     assert cluster.client().weight_versions() == ["http-v1", "http-v1"]
     calls = actor.call("weightsync.testing.client:http_calls")
     assert calls[0] == ("init", "WeightTransferInitRequest")
-    assert calls[-3:] == [("start",), ("update", "WeightTransferUpdateRequest"), ("finish", "http-v1")]
+    assert calls[-5:] == [("pause", "abort", True), ("start",), ("update", "WeightTransferUpdateRequest"),
+                          ("finish", "http-v1"), ("resume",)]  # the harness syncs inside clients.paused
 
 
 @pytest.mark.vllm

@@ -69,4 +69,4 @@ def test_an_engine_of_one_transport_refuses_another_transports_init_info(cluster
         with pytest.raises(RemoteError, match=r"init_info.transport is 'weightsync_nccl', but this vLLM engine's "
                                               r"weight-transfer backend is 'weightsync_m2n'"):
             f.result(timeout=120)
-    assert time.perf_counter() - t0 < 20  # the workers reported it: no rendezvous timeout (60 s) waited out
+    assert time.perf_counter() - t0 < info.timeout_s / 2  # the workers reported it: no rendezvous timeout waited out

@@ -10,26 +10,14 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from typing import Any, Protocol, runtime_checkable
 
 from .errors import EngineDead, RemoteCallError
+from .pausing import PAUSE_MODES, UpdateTracker, WeightsPartlyApplied, _check_mode, partly_applied_message, paused
 
 __all__ = ["WeightSyncClient", "RemoteCallError", "EngineDead", "per_engine", "HTTPVLLMWeightSyncClient",
-           "RayVLLMWeightSyncClient", "paused", "PAUSE_MODES"]
-
-PAUSE_MODES = ("abort", "wait", "keep")
-"""How vLLM treats in-flight requests while paused for a sync:
-``abort`` drops them now (fastest; the caller re-submits); ``wait`` lets them finish first (no lost
-work, the sync waits for the longest request); ``keep`` freezes them in the queue and resumes them
-afterwards (their KV caches were computed with the old weights)."""
-
-
-def _check_mode(mode: str) -> None:
-    if mode not in PAUSE_MODES:
-        raise ValueError(f"mode must be one of {PAUSE_MODES}, got {mode!r}")
+           "RayVLLMWeightSyncClient", "paused", "PAUSE_MODES", "WeightsPartlyApplied"]
 
 UpdatePayload = dict[str, Any] | list[dict[str, Any]]
 
@@ -49,7 +37,11 @@ class WeightSyncClient(Protocol):
     threads at once, as weightsync's clients are: trainer rank 0 then sends ``finish_weight_update``
     as soon as every worker said on the store that it applied the update, while the ``update_weights``
     call is still returning (an engine runs its calls in order, so the finish comes after the update
-    there)."""
+    there).
+
+    Syncs also need ``generation_paused() -> dict[str, bool]`` (engine label -> paused), unless the
+    init info says ``require_paused=False`` (:mod:`weightsync.pausing`); weightsync's clients also
+    have ``pause_generation``/``resume_generation``."""
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None: ...
 
@@ -100,6 +92,16 @@ class HTTPVLLMWeightSyncClient:
             raise RemoteCallError(f"POST {url}/{path} failed: {e}") from None
         return json.loads(raw) if raw else None
 
+    def _get_one(self, url: str, path: str) -> Any:
+        req = urllib.request.Request(f"{url}/{path}", method="GET", headers=self._headers())
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                return json.loads(resp.read())
+        except urllib.error.HTTPError as e:
+            raise RemoteCallError(f"GET {url}/{path} -> HTTP {e.code}: {e.read().decode(errors='replace')}") from None
+        except (urllib.error.URLError, TimeoutError, OSError, ValueError) as e:
+            raise RemoteCallError(f"GET {url}/{path} failed: {e}") from None
+
     def _post(self, path: str, body: dict[str, Any] | None = None,
               bodies: list[dict[str, Any]] | None = None) -> None:
         bodies = bodies or [body] * len(self.base_urls)  # type: ignore[list-item]
@@ -131,11 +133,33 @@ class HTTPVLLMWeightSyncClient:
         self._post(f"pause?mode={mode}&clear_cache={str(bool(clear_cache)).lower()}")
 
     def resume_generation(self) -> None:
-        self._post("resume")
+        """POST /resume; ``WeightsPartlyApplied`` when a server refuses it (409 from weightsync's
+        middleware: a failed sync left its weights partly applied)."""
+        try:
+            self._post("resume")
+        except RemoteCallError as e:
+            if "resume_generation refused" in str(e):
+                raise WeightsPartlyApplied(str(e)) from None
+            raise
+
+    def generation_paused(self) -> dict[str, bool]:
+        """GET /is_paused of every server: ``{"engine i (url)": paused}``."""
+        with ThreadPoolExecutor(len(self.base_urls)) as pool:
+            answers = list(pool.map(lambda u: self._get_one(u, "is_paused"), self.base_urls))
+        bad = [u for u, a in zip(self.base_urls, answers) if not isinstance(a, dict) or
+               not isinstance(a.get("is_paused"), bool)]
+        if bad:
+            raise RemoteCallError(f"GET {bad[0]}/is_paused did not answer {{'is_paused': bool}}")
+        return {f"engine {i} ({u})": a["is_paused"] for i, (u, a) in enumerate(zip(self.base_urls, answers))}
 
 
 class RayVLLMWeightSyncClient:
-    """Talks to one or more vLLM ``LLM`` Ray actors (one per replica); Ray is imported on use."""
+    """Talks to one or more vLLM ``LLM`` Ray actors (one per replica); Ray is imported on use.
+
+    Pausing: an actor's own ``pause_generation``/``resume_generation``/``is_paused`` methods when it
+    has them (e.g. one wrapping ``AsyncLLM``), else, for vLLM's ``LLM`` itself, its engine core's
+    scheduler (``pause_scheduler``, as ``AsyncLLM.pause_generation`` does). Whether a failed sync left
+    an actor's weights partly applied is kept on the actor (:mod:`weightsync.pausing`)."""
 
     concurrent_calls = True
 
@@ -144,15 +168,35 @@ class RayVLLMWeightSyncClient:
         if not self.handles:
             raise ValueError("handle must be an actor handle or a non-empty list of them")
         self.timeout_s = timeout_s
+        self._tracker = UpdateTracker()
 
-    def _call(self, method: str, *args: Any, per_handle: list[tuple[Any, ...]] | None = None) -> None:
+    def _get(self, method: str, refs: list[Any]) -> list[Any]:
         import ray
 
-        refs = [getattr(h, method).remote(*(per_handle[i] if per_handle else args)) for i, h in enumerate(self.handles)]
         try:
-            ray.get(refs, timeout=self.timeout_s)
+            return ray.get(refs, timeout=self.timeout_s)
         except ray.exceptions.RayError as e:
             raise remote_call_error(method, e) from None
+
+    def _call(self, method: str, *args: Any, per_handle: list[tuple[Any, ...]] | None = None) -> None:
+        self._get(method, [getattr(h, method).remote(*(per_handle[i] if per_handle else args))
+                           for i, h in enumerate(self.handles)])
+
+    def _on_actors(self, method: str, fn: Any, *args: Any) -> list[Any]:
+        """``fn(actor, *args)`` inside every actor."""
+        return self._get(method, [h.__ray_call__.remote(fn, *args) for h in self.handles])
+
+    def _own_or_llm(self, method: str, fn: Any, *args: Any, **kwargs: Any) -> list[Any]:
+        """The actors' own ``method`` where they have it, else ``fn(llm, *args)`` on vLLM's ``LLM``."""
+        refs = []
+        for h in self.handles:
+            try:
+                own = getattr(h, method)
+            except AttributeError:
+                refs.append(h.__ray_call__.remote(fn, *args, *kwargs.values()))
+            else:
+                refs.append(own.remote(*args, **kwargs))
+        return self._get(method, refs)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         """Each engine gets the init info with its ``engine_index`` (see ``per_engine``)."""
@@ -160,34 +204,45 @@ class RayVLLMWeightSyncClient:
 
         self._call("init_weight_transfer_engine", per_handle=[
             (WeightTransferInitRequest(init_info=d),) for d in per_engine(init_info, len(self.handles))])
+        self._tracker.init(init_info)
 
     def start_weight_update(self) -> None:
+        self._tracker.start()
         self._call("start_weight_update")
 
     def update_weights(self, update_info: UpdatePayload) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
+        if (partial := self._tracker.update(update_info)) is not None:  # before the abort reaches the workers
+            self._on_actors("update_weights", _set_partial, partial)
         self._call("update_weights", WeightTransferUpdateRequest(update_info=update_info))
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._call("finish_weight_update", weight_version)
+        if self._tracker.landed():
+            self._on_actors("finish_weight_update", _set_partial, None)
 
     def shutdown_weight_transfer_engine(self) -> None:
         self._call("shutdown_weight_transfer_engine")
 
     def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
-        """``AsyncLLM.pause_generation`` on every actor (see ``PAUSE_MODES``)."""
+        """Pause every actor's generation (see ``PAUSE_MODES``)."""
         _check_mode(mode)
-        import ray
-
-        refs = [h.pause_generation.remote(mode=mode, clear_cache=clear_cache) for h in self.handles]
-        try:
-            ray.get(refs, timeout=self.timeout_s)
-        except ray.exceptions.RayError as e:
-            raise remote_call_error("pause_generation", e) from None
+        self._own_or_llm("pause_generation", _llm_pause, mode=mode, clear_cache=clear_cache)
 
     def resume_generation(self) -> None:
-        self._call("resume_generation")
+        """Resume every actor's generation; ``WeightsPartlyApplied`` (nothing resumed) while a failed
+        sync left any actor's weights partly applied."""
+        partial = self._on_actors("resume_generation", _get_partial)
+        if torn := [(i, p) for i, p in enumerate(partial) if p is not None]:
+            i, reason = torn[0]
+            raise WeightsPartlyApplied(partly_applied_message(f"engine {i} ({self.handles[i]})", reason))
+        self._own_or_llm("resume_generation", _llm_resume)
+
+    def generation_paused(self) -> dict[str, bool]:
+        """``{"engine i (actor)": paused}`` for every actor."""
+        states = self._own_or_llm("is_paused", _llm_is_paused)
+        return {f"engine {i} ({h})": bool(p) for i, (h, p) in enumerate(zip(self.handles, states))}
 
     def shutdown_engines(self, *, timeout_s: float = 60.0) -> None:
         """Stop every engine for good: vLLM's engine core and its workers shut down inside each actor
@@ -204,6 +259,46 @@ class RayVLLMWeightSyncClient:
                 pass
         for h in self.handles:
             ray.kill(h, no_restart=True)
+
+
+# --- inside an LLM actor (``__ray_call__``) ---
+
+_PARTIAL = "_weightsync_partly_applied"
+
+
+def _set_partial(actor: Any, reason: str | None) -> None:
+    setattr(actor, _PARTIAL, reason)
+
+
+def _get_partial(actor: Any) -> str | None:
+    return getattr(actor, _PARTIAL, None)
+
+
+def _engine_core(llm: Any) -> Any:
+    return llm.llm_engine.engine_core
+
+
+def _utility(llm: Any, method: str, *args: Any) -> Any:
+    core = _engine_core(llm)
+    if hasattr(core, "call_utility"):  # the engine core in its own process (vLLM's default)
+        return core.call_utility(method, *args)
+    return getattr(core.engine_core, method)(*args)  # in-process engine core
+
+
+def _llm_pause(llm: Any, mode: str, clear_cache: bool) -> None:
+    """What ``AsyncLLM.pause_generation`` does, for ``LLM``: the scheduler paused in the engine core."""
+    renderer = getattr(llm.llm_engine, "renderer", None)
+    if clear_cache and renderer is not None and hasattr(renderer, "clear_mm_cache"):
+        renderer.clear_mm_cache()
+    _utility(llm, "pause_scheduler", mode, clear_cache)
+
+
+def _llm_resume(llm: Any) -> None:
+    _utility(llm, "resume_scheduler")
+
+
+def _llm_is_paused(llm: Any) -> bool:
+    return bool(_utility(llm, "is_scheduler_paused"))
 
 
 def _stop_engine_core(llm: Any, timeout_s: float) -> None:
@@ -234,24 +329,3 @@ def _innermost_frame(traceback_str: str) -> str:
     """`` (at File "...", line N, in f)``: the last frame of a remote traceback, or nothing."""
     frames = [ln.strip() for ln in traceback_str.splitlines() if ln.strip().startswith("File ")]
     return f" (at {frames[-1]})" if frames else ""
-
-
-@contextmanager
-def paused(client: Any, mode: str = "abort", clear_cache: bool = True) -> Iterator[None]:
-    """Pause generation for the body (a sync) and resume afterwards::
-
-        with paused(client, mode="wait"):
-            engine.send_weights(weight_version=f"step{step}")
-
-    When the body raises a ``SyncFailed`` whose engines may hold partly updated weights
-    (``restored`` False: the default ``rollback=False`` and data had moved), generation stays
-    paused: re-initialize, sync again (inside ``paused`` again, which resumes on success), or call
-    ``client.resume_generation()`` yourself. Any other failure resumes generation."""
-    client.pause_generation(mode=mode, clear_cache=clear_cache)
-    try:
-        yield
-    except BaseException as e:
-        if getattr(e, "restored", True):
-            client.resume_generation()
-        raise
-    client.resume_generation()

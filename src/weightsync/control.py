@@ -31,7 +31,7 @@ class Channel(Protocol):
 
     def read(self, key: str, timeout_s: float | None = None) -> Any: ...
 
-__all__ = ["JOIN_DECISION", "join_key", "INIT_DONE", "SyncKeys", "Listing", "agree", "gather", "init_ack", "model_metas", "model_digest",
+__all__ = ["JOIN_DECISION", "join_key", "INIT_DONE", "trainer_left", "SyncKeys", "Listing", "agree", "gather", "init_ack", "model_metas", "model_digest",
            "m2n_sources", "m2n_sources_digest", "m2n_dest", "m2n_plan_digest", "nccl_loader"]
 
 # ---- init keys ----------------------------------------------------------------------------
@@ -44,6 +44,12 @@ JOIN_DECISION = "join/decision"
 """Whether the data plane's members build the group or raise: set once, by the first to decide."""
 INIT_DONE = "init/done"
 """Trainer rank 0: every worker initialized (the other ranks wait for it)."""
+
+
+def trainer_left(rank: int) -> str:
+    """Trainer rank ``rank`` > 0 shut its engine down: a store that has this key is a previous init's that
+    rank 0 has not closed yet (``trainer.session.connect_fresh``); never set for rank 0."""
+    return f"init/left/{rank}"
 
 
 def init_ack(rank: int) -> str:

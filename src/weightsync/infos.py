@@ -16,7 +16,10 @@ from typing import Any, ClassVar, TypeVar
 
 from .protocol import ParamMeta, default_device, dtype_from_name
 
-__all__ = ["TrainerInitInfo", "WorkerInitInfo", "WorkerUpdateInfo", "MetadataUpdateInfo", "parse_info"]
+TAKEN_OVER = "took this engine over"
+"""What a worker's report says when another trainer session's init took it over mid-update."""
+
+__all__ = ["TAKEN_OVER", "TrainerInitInfo", "WorkerInitInfo", "WorkerUpdateInfo", "MetadataUpdateInfo", "parse_info"]
 
 T = TypeVar("T")
 
@@ -131,6 +134,15 @@ class TrainerInitInfo:
     fallbacks, always get it dense. ``SyncStats.delta`` says what changed and what was sent."""
     delta_baseline: str = "cpu"
     """Where the delta baseline lives: ``"cpu"`` (host memory) or ``"device"`` (the trainer's device)."""
+    take_over: bool = False
+    """Take the engines over from the trainer session they are bound to (the last init of another
+    trainer that has not shut down): an update of that session still active is waited for (up to half
+    of ``timeout_s``), then aborted as its failure (its ranks raise ``SyncFailed`` saying so). Off: an
+    init to engines bound to a live session is refused, naming both sessions."""
+    require_paused: bool = True
+    """A sync refuses to start (``Refused``, on every trainer rank, before anything moves) unless every
+    engine reports its generation paused (``client.pause_generation()`` or ``clients.paused``);
+    False allows syncs while the engines serve (requests may then run on half-written weights)."""
 
     def __post_init__(self) -> None:
         name = type(self).__name__
@@ -159,8 +171,12 @@ class TrainerInitInfo:
         self._set(partial=tuple(self.partial))
         if not isinstance(self.delta, bool):
             raise ValueError(f"{name}.delta must be a bool, got {self.delta!r}")
+        if not isinstance(self.require_paused, bool):
+            raise ValueError(f"{name}.require_paused must be a bool, got {self.require_paused!r}")
         if self.delta_baseline not in ("cpu", "device"):
             raise ValueError(f"{name}.delta_baseline must be 'cpu' or 'device', got {self.delta_baseline!r}")
+        if not isinstance(self.take_over, bool):
+            raise ValueError(f"{name}.take_over must be a bool, got {self.take_over!r}")
         if self.delta and self.cast_dtypes:
             raise ValueError(f"{name}.delta needs the wire dtype to be the parameters' dtype, not cast_dtypes=True: "
                              "cast on the sender instead (the source's dtype=...)")
@@ -203,6 +219,11 @@ class WorkerInitInfo:
     """Cast float tensors whose dtype differs from the parameter's (else the model check refuses them)."""
     partial: list[str] = field(default_factory=list)
     """vLLM parameter names (or module prefixes) a sync may leave unwritten (coverage check)."""
+    session: str = ""
+    """The trainer session (a random token trainer rank 0 draws at each init): the worker is bound to it
+    until it shuts down; an init of another session is refused unless it asks ``take_over`` ("": none)."""
+    take_over: bool = False
+    """This init takes the worker over from the session it is bound to (``TrainerInitInfo.take_over``)."""
 
     def __post_init__(self) -> None:
         _check_port("init_info.master_port", self.master_port, required=True)
@@ -223,6 +244,8 @@ class WorkerUpdateInfo:
     """Compare checksums of what was applied with what the trainers sent before the sync finishes."""
     abort: str | None = None
     """Set when the trainer gave up on the sync: the worker restores its parameters and raises."""
+    session: str = ""
+    """The trainer session sending it (an abort always says): a worker bound to another session ignores it."""
 
 
 @dataclass(kw_only=True)

@@ -19,7 +19,8 @@ from weightsync.testing import vllm_cpu
 from weightsync.testing.vllm_cpu import ENGINE_ENV, RaySession, Trainers, config_dir, diff, free_port, parting, prompts
 
 __all__ = ["ENGINE_ENV", "EngineConfig", "RaySession", "Trainers", "Case", "Outcome", "free_port", "prompts", "diff",
-           "parting", "init_info", "run_cases", "run_scenario", "start_trainer_actors"]
+           "parting", "init_info", "run_cases", "run_scenario", "start_trainer_actors", "MIDDLEWARE", "Server",
+           "ServeReadback"]
 
 
 @dataclass(frozen=True)
@@ -179,4 +180,150 @@ def run_scenario(handles: list[Any], trainer_actors: list[Any], case: Case, *, s
     finally:
         trainers.teardown()
         out.seconds["total"] = time.perf_counter() - t0
+    return out
+
+
+# --- a real ``vllm serve`` (test_vllm_serve, test_peer_trainer) ---------------------------------------
+
+MIDDLEWARE = "weightsync.integrations.vllm_http.WeightSyncRequestValidation"
+READBACK_EXTENSION = "engine_support.ServeReadback"
+"""The ``--worker-extension-cls`` that lets a test read back, over ``POST /collective_rpc``, every tensor the
+server's workers compute with (``ServeReadback``)."""
+
+
+class ServeReadback:
+    """Mixed into the server's vLLM workers (``--worker-extension-cls``): HTTP-reachable read-backs.
+
+    ``collective_rpc`` over HTTP passes strings only and returns JSON, hence digests and a path."""
+
+    def computed_digests(self) -> dict[str, str]:
+        """``read_computed`` (every non-empty parameter and buffer and every CPU GEMM kernel's weight,
+        recovered through an identity matrix), each as ``dtype shape sha256(bytes)``: equal digests
+        mean bit-identical tensors."""
+        import hashlib
+
+        import torch
+
+        from weightsync.testing.llm_actor import read_computed
+
+        out = {}
+        for name, t in read_computed(self).items():
+            raw = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            out[name] = f"{t.dtype} {list(t.shape)} {hashlib.sha256(raw).hexdigest()}"
+        return out
+
+    def reload_reference(self, weights_path: str) -> None:
+        """vLLM's own in-place reload (``reload_weights``: layerwise reload, ``load_weights``, post-load
+        processing) of the safetensors at ``weights_path``, as ``EngineActor.reload_reference`` does."""
+        import glob
+        import io
+
+        import torch
+        from safetensors.torch import load_file
+
+        from weightsync.testing.llm_actor import reload_from_bytes
+
+        state_dict = {}
+        for f in sorted(glob.glob(os.path.join(weights_path, "*.safetensors"))):
+            state_dict.update(load_file(f))
+        buf = io.BytesIO()
+        torch.save(state_dict, buf)
+        reload_from_bytes(self, buf.getvalue())
+
+
+class Server:
+    """One ``vllm serve`` process on ``model_dir`` (its own process group: engine core and workers go with
+    it), with the ``weightsync`` weight-transfer backend, the request middleware and ``ServeReadback``."""
+
+    def __init__(self, workdir: str, model_dir: str, *, dtype: str, served: str, extra_args: tuple[str, ...] = ()
+                 ) -> None:
+        import json
+        import subprocess
+        import sys
+
+        import weightsync
+
+        self.model_dir = model_dir
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        src = os.path.dirname(os.path.dirname(os.path.abspath(weightsync.__file__)))
+        here = os.path.dirname(os.path.abspath(__file__))
+        env = {**os.environ, **ENGINE_ENV, "VLLM_SERVER_DEV_MODE": "1", "VLLM_TARGET_DEVICE": "cpu",
+               "PYTHONPATH": os.pathsep.join([src, here, os.environ.get("PYTHONPATH", "")])}
+        os.makedirs(env["VLLM_RPC_BASE_PATH"], exist_ok=True)
+        self.cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
+                    "--served-model-name", served, "--host", "127.0.0.1", "--port", str(self.port),
+                    "--dtype", dtype, "--max-model-len", "256", "--enforce-eager", *extra_args,
+                    "--seed", "0", "--tensor-parallel-size", "1",
+                    "--weight-transfer-config", json.dumps({"backend": "weightsync"}), "--middleware", MIDDLEWARE,
+                    "--worker-extension-cls", READBACK_EXTENSION]
+        self.log_path = os.path.join(workdir, "server.log")
+        self.log = open(self.log_path, "wb")
+        self.t0 = time.perf_counter()
+        self.proc = subprocess.Popen(self.cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self.start_s: float | None = None
+
+    def tail(self, n: int = 4000) -> str:
+        with open(self.log_path, "rb") as f:
+            return f.read().decode(errors="replace")[-n:]
+
+    def ready(self, timeout_s: float = 600.0) -> str:
+        """Block until ``GET /health`` answers 200; the server's URL."""
+        import urllib.error
+        import urllib.request
+
+        while self.start_s is None:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}:\n{self.tail()}")
+            if time.perf_counter() - self.t0 > timeout_s:
+                raise TimeoutError(f"vllm serve not ready after {timeout_s} s:\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
+                    if r.status == 200:
+                        self.start_s = time.perf_counter() - self.t0
+            except (urllib.error.URLError, OSError):
+                time.sleep(1.0)
+        return self.url
+
+    def rss_mb(self) -> float:
+        import psutil
+
+        procs = [psutil.Process(self.proc.pid)]
+        procs += procs[0].children(recursive=True)
+        return sum(p.memory_info().rss for p in procs) / 2**20
+
+    def stop(self) -> list[int]:
+        """SIGTERM (vLLM's own shutdown), SIGKILL after 60 s; returns the group's pids still alive."""
+        import signal
+        import subprocess
+
+        pgid = self.proc.pid
+        if self.proc.poll() is None:
+            os.killpg(pgid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(pgid, signal.SIGKILL)
+                self.proc.wait(30)
+        deadline = time.time() + 30
+        while time.time() < deadline and (left := _group_members(pgid)):
+            time.sleep(0.5)
+        left = _group_members(pgid)
+        if left:
+            os.killpg(pgid, signal.SIGKILL)
+        self.log.close()
+        return left
+
+
+def _group_members(pgid: int) -> list[int]:
+    import psutil
+
+    out = []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if os.getpgid(p.pid) == pgid:
+                out.append(p.pid)
+        except (ProcessLookupError, psutil.Error):
+            pass
     return out

@@ -61,7 +61,7 @@ def test_a_sync_failing_mid_way_changes_nothing_in_the_engine_and_a_reinit_verif
         outcomes = trainers.send_weights_outcomes(f"{transport}-bad")
         seconds = time.perf_counter() - t0
         assert all(isinstance(o, Exception) and BAD_NAME in str(o) for o in outcomes), outcomes
-        assert seconds < 10, f"every rank failed after {seconds:.1f} s"
+        assert seconds < info.timeout_s / 2, f"every rank failed after {seconds:.1f} s: it waited for timeout_s"
         after = observe(engine, token_prompts)
         assert vllm_cpu.diff(before[0][0], after[0][0]) == [] and vllm_cpu.diff(before[0][1], after[0][1]) == []
         assert after[1] == before[1] and after[2] == before[2], "version and greedy tokens unchanged"
@@ -91,7 +91,7 @@ def test_a_trainer_model_larger_than_the_engines_fails_at_init_and_the_engine_st
         t0 = time.perf_counter()
         with pytest.raises(Exception, match="mlp"):
             trainers.make_engines(info, [engine], registered(backend).source)
-        assert time.perf_counter() - t0 < 10
+        assert time.perf_counter() - t0 < info.timeout_s / 2  # reported: no timeout waited out
         after = observe(engine, token_prompts)
         assert vllm_cpu.diff(before[0][0], after[0][0]) == [] and after[1] == before[1] and after[2] == before[2]
 

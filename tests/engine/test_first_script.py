@@ -105,7 +105,8 @@ def test_a_dead_engine_core_is_reported_as_such_trimmed_and_cleaned_up(ray_sessi
 
         def init():
             info = NCCLTrainerInitInfo.for_deployment(num_trainer_ranks=1, replicas=1, tp=1, rank=0,
-                                                      master_address="127.0.0.1", device="cpu", timeout_s=TIMEOUT_S)
+                                                      master_address="127.0.0.1", device="cpu", timeout_s=TIMEOUT_S,
+                                                      require_paused=False)  # (engine death, not pausing)
             return WeightTransferTrainerFactory.trainer_init(info, client=client, source=FullTensorSource(model))
 
         engine = init()

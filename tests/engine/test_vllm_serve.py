@@ -28,9 +28,6 @@ import hashlib
 import json
 import os
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 import urllib.error
@@ -40,7 +37,7 @@ from typing import Any
 
 import pytest
 
-from engine_support import ENGINE_ENV, Case, config_dir, free_port, init_info, prompts
+from engine_support import Case, Server, config_dir, init_info, prompts
 from weightsync.testing.vllm_cpu import NEAR_TIE, parting
 
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
@@ -49,7 +46,6 @@ EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 pytestmark = pytest.mark.timeout(900)
 
 MODEL, DTYPE, MAX_TOKENS = "tiny_llama", "bfloat16", 8
-MIDDLEWARE = "weightsync.integrations.vllm_http.WeightSyncRequestValidation"
 SERVED = "weightsync-tiny"
 
 
@@ -85,95 +81,11 @@ def http(url: str, path: str, body: Any = None, method: str = "POST") -> tuple[i
     return status, json.loads(raw) if raw else None
 
 
-class Server:
-    """One ``vllm serve`` process (its own process group: engine core and workers go with it)."""
-
-    def __init__(self, workdir: str) -> None:
-        import weightsync
-
-        self.model_dir = random_checkpoint(os.path.join(workdir, "initial"), seed=123)
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        src = os.path.dirname(os.path.dirname(os.path.abspath(weightsync.__file__)))
-        here = os.path.dirname(os.path.abspath(__file__))
-        env = {**os.environ, **ENGINE_ENV, "VLLM_SERVER_DEV_MODE": "1", "VLLM_TARGET_DEVICE": "cpu",
-               "PYTHONPATH": os.pathsep.join([src, here, os.environ.get("PYTHONPATH", "")])}
-        os.makedirs(env["VLLM_RPC_BASE_PATH"], exist_ok=True)
-        self.cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
-                    "--served-model-name", SERVED, "--host", "127.0.0.1", "--port", str(self.port),
-                    "--dtype", DTYPE, "--max-model-len", "256", "--enforce-eager", "--skip-tokenizer-init",
-                    "--seed", "0", "--tensor-parallel-size", "1",
-                    "--weight-transfer-config", json.dumps({"backend": "weightsync"}), "--middleware", MIDDLEWARE]
-        self.log_path = os.path.join(workdir, "server.log")
-        self.log = open(self.log_path, "wb")
-        self.t0 = time.perf_counter()
-        self.proc = subprocess.Popen(self.cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        self.start_s: float | None = None
-
-    def tail(self, n: int = 4000) -> str:
-        with open(self.log_path, "rb") as f:
-            return f.read().decode(errors="replace")[-n:]
-
-    def ready(self, timeout_s: float = 600.0) -> str:
-        """Block until ``GET /health`` answers 200; the server's URL."""
-        while self.start_s is None:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}:\n{self.tail()}")
-            if time.perf_counter() - self.t0 > timeout_s:
-                raise TimeoutError(f"vllm serve not ready after {timeout_s} s:\n{self.tail()}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
-                    if r.status == 200:
-                        self.start_s = time.perf_counter() - self.t0
-            except (urllib.error.URLError, OSError):
-                time.sleep(1.0)
-        return self.url
-
-    def rss_mb(self) -> float:
-        import psutil
-
-        procs = [psutil.Process(self.proc.pid)]
-        procs += procs[0].children(recursive=True)
-        return sum(p.memory_info().rss for p in procs) / 2**20
-
-    def stop(self) -> list[int]:
-        """SIGTERM (vLLM's own shutdown), SIGKILL after 60 s; returns the group's pids still alive."""
-        pgid = self.proc.pid
-        if self.proc.poll() is None:
-            os.killpg(pgid, signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(pgid, signal.SIGKILL)
-                self.proc.wait(30)
-        deadline = time.time() + 30
-        while time.time() < deadline and (left := _group_members(pgid)):
-            time.sleep(0.5)
-        left = _group_members(pgid)
-        if left:
-            os.killpg(pgid, signal.SIGKILL)
-        self.log.close()
-        return left
-
-
-def _group_members(pgid: int) -> list[int]:
-    import psutil
-
-    out = []
-    for p in psutil.process_iter(["pid"]):
-        try:
-            if os.getpgid(p.pid) == pgid:
-                out.append(p.pid)
-        except (ProcessLookupError, psutil.Error):
-            pass
-    return out
-
-
 @pytest.fixture(scope="module")
 def server(ray_session):
     workdir = tempfile.mkdtemp(prefix="weightsync-serve-")
-    srv = Server(workdir)
+    srv = Server(workdir, random_checkpoint(os.path.join(workdir, "initial"), seed=123), dtype=DTYPE, served=SERVED,
+                 extra_args=("--skip-tokenizer-init",))
     yield srv
     left = srv.stop()
     if srv.start_s is not None:

@@ -27,6 +27,10 @@ has already swapped the worker's transport engine by then. With it:
   ``/start_weight_update`` not yet followed by its ``/finish_weight_update``) -> 409: an init would
   replace the trainer mid-update. (Tracked per API server process: with ``--api-server-count`` > 1
   it is not known here and the init passes.)
+* ``POST /resume`` while a failed sync left the weights partly applied -> 409 (:mod:`weightsync.pausing`):
+  from an ``/update_weights`` that aborts the update (``update_info.abort``: the trainer gave up on a
+  sync it started) under an init without ``rollback`` until the 2xx ``/finish_weight_update`` of an
+  update that was not aborted (a full sync landed). Tracked per API server process, like the above.
 * With a token (``WEIGHTSYNC_HTTP_TOKEN`` in the server's environment, or ``token=``), every route of
   ``TOKEN_ROUTES`` needs the header ``X-Weightsync-Token: <token>`` -> 401 without it.
 
@@ -44,6 +48,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from ..infos import parse_info
+from ..pausing import UpdateTracker, partly_applied_message
 from .http_limits import LimitError, check_ranges, loads
 from ..registry import TRANSPORTS, transport
 
@@ -81,6 +86,7 @@ OUT_OF_ORDER = (
 )
 """Worker errors that mean "call in the wrong order", refused before any weight changed."""
 _WORKER_ERROR = re.compile(r"Worker failed with error '(.*)', please check", re.S)
+_ABORT = re.compile(rb'"abort"\s*:\s*[^\sn]')  # an update that aborts (every update names the field)
 _FIELD = re.compile(r"field '(\w+)'|unknown field\(s\) \['(\w+)'|argument: '(\w+)'|^(?:init|update)_info\.(\w+)")
 
 
@@ -208,6 +214,9 @@ class WeightSyncRequestValidation:
         """The transport this API server process last initialized successfully."""
         self.active = False
         """An update this API server process started (2xx start) has not finished."""
+        self.partly_applied: str | None = None
+        """Why a failed sync left the engine's weights partly applied (``/resume`` refused), or None."""
+        self._tracker = UpdateTracker()
 
     def _server_backend(self, scope: Scope) -> str | None:
         if self.backend is not None:
@@ -249,6 +258,10 @@ class WeightSyncRequestValidation:
             status, kind, text = refused
             await _respond(send, status, _error_body(text, status, kind))
             return
+        if path == "/resume" and scope.get("method") == "POST" and self.partly_applied is not None:
+            text = partly_applied_message("this server", self.partly_applied)
+            await _respond(send, 409, _error_body(text, 409, "ConflictError"))
+            return
         if scope.get("method") != "POST" or path not in ORDERED:
             await self.app(scope, receive, send)
             return
@@ -277,6 +290,9 @@ class WeightSyncRequestValidation:
         except RequestError as e:
             await _respond(send, 400, _error_body(str(e), 400, "BadRequestError", e.param))
             return
+        if path == "/update_weights" and _ABORT.search(body) and (
+                partial := self._tracker.update(_field_of(body, "update_info"))):
+            self.partly_applied = partial  # the abort reaches the workers: what they applied stays
         replayed = False
 
         async def replay() -> Message:
@@ -294,6 +310,7 @@ class WeightSyncRequestValidation:
         self._track(path, status)
         if named is not None and 200 <= status < 300:
             self.current = named
+            self._tracker.init(_field_of(body, "init_info"))
 
     def _track(self, path: str, status: int) -> None:
         """Follow vLLM's worker: a 2xx start opens an update; a finish (2xx, or 409: none was open), or
@@ -301,9 +318,21 @@ class WeightSyncRequestValidation:
         ok = 200 <= status < 300
         if path in ("/start_weight_update", "/start_draft_weight_update") and ok:
             self.active = True
+            self._tracker.start()
         elif (path == "/finish_weight_update" and (ok or status == 409)) or (
                 path == "/update_weights" and status >= 500):
             self.active = False
+        if path == "/finish_weight_update" and ok and self._tracker.landed():
+            self.partly_applied = None  # a full sync landed
+
+
+def _field_of(body: bytes, key: str) -> Any:
+    """``body[key]`` of a request body already validated as JSON (None when it is not a JSON object)."""
+    try:
+        data = loads(body) if body.strip() else None
+    except ValueError:
+        return None
+    return data.get(key) if isinstance(data, dict) else None
 
 
 async def _respond(send: Callable[[Message], Awaitable[None]], status: int, body: bytes) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..infos import WorkerInitInfo, WorkerUpdateInfo
+from ..infos import WorkerInitInfo, WorkerUpdateInfo, parse_info
 from ..registry import TRANSPORTS, transport, transport_names
 from ..worker.engine import WorkerEngine
 
@@ -116,7 +116,8 @@ class AnyTransportWorkerEngine(WorkerEngine):
                              f"(one of {transport_names()}), got {name!r}")
         cls = transport(name).worker_engine
         if type(self.engine) is not cls:
-            if self.engine is not None:
+            if self.engine is not None:  # fenced first: a refused session leaves the bound one's engine as it is
+                self.engine.fence(parse_info(cls.init_info_cls, init_dict, "init_info"))
                 self.engine.shutdown()
             self.engine = cls(self.config, self.vllm_config, self.device, self._default_model)
             if self.model is not self._default_model:

@@ -9,6 +9,7 @@ vLLM process costs seconds to import, so actors are started once and reused.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import multiprocessing as mp
 import os
@@ -82,8 +83,9 @@ def _resolve(fn: str) -> Any:
 
 
 READ_BOUND_S = 120.0
-"""The longest any socket read of the harness waits for a byte (handshakes, requests, replies): a
-peer that went silent fails its call with ``TimeoutError`` (an ``OSError``) instead of hanging."""
+"""The longest any socket read or write of the harness waits for progress (handshakes, requests,
+replies): a peer that went silent fails its call with an ``OSError`` instead of hanging. A reply is
+waited for at most the call's ``timeout_s`` (always given: no call waits without a limit)."""
 BACKLOG = 128
 """The actors' listen backlog. (``multiprocessing``'s default of 1 overflowed when 16 calls connected
 at once on a loaded machine: the kernel dropped handshakes, and clients waited forever on a
@@ -91,15 +93,15 @@ connection the actor never accepted.)"""
 
 
 def _bound_reads(sock: socket.socket | Connection, seconds: float) -> None:
-    """Make every blocking read of ``sock`` give up after ``seconds`` without data (``SO_RCVTIMEO``:
-    the socket stays blocking, a read that waits longer raises ``BlockingIOError``)."""
+    """Make every blocking read and write of ``sock`` give up after ``seconds`` without progress
+    (``SO_RCVTIMEO``, ``SO_SNDTIMEO``: the socket stays blocking, a read or write that waits longer
+    raises ``BlockingIOError``; a write waits for a peer that does not read)."""
     usec = max(1000, int(seconds * 1e6))
     value = struct.pack("ll", usec // 1_000_000, usec % 1_000_000)
-    if isinstance(sock, Connection):
-        with socket.socket(fileno=os.dup(sock.fileno())) as dup:  # options belong to the socket, not the fd
-            dup.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
-    else:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
+    with (socket.socket(fileno=os.dup(sock.fileno())) if isinstance(sock, Connection)  # options belong to
+          else contextlib.nullcontext(sock)) as s:  # the socket, not the fd
+        for option in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
+            s.setsockopt(socket.SOL_SOCKET, option, value)
 
 
 def _client(addr: ActorAddress, bound_s: float = READ_BOUND_S) -> Connection:
@@ -150,7 +152,7 @@ def _forget(addr: ActorAddress) -> None:
         conn.close()
 
 
-def call(addr: ActorAddress, fn: str, *args: Any, timeout_s: float | None = 600.0, **kwargs: Any) -> Any:
+def call(addr: ActorAddress, fn: str, *args: Any, timeout_s: float = 600.0, **kwargs: Any) -> Any:
     """Run ``fn`` (``"module:function"``) in the actor at ``addr`` and return its result. The
     connection is kept for the next call (an actor serves each connection until it closes), so a
     call costs one request and one reply; one that failed on the wire or timed out is closed."""
@@ -161,17 +163,18 @@ def call(addr: ActorAddress, fn: str, *args: Any, timeout_s: float | None = 600.
 
 
 def call_many(calls: list[tuple[ActorAddress, str, tuple[Any, ...], dict[str, Any]]], *,
-              timeout_s: float | None = 600.0) -> list[Any]:
+              timeout_s: float = 600.0) -> list[Any]:
     """Run every ``(addr, fn, args, kwargs)`` call at once from this thread: each request goes out
     before any reply is read. Returns per call its result, or the exception it raised
     (``RemoteError``, ``TimeoutError`` after ``timeout_s`` in all, ``OSError``, ``EOFError``)."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:  # (None would wait forever)
+        raise ValueError(f"timeout_s must be a number > 0, got {timeout_s!r}")
+    deadline = time.monotonic() + timeout_s
     sent: list[Connection | BaseException] = []
     for addr, fn, args, kwargs in calls:
         conn = None
         try:
-            conn = _take(addr, READ_BOUND_S if deadline is None else
-                         min(READ_BOUND_S, max(0.001, deadline - time.monotonic())))
+            conn = _take(addr, min(READ_BOUND_S, max(0.001, deadline - time.monotonic())))
             conn.send((fn, args, kwargs))
             sent.append(conn)
         except (OSError, EOFError) as e:  # this call failed on the wire; the others go on
@@ -189,7 +192,7 @@ def call_many(calls: list[tuple[ActorAddress, str, tuple[Any, ...], dict[str, An
             out.append(conn)
             continue
         try:
-            if not conn.poll(None if deadline is None else max(0.0, deadline - time.monotonic())):
+            if not conn.poll(max(0.0, deadline - time.monotonic())):
                 raise TimeoutError(f"{fn} in actor {addr.name} did not answer within {timeout_s}s")
             status, value = conn.recv()
         except (OSError, EOFError, TimeoutError) as e:
@@ -305,10 +308,10 @@ class Actor:
             self._address = self._ready.recv()
         return self._address
 
-    def call(self, fn: str, *args: Any, timeout_s: float | None = 600.0, **kwargs: Any) -> Any:
+    def call(self, fn: str, *args: Any, timeout_s: float = 600.0, **kwargs: Any) -> Any:
         return call(self.address, fn, *args, timeout_s=timeout_s, **kwargs)
 
-    def submit(self, fn: str, *args: Any, timeout_s: float | None = 600.0, **kwargs: Any) -> Future:
+    def submit(self, fn: str, *args: Any, timeout_s: float = 600.0, **kwargs: Any) -> Future:
         return self._pool.submit(self.call, fn, *args, timeout_s=timeout_s, **kwargs)
 
     def alive(self) -> bool:

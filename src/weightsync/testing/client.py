@@ -9,6 +9,10 @@ client forwards to a ``LocalWeightSyncClient``: requests are parsed by vLLM's ow
 request types, and land on real worker engines. ``actor.call("weightsync.testing.client:serve_http",
 replicas, port)`` (an actor with ``VLLM_CPU_ENV``), then ``HTTPVLLMWeightSyncClient(f"http://127.0.0.1:{port}")``;
 ``http_calls`` lists what arrived.
+
+Pausing (:mod:`weightsync.pausing`): each receiver process holds its engine's pause state and whether a
+failed sync left its weights partly applied (``STATE``), so every client of the same receivers sees them;
+a replica (engine) is paused when all its workers are.
 """
 
 from __future__ import annotations
@@ -18,13 +22,16 @@ import threading
 import time
 from typing import Any
 
-from ..errors import RemoteCallError
 from ..clients import per_engine
+from ..errors import RemoteCallError
+from ..pausing import UpdateTracker, WeightsPartlyApplied, _check_mode, partly_applied_message
 from .actors import STATE, ActorAddress, call_many
 
 __all__ = ["LocalWeightSyncClient", "serve_http", "http_calls"]
 
 _RECEIVER = "weightsync.testing.receiver:"
+_HERE = "weightsync.testing.client:"
+_PAUSED, _PARTIAL = "weightsync_paused", "weightsync_partly_applied"
 
 
 class LocalWeightSyncClient:
@@ -41,13 +48,17 @@ class LocalWeightSyncClient:
             raise ValueError("replicas must be a non-empty list of non-empty worker lists")
         self.replicas = [list(r) for r in replicas]
         self.timeout_s = timeout_s
+        self._tracker = UpdateTracker()
 
     @property
     def workers(self) -> list[ActorAddress]:
         return [a for r in self.replicas for a in r]
 
-    def _fan(self, method: str, *args: Any, per_replica: list[tuple[Any, ...]] | None = None) -> list[Any]:
-        calls = [(a, _RECEIVER + method, per_replica[i] if per_replica else args, {})
+    def _fan(self, method: str, *args: Any, per_replica: list[tuple[Any, ...]] | None = None,
+             fn: str | None = None) -> list[Any]:
+        """``fn`` (default: the receiver's ``method``) on every worker; ``method`` names the call in errors."""
+        fn = fn or _RECEIVER + method
+        calls = [(a, fn, per_replica[i] if per_replica else args, {})
                  for i, r in enumerate(self.replicas) for a in r]
         outcomes = call_many(calls, timeout_s=self.timeout_s)
         errors = [f"{a.name}: {o}" for a, o in zip(self.workers, outcomes) if isinstance(o, BaseException)]
@@ -59,15 +70,44 @@ class LocalWeightSyncClient:
         """Each replica (a separate engine) gets the init info with its ``engine_index``."""
         self._fan("init_weight_transfer_engine",
                   per_replica=[(d,) for d in per_engine(init_info, len(self.replicas))])
+        self._tracker.init(init_info)
 
     def start_weight_update(self) -> None:
+        self._tracker.start()
         self._fan("start_weight_update")
 
     def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
-        self._fan("update_weights", update_info)
+        partial = self._tracker.update(update_info)
+        try:
+            if partial is not None:  # marked before the abort reaches the workers
+                self._fan("update_weights", _PARTIAL, partial, fn=_HERE + "_set")
+        finally:  # a dead worker fails the mark: the abort still reaches every live one
+            self._fan("update_weights", update_info)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._fan("finish_weight_update", weight_version)
+        self._fan("finish_weight_update", weight_version, self._tracker.landed(), fn=_HERE + "_finish")
+
+    def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        _check_mode(mode)
+        self._fan("pause_generation", _PAUSED, True, fn=_HERE + "_set")
+
+    def resume_generation(self) -> None:
+        """``WeightsPartlyApplied`` (nothing resumed) while a failed sync left any replica's weights
+        partly applied; else every replica resumes."""
+        partial = self._fan("resume_generation", _PARTIAL, fn=_HERE + "_get")
+        if torn := [(a, p) for a, p in zip(self.workers, partial) if p is not None]:
+            a, reason = torn[0]
+            raise WeightsPartlyApplied(partly_applied_message(f"engine {self._replica_of(a)} ({a.name})", reason))
+        self._fan("resume_generation", _PAUSED, False, fn=_HERE + "_set")
+
+    def generation_paused(self) -> dict[str, bool]:
+        """``{"engine i (workers)": paused}`` per replica."""
+        states = iter(self._fan("generation_paused", _PAUSED, fn=_HERE + "_get"))
+        return {f"engine {i} ({', '.join(a.name for a in r)})": all([bool(next(states)) for _ in r])
+                for i, r in enumerate(self.replicas)}
+
+    def _replica_of(self, addr: ActorAddress) -> int:
+        return next(i for i, r in enumerate(self.replicas) if addr in r)
 
     def shutdown_weight_transfer_engine(self) -> None:
         self._fan("shutdown_weight_transfer_engine")
@@ -107,9 +147,14 @@ class _EngineClient:
 
     async def pause_generation(self, mode="abort", clear_cache=True):
         self.calls.append(("pause", mode, clear_cache))
+        await asyncio.to_thread(self.local.pause_generation, mode, clear_cache)
 
     async def resume_generation(self):
         self.calls.append(("resume",))
+        await asyncio.to_thread(self.local.resume_generation)
+
+    async def is_paused(self):
+        return all((await asyncio.to_thread(self.local.generation_paused)).values())
 
 
 def serve_http(replicas: list[list[ActorAddress]], port: int) -> None:
@@ -134,3 +179,22 @@ def serve_http(replicas: list[list[ActorAddress]], port: int) -> None:
 def http_calls() -> list[tuple[Any, ...]]:
     """The engine-client calls the routes made so far, in order."""
     return STATE["http"][1].calls
+
+
+# --- inside a receiver process (the engine's pause and weight state) ---
+
+def _set(key: str, value: Any) -> None:
+    STATE[key] = value
+
+
+def _get(key: str) -> Any:
+    return STATE.get(key)
+
+
+def _finish(weight_version: str | None, landed: bool) -> None:
+    """The worker's finish; a finish that completes a full sync clears the partly-applied mark."""
+    from . import receiver
+
+    receiver.finish_weight_update(weight_version)
+    if landed:
+        STATE.pop(_PARTIAL, None)

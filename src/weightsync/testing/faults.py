@@ -14,6 +14,9 @@ Sources: ``make_engine(..., fault=NAME)`` (``weightsync.testing.trainer``) wraps
 * consistent on every rank (metadata and iteration agree) but not the engine's model: ``omitted``
   (``BAD_NAME``, one half of vLLM's fused ``gate_up_proj``, is left out), ``extra`` (``EXTRA_NAME``,
   a copy of ``BAD_NAME`` no vLLM parameter takes, follows it).
+
+Workers: ``hang(call, port)`` inside a receiver process makes its next ``call`` block, alive, until
+the test releases it (``HANG_CALLS``).
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ import torch
 
 from ..protocol import ParamMeta, WeightSource
 
-__all__ = ["BAD_NAME", "EXTRA_NAME", "FAULTS", "faulty", "JsonRoundTripClient", "CorruptingClient", "LaggingClient",
-           "slow_data_plane", "wrong_checksums"]
+__all__ = ["BAD_NAME", "EXTRA_NAME", "FAULTS", "HANG_CALLS", "faulty", "JsonRoundTripClient", "CorruptingClient",
+           "LaggingClient", "slow_data_plane", "wrong_checksums", "hang"]
 
 BAD_NAME = "model.layers.1.mlp.up_proj.weight"
 EXTRA_NAME = "model.layers.1.mlp.extra_proj.weight"
@@ -124,6 +127,15 @@ class JsonRoundTripClient:
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.inner.finish_weight_update(weight_version)
+
+    def pause_generation(self, *args: Any, **kwargs: Any) -> None:
+        self.inner.pause_generation(*args, **kwargs)
+
+    def resume_generation(self) -> None:
+        self.inner.resume_generation()
+
+    def generation_paused(self) -> dict[str, bool]:
+        return self.inner.generation_paused()
 
 
 class CorruptingClient(JsonRoundTripClient):
@@ -225,3 +237,35 @@ def slow_data_plane(seconds: float, count_to: str | None = None) -> None:
 
     for n, fn in zip(names, originals):
         setattr(Communicator, n, slow(fn))
+
+
+HANG_CALLS = ("start_weight_update", "update_weights", "finish_weight_update")
+
+
+def hang(call: str, port: int) -> None:
+    """Inside a receiver process: its next ``call`` (one of ``HANG_CALLS``, the worker methods the
+    client calls) hangs before it reaches the engine: the worker is alive, connected, and answers
+    nothing else meanwhile (an actor serves one call at a time), like a worker stuck in a kernel or a
+    lock. It blocks reading a connection to the test's listener on 127.0.0.1:``port`` (no timer): the
+    test releases it by closing that listener (or the process exiting does), then the call goes on."""
+    import socket
+
+    from . import receiver
+
+    if call not in HANG_CALLS:
+        raise ValueError(f"call must be one of {HANG_CALLS}, got {call!r}")
+    original = getattr(receiver, call)
+    line = socket.create_connection(("127.0.0.1", port), timeout=30)
+    line.settimeout(None)
+
+    def hung(*args: Any, **kwargs: Any) -> Any:
+        setattr(receiver, call, original)  # once
+        try:
+            line.recv(1)  # b"" or a reset once the test closes its listener
+        except OSError:
+            pass
+        finally:
+            line.close()
+        return original(*args, **kwargs)
+
+    setattr(receiver, call, hung)

@@ -113,8 +113,11 @@ def connect(init_info: Any, client: Any) -> None:
 
 
 def sync(weight_version: str) -> int:
-    """``trainer.sync_weights(engine)``; returns the bytes this rank sent."""
-    return STATE["trainer"].sync_weights(STATE["engine"], weight_version=weight_version).bytes_sent
+    """``trainer.sync_weights(engine)`` (rank 0 inside ``clients.paused``); returns the bytes this rank sent."""
+    from .trainer import _paused
+
+    with _paused(STATE["engine"]):
+        return STATE["trainer"].sync_weights(STATE["engine"], weight_version=weight_version).bytes_sent
 
 
 def shutdown_engine() -> None:

@@ -101,7 +101,10 @@ def send_weights_without_gathers(weight_version: str) -> dict[str, Any]:
     for obj, name, _ in saved:
         setattr(obj, name, forbid(f"{getattr(obj, '__name__', obj)}.{name}"))
     try:
-        stats = STATE["engine"].send_weights(weight_version=weight_version)
+        from .trainer import _paused
+
+        with _paused(STATE["engine"]):
+            stats = STATE["engine"].send_weights(weight_version=weight_version)
     finally:
         for obj, name, fn in saved:
             setattr(obj, name, fn)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any
 
@@ -114,12 +115,23 @@ def make_engine(init_info: Any, client: Any, *, source: str = "full", fault: str
     STATE["engine"] = WeightTransferTrainerFactory.trainer_init(init_info, client=client, source=src)
 
 
-def send_weights(weight_version: str | None = None, verify: bool = False) -> dict[str, Any]:
+def send_weights(weight_version: str | None = None, verify: bool = False, pause: bool = True) -> dict[str, Any]:
+    """``send_weights`` as a training loop runs it: on rank 0 inside ``clients.paused(client)``
+    (generation paused for the sync; ``pause=False``: not paused, which the engines refuse by default)."""
     kwargs = {"verify": True} if verify else {}
-    stats = STATE["engine"].send_weights(weight_version=weight_version, **kwargs)
+    engine = STATE["engine"]
+    with _paused(engine) if pause else nullcontext():
+        stats = engine.send_weights(weight_version=weight_version, **kwargs)
     d = dataclasses.asdict(stats)
     d["seconds"], d["gbps"] = stats.seconds, stats.gbps
     return d
+
+
+def _paused(engine: Any) -> Any:
+    """``clients.paused(engine.client)`` on the rank that drives the client; nothing on the others."""
+    from ..clients import paused
+
+    return paused(engine.client) if engine.rank == 0 else nullcontext()
 
 
 def shutdown_engine() -> None:

@@ -23,15 +23,13 @@ and every engine refuses further syncs until re-initialized (``PoisonedError``, 
 The worker side is :class:`~weightsync.worker.engine.WorkerEngine`; the store keys and agreement,
 :mod:`weightsync.control`. A transport file is its info fields, ``TRANSPORT`` and the hooks:
 ``_worker_init_info``, ``_data_rank``, ``_handshake``, ``_preflight``, ``_update_info``, ``_transfer``,
-``_lower_bound`` on the trainer; ``_init``, ``_receive``, ``_expected_workers``, ``_start`` on the worker.
-"""
+``_lower_bound`` on the trainer; ``_init``, ``_receive``, ``_expected_workers``, ``_start`` on the worker."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import Future
 from dataclasses import asdict
 from typing import Any, ClassVar
 
@@ -39,20 +37,15 @@ from ..comm import Communicator, describe
 from ..control import INIT_DONE, SyncKeys, gather, init_ack
 from ..errors import PoisonedError, SyncFailed, refusal
 from ..infos import TrainerInitInfo, WorkerInitInfo, WorkerUpdateInfo
+from ..pausing import check_paused, preflight_error
 from ..protocol import WeightSource
 from ..stats import SyncStats
+from .session import check_finished, check_source, connect_fresh, leave, new_session, taken_over
+from .waits import MARGIN_S, ClientCalls, client_result, left, settle
 
 __all__ = ["TrainerEngine", "client_result"]
 
 _OK = "ok"
-
-
-def client_result(fut: Future, timeout_s: float, what: str) -> Any:
-    """The result of a client call running in a thread, within the timeout."""
-    try:
-        return fut.result(timeout=timeout_s)
-    except FutureTimeout:
-        raise TimeoutError(f"the client's {what} did not return within timeout_s={timeout_s}") from None
 
 
 class TrainerEngine:
@@ -83,7 +76,8 @@ class TrainerEngine:
         """The worker init info's fields every transport shares (``port``: the store's actual port)."""
         i = self.init_info
         return {"master_address": i.master_address, "master_port": port, "timeout_s": i.timeout_s,
-                "rollback": i.rollback, "cast_dtypes": i.cast_dtypes, "partial": list(i.partial)}
+                "rollback": i.rollback, "cast_dtypes": i.cast_dtypes, "partial": list(i.partial),
+                "session": self.session, "take_over": i.take_over}
 
     def _data_rank(self) -> tuple[int, int] | None:
         """``(rank, world size)`` of this trainer rank in the data plane, or None (control only)."""
@@ -92,8 +86,7 @@ class TrainerEngine:
         """After connecting, before init is agreed (e.g. plan agreement). Every trainer rank."""
 
     def _preflight(self, verify: bool) -> Any:
-        """Checks that need no peer and move no data; ``ValueError`` naming the parameter. Returns
-        what ``_transfer`` needs."""
+        """Checks that need no peer and move no data (``ValueError`` naming the parameter); what ``_transfer`` needs."""
         raise NotImplementedError
 
     def _update_info(self, prepared: Any, verify: bool) -> WorkerUpdateInfo | None:
@@ -108,8 +101,7 @@ class TrainerEngine:
         then this hook calls ``update_weights`` itself)."""
         raise NotImplementedError
 
-    def _lower_bound(self) -> dict[int, int]:
-        """Least payload bytes each worker needs per sync (rank 0)."""
+    def _lower_bound(self) -> dict[int, int]:  # least payload bytes each worker needs per sync (rank 0)
         return {}
 
     # ---- init ---------------------------------------------------------------------------
@@ -119,21 +111,24 @@ class TrainerEngine:
         """Rendezvous with every worker (collective on every trainer rank)."""
         if not isinstance(init_info, cls.init_info_cls):
             raise TypeError(f"{cls.__name__} needs a {cls.init_info_cls.__name__}, got {type(init_info).__name__}")
-        _check_source(init_info.backend, cls.spec.source, source)
+        check_source(init_info.backend, cls.spec.source, source)
         self = cls(init_info, client=client, source=source)
         self.sync_id, self.failed, self.comm, self._calls = 0, None, None, None
-        self._outcome_ack: Callable[[int], str] | None = None  # rank 0: the last sync outcome's acknowledgements
-        self._held_syncs: list[int] = []  # rank 0: syncs whose workers' "held" keys are on the store
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="weightsync-client")
-        i = init_info
-        fut = None
+        self.session = new_session()  # rank 0's is the one the workers get
+        self._outcome_ack: Callable[[int], str] | None = None  # rank 0: the last outcome's acknowledgements
+        self._held_syncs: list[int] = []  # rank 0: syncs whose workers' "held" keys are on the store (``_forget``)
+        self._pool = ClientCalls(client)  # rank 0's client calls run there, waited for within timeout_s
+        i, fut, t0 = init_info, None, time.monotonic()
         try:
-            self.comm = Communicator.connect(i.master_address, i.master_port or 0, name=f"trainer rank {i.rank}",
-                                             timeout_s=i.timeout_s, host_store=self.is_sender)
+            def connect() -> Communicator:
+                return Communicator.connect(i.master_address, i.master_port or 0, name=f"trainer rank {i.rank}",
+                                            timeout_s=i.timeout_s, host_store=self.is_sender)
+
+            self.comm = connect() if self.is_sender else connect_fresh(connect, i.rank, i.timeout_s)
             if self.is_sender:
                 self._calls = self.comm.second_channel()  # the client calls' threads report on it (``_watched``)
                 payload = {**asdict(self._worker_init_info(self.comm.port)), "transport": self.init_info.backend}
-                fut = self._watched(self._pool.submit(self.client.init_weight_transfer_engine, payload),
+                fut = self._watched(lambda: self.client.init_weight_transfer_engine(payload),
                                     "init_weight_transfer_engine")
             if (data := self._data_rank()) is not None:
                 self.comm.join(*data, device=i.device)
@@ -150,10 +145,7 @@ class TrainerEngine:
             if self.comm is not None:
                 self.comm.fail(describe(e), e)
                 if fut is not None:  # the workers learn it from the store too: they are not left connecting
-                    try:
-                        client_result(fut, i.timeout_s, "init_weight_transfer_engine")
-                    except BaseException:  # noqa: BLE001 - they failed, as they should
-                        pass
+                    settle(fut, left(t0, i.timeout_s, MARGIN_S))  # (a stuck worker is not waited for)
                 self._acknowledge(init_ack)  # rank 0 (the store's host) lingers until every rank saw it
             if self._calls is not None:
                 self._calls.shutdown()
@@ -181,10 +173,10 @@ class TrainerEngine:
         the same client thread at once (that call is ``self._update_call``); returns what waits until
         the start returned (without ``update``: it has)."""
         if update is None:
-            self._start_on_engines()
+            client_result(self._pool.submit(self._start_on_engines), self.init_info.timeout_s, "start_weight_update")
             self.comm.publish(self.keys.started, _OK)
             return lambda: None
-        payload, started = asdict(update), Future()
+        payload, started = {**asdict(update), "session": self.session}, Future()  # (fenced: see ``session``)
 
         def start_then_update() -> None:
             try:
@@ -196,8 +188,7 @@ class TrainerEngine:
             started.set_result(None)
             self.client.update_weights(payload)
 
-        self._update_call = self._watched(self._pool.submit(start_then_update), "update_weights",
-                                          wake=self._recv_keys())
+        self._update_call = self._watched(start_then_update, "update_weights", wake=self._recv_keys())
         return lambda: client_result(started, self.init_info.timeout_s, "start_weight_update")
 
     def _start_on_engines(self) -> None:
@@ -220,7 +211,7 @@ class TrainerEngine:
         """Rank 0: every worker of the update restores its parameters (the abort update), then leaves
         the update (``finish_weight_update`` without a version: vLLM's worker clears its active flag,
         the version stays). Workers answer both without raising (:mod:`weightsync.worker.engine`)."""
-        update = self.update_info_cls(abort=reason, sync_id=self.sync_id)
+        update = self.update_info_cls(abort=reason, sync_id=self.sync_id, session=self.session)
         for call in (lambda: self.client.update_weights(asdict(update)), lambda: self.client.finish_weight_update(None)):
             try:
                 call()
@@ -231,19 +222,9 @@ class TrainerEngine:
         """Where each worker publishes the bytes it received once it applied this sync's update."""
         return [self.keys.recv(w) for w in sorted(self._lower_bound())]
 
-    def _watched(self, fut: Future, what: str, wake: Sequence[str] = ()) -> Future:
-        """A client call whose failure is recorded on the store at once, so every rank waiting there
-        (rank 0's own rendezvous included) raises it instead of waiting out a timeout. Once it
-        returned, the keys in ``wake`` that no worker set are set as failed (``fail_keys``)."""
-        comm = self._calls
-
-        def done(f: Future) -> None:
-            if (e := f.exception()) is not None:
-                comm.record(f"the client's {what} failed: {describe(e)}")
-            comm.fail_keys(list(wake))
-
-        fut.add_done_callback(done)
-        return fut
+    def _watched(self, call: Callable[[], Any], what: str, wake: Sequence[str] = ()) -> Future:
+        """A client call in the client thread, its failure recorded on the store (``ClientCalls.watched``)."""
+        return self._pool.watched(call, what, self._calls, wake)
 
     def _applied(self) -> list[int] | None:
         """Rank 0: wait until every worker applied the update (the bytes each received, when read). With a
@@ -268,6 +249,7 @@ class TrainerEngine:
     def _agreed_preflight(self, verify: bool) -> Any:
         """``_preflight`` on every rank; any rank's error is every rank's (see the module docstring)."""
         try:
+            check_paused(self)  # rank 0: every engine's generation is paused, or Refused (weightsync.pausing)
             prepared, error = self._preflight(verify), ""
         except ValueError as e:
             prepared, error = None, str(e)
@@ -284,7 +266,7 @@ class TrainerEngine:
             raise RuntimeError(f"weight sync {self.sync_id}: trainer rank {failed['rank']}: {failed['error']} "
                                "(in its preflight: nothing moved, the engines were not asked to update)")
         if any(errors):  # nothing moved; the engines were not asked to update
-            raise ValueError(next(e for e in errors if e))
+            raise preflight_error(next(e for e in errors if e))
         return prepared
 
     def send_weights(self, *, weight_version: str | None = None, verify: bool = False) -> SyncStats:
@@ -296,11 +278,11 @@ class TrainerEngine:
                                 "source=...) again on every trainer rank (the same master_port works)")
         if self.comm is None:
             raise RuntimeError("the engine was shut down; call trainer_init again")
-        self.sync_id += 1
+        self.sync_id, self._t0 = self.sync_id + 1, time.monotonic()
         stats = SyncStats(backend=self.init_info.backend, rank=self.rank, weight_version=weight_version)
         with stats.timed("preflight"):
             prepared = self._agreed_preflight(verify)
-        self._started, self._update_call = False, None
+        self._started, self._update_call, self._finished = False, None, False
         try:
             with stats.timed("start"):
                 wait = self._start_update(self._update_info(prepared, verify)) if self.is_sender else None
@@ -332,7 +314,10 @@ class TrainerEngine:
                 if failure is not None:
                     raise SyncFailed(failure)
                 with stats.timed("finish"):
-                    self.client.finish_weight_update(weight_version)
+                    finish = self._pool.submit(lambda: self.client.finish_weight_update(weight_version), aside=True)
+                    client_result(finish, self.init_info.timeout_s, "finish_weight_update")
+                    self._finished = True  # (a worker whose finish failed reported it: raised here)
+                    check_finished(self.comm)
                     if self._update_call is not None:  # returned by now, unless the client failed after applying
                         client_result(self._update_call, self.init_info.timeout_s, "update_weights")
                 stats.lower_bound_per_worker = self._lower_bound()
@@ -360,19 +345,19 @@ class TrainerEngine:
         self.comm.fail_keys([self.keys.started, self.keys.verdict])  # the ranks > 0 block on them
         reason = self.comm.peer_error() or f"trainer rank {self.rank}: {describe(error)}"
         if self.is_sender:
-            if self._update_call is not None:
-                try:
-                    client_result(self._update_call, self.init_info.timeout_s, "update_weights")
-                except BaseException:  # noqa: BLE001 - it failed too: the workers report their own
-                    pass
-            if self._started:  # (an update vLLM never started must not be aborted: its workers would refuse)
-                self._abort_workers(reason)
+            if self._update_call is not None:  # (its failure is the workers' to report)
+                settle(self._update_call, left(self._t0, self.init_info.timeout_s))
+            if self._started and not taken_over(reason):  # (an update vLLM never started, or one another
+                # session took over, is not aborted: those engines are not ours)
+                margin = 0.0 if self._pool.busy() else MARGIN_S  # a call still running: a stuck worker holds it
+                abort = self._pool.submit(lambda: self._abort_workers(reason), aside=True)  # (not behind a stuck call)
+                settle(abort, left(self._t0, self.init_info.timeout_s, margin))
         self.failed = reason
         if not self.is_sender:
             self._acknowledge(self.keys.ack)
         else:
             self._outcome_ack = self.keys.ack
-        restored = self.init_info.rollback or not self._started
+        restored = (self.init_info.rollback and not self._finished) or not self._started
         torn = "" if restored else ("; the engines' weights may be partly updated (rollback=False): "
                                     "re-initialize and sync again before serving")
         return SyncFailed(f"weight sync {self.sync_id} failed: {reason}{torn}", restored=restored)
@@ -382,18 +367,11 @@ class TrainerEngine:
         Call on every trainer rank."""
         if self.comm is not None and self.is_sender and self._outcome_ack:
             self._acknowledge(self._outcome_ack)
+        elif self.comm is not None:
+            leave(self.comm, self.rank)
+        self._pool.drain(self.init_info.timeout_s)  # the client calls a failure left running
         for comm in (self.comm, self._calls):
             if comm is not None:
                 comm.shutdown()
         self.comm = None
-        self._pool.shutdown(wait=False)
 
-
-def _check_source(backend: str, kind: str, source: WeightSource | None) -> None:
-    if source is None:
-        raise ValueError(f"source is required for the {backend} transport")
-    method = "iter_local" if kind == "local" else "iter_full"
-    if getattr(type(source), method) is getattr(WeightSource, method):
-        want = "DTensorModuleSource" if kind == "local" else "FullTensorSource"
-        raise ValueError(f"the {backend} transport reads {method}(); source {type(source).__name__} does not "
-                         f"implement it (use {want})")

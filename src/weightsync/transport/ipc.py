@@ -27,6 +27,7 @@ from ..protocol import ParamMeta, check_metadata, checked
 from ..registry import Transport
 from ..worker.applier import LayerwiseApplier
 from ..trainer.engine import TrainerEngine
+from ..trainer.waits import client_result
 from ..errors import SyncFailed
 from .ipc_handles import BufferImporter, ExportedBuffer, memory_saver_paused
 from .packing import fold_checksum, pack, unpack
@@ -162,7 +163,9 @@ class IPCTrainerEngine(TrainerEngine):
                     if self.is_sender:
                         packed = [mine] + [self.comm.read(keys.chunk(b, r))
                                            for r in range(1, self.init_info.num_trainer_ranks)]
-                        self.client.update_weights(self._update(packed, b, len(buckets), digest, metas, verify))
+                        payload = self._update(packed, b, len(buckets), digest, metas, verify)
+                        client_result(self._pool.submit(lambda: self.client.update_weights(payload)),
+                                      self.init_info.timeout_s, "update_weights")  # (not the client's own timeout)
                         failure = self.comm.peer_error()  # a worker reports its failure instead of raising
                         if failure is not None:
                             raise SyncFailed(failure)

@@ -36,7 +36,7 @@ from ..layout.regions import Region, format_regions, uncovered
 if TYPE_CHECKING:
     from ..comm import Communicator
 
-__all__ = ["agree_on_metadata", "check_model", "coverage_gaps"]
+__all__ = ["agree_on_metadata", "check_model", "coverage_gaps", "fingerprint", "weights_changed"]
 
 _VOCAB = ("VocabParallelEmbedding", "ParallelLMHead")
 
@@ -139,3 +139,34 @@ def agree_on_metadata(comm: Communicator, metadata: Sequence[Any], *, rank: int,
 
 def _short(meta: Any) -> str:
     return f"{meta['dtype']} {tuple(meta['shape'])}"
+
+
+Fingerprint = tuple[list[tuple[str, int, int]], list[torch.Tensor]]
+_SAMPLES = 16
+
+
+@torch.no_grad()
+def fingerprint(model: torch.nn.Module) -> Fingerprint:
+    """Cheap identity of ``model``'s parameters: each one's object and storage address, and the raw bits of
+    17 of its values spread over it (first to last; a copy of a few hundred bytes per parameter, on its
+    device, in one concatenation per dtype). Torch's in-place version counter would not do: vLLM's weight
+    loaders write through ``param.data``, which bumps no counter."""
+    ids, by_dtype = [], {}
+    for name, t in model.named_parameters():
+        if t.is_meta:
+            continue
+        flat = t.detach().reshape(-1)
+        ids.append((name, id(t), t.data_ptr()))
+        by_dtype.setdefault(t.dtype, []).extend((flat[:: max(1, flat.numel() // _SAMPLES)][:_SAMPLES], flat[-1:]))
+    return ids, [torch.cat(parts).contiguous().view(torch.uint8) for _, parts in sorted(by_dtype.items(), key=str)]
+
+
+def weights_changed(before: Fingerprint | None, model: torch.nn.Module) -> bool:
+    """Whether vLLM changed ``model``'s weights since ``before``: a parameter replaced or moved
+    (``reload_weights``, a level-2 sleep) or its values rewritten (``load_weights`` of other weights;
+    a rewrite of the same values does not count, nor a buffer vLLM's forward recasts)."""
+    if before is None:
+        return True
+    ids, samples = fingerprint(model)
+    return ids != before[0] or len(samples) != len(before[1]) or not all(
+        a.shape == b.shape and torch.equal(a, b) for a, b in zip(samples, before[1]))

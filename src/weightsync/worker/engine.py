@@ -14,11 +14,15 @@ connected to the store) and ``update_weights`` return after a failure or an abor
 read it from the store), and ``finish_weight_update`` of a failed or aborted update only leaves it
 (vLLM's worker then clears its active-update flag).
 
+Trainer sessions are fenced (:meth:`WorkerEngine.fence`): a worker bound to one trainer's session refuses
+another's init unless it asks ``take_over``, and ignores another session's update or abort.
+
 Hooks: ``_expected_workers`` (for the deployment check), ``_init``, ``_start`` (optional), ``_receive``.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, ClassVar
 
@@ -27,11 +31,14 @@ import torch
 from ..comm import Communicator, describe
 from ..control import SyncKeys, model_metas
 from ..errors import PoisonedError
-from ..infos import WorkerInitInfo, WorkerUpdateInfo, parse_info
+from ..infos import TAKEN_OVER, WorkerInitInfo, WorkerUpdateInfo, parse_info
 from ..registry import TRANSPORTS, transport
+from .agreement import fingerprint, weights_changed
 from .applier import LayerwiseApplier
 
 __all__ = ["WorkerEngine"]
+
+_log = logging.getLogger(__name__)
 
 
 class WorkerEngine:
@@ -64,6 +71,8 @@ class WorkerEngine:
         self.held: int | None = None
         """The sync whose weights this worker holds, complete (None: none under this init, or a sync
         failed or was aborted since). A delta sync is sent only to workers that hold its base."""
+        self._fingerprint: Any = None  # the model's parameters at the last finish (``fingerprint``)
+        self._lost = ""  # why the base was dropped, for the delta's refusal
 
     # ---- vLLM worker plumbing -------------------------------------------------------------
     def set_weight_update_target(self, model: torch.nn.Module, model_config: Any) -> None:
@@ -166,8 +175,13 @@ class WorkerEngine:
             torch.cuda.synchronize(self.device)
 
     def init_transfer_engine(self, init_info: Any) -> None:
+        try:
+            self.fence(init_info)
+        except ValueError as e:  # the refused trainer learns it on its own store; the bound one is left alone
+            self._report(init_info, e)
+            raise
         self.shutdown()
-        self.info, self.poisoned, self._checked_digest, self.held = init_info, None, None, None
+        self.info, self.poisoned, self._checked_digest, self.held, self._lost = init_info, None, None, None, ""
         i = init_info
         try:
             self.comm = Communicator.connect(i.master_address, i.master_port, name=f"worker {self.worker_rank}",
@@ -179,11 +193,36 @@ class WorkerEngine:
                 self.poisoned = describe(e)
                 self.comm.fail(self.poisoned, e)
                 return
-            try:
-                Communicator.report(i.master_address, i.master_port, f"worker {self.worker_rank}: {describe(e)}")
-            except Exception:  # noqa: BLE001 - the trainer side still has its timeout
-                pass
+            self._report(i, e)
             raise
+
+    def _report(self, info: Any, error: BaseException) -> None:
+        try:
+            Communicator.report(info.master_address, info.master_port, f"worker {self.worker_rank}: {describe(error)}")
+        except Exception:  # noqa: BLE001 - the trainer side still has its timeout
+            pass
+
+    def fence(self, info: Any) -> None:
+        """Trainer sessions are fenced: bound to a live session (its store reachable, no failure reported),
+        this worker refuses another session's init (``ValueError`` naming both) unless it asks
+        ``take_over``; then an update of the bound session still active here is waited for (up to half the new
+        init's ``timeout_s``) and, if still active, aborted as that session's failure, reported on its store.
+        (vLLM runs one worker call at a time, so only the bound session's failure ends the wait early.)"""
+        bound = self.info.session if self.info is not None and self.comm is not None else ""
+        if not bound or info.session == bound or self.comm.peer_error() is not None:
+            return
+        if not info.take_over:
+            raise ValueError(f"worker {self.worker_rank} is bound to trainer session {bound!r}: the init of trainer "
+                             f"session {info.session!r} is refused until {bound!r} shuts down its engines (or the "
+                             "new init asks take_over=True in its TrainerInitInfo)")
+        deadline = time.monotonic() + info.timeout_s / 2  # the other half is the new init's own
+        while self._applier is not None and self.comm.peer_error() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self._applier is not None and self.comm.peer_error() is None:
+            self._failed_sync = self._sync_id
+            self._fail(RuntimeError(f"trainer session {info.session!r} {TAKEN_OVER} (its init asked take_over=True) "
+                                    f"while an update of trainer session {bound!r} was active; "
+                                    f"waited {info.timeout_s / 2:g} s (half its timeout_s), then aborted it"))
 
     def _check_deployment(self, info: Any) -> None:
         (expected, field), w = self._expected_workers(info), self.worker_rank
@@ -201,6 +240,7 @@ class WorkerEngine:
         if self.comm is None:
             raise RuntimeError("init_transfer_engine must run before start_weight_update")
         t0 = time.perf_counter()
+        self._check_base()
         self._applier = LayerwiseApplier(self.model, self.model_config, rollback=self.info.rollback)
         self._received, self._aborted, self._sync_id = 0, False, None
         self.phases: dict[str, float] = {}
@@ -209,6 +249,11 @@ class WorkerEngine:
 
     def receive_weights(self, update_info: Any) -> None:
         """Receive and apply one update; failures are reported on the store and poison the engine."""
+        bound = self.info.session if self.info is not None else ""
+        if update_info.session and bound and update_info.session != bound:
+            _log.warning("worker %d ignores an update of trainer session %r: it is bound to trainer session %r",
+                         self.worker_rank, update_info.session, bound)
+            return  # (not reported: the bound session's store is not the sender's)
         if update_info.abort is not None:  # restore the weights; an engine that was in the update needs re-init
             if self._applier is not None:
                 self.poisoned = self.poisoned or f"trainer aborted weight sync {update_info.sync_id}"
@@ -246,9 +291,19 @@ class WorkerEngine:
         if self._applier is None:
             raise RuntimeError("finish_weight_update without start_weight_update")
         t0 = time.perf_counter()
-        self._applier.finish()
+        try:
+            self._applier.finish()
+        except BaseException as e:  # reported, not raised (see the module docstring): the trainer raises it
+            if self.comm is None:
+                raise
+            try:
+                self._fail(RuntimeError(f"finish_weight_update of weight sync {self._sync_id} failed: {describe(e)}"))
+            except Exception:  # noqa: BLE001 - reported first; the engine stays poisoned
+                self._applier = None
+            return
         self._applier = None
         self.phases["finish"] = time.perf_counter() - t0
+        self._fingerprint, self._lost = fingerprint(self.model), ""  # what ``_check_base`` compares at the next start
         if self.comm is not None and self._sync_id is not None:  # the trainer's stats: SyncStats.worker_phases
             self.held = self._sync_id
             keys = SyncKeys(self._sync_id)
@@ -258,8 +313,18 @@ class WorkerEngine:
     def _check_holds(self, base: int | None) -> None:
         """A delta against sync ``base`` patches weights this worker must hold; refuse otherwise."""
         if self.held != base:
+            lost = f" ({self._lost})" if self._lost and self.held is None else ""
             raise ValueError(f"update_info.delta_base is sync {base}, but worker {self.worker_rank} holds "
-                             f"{'no complete sync' if self.held is None else f'sync {self.held}'}")
+                             f"{'no complete sync' if self.held is None else f'sync {self.held}'}{lost}")
+
+    def _check_base(self) -> None:
+        """At a start: vLLM changed the weights since the last sync this worker holds (its ``load_weights``,
+        ``reload_weights``, a level-2 sleep's restore), so a delta against that sync would patch another
+        base: drop it (the next delta against it is refused; after re-init every sync starts dense)."""
+        if self.held is not None and weights_changed(self._fingerprint, self.model):
+            self._lost = (f"vLLM changed its weights since weight sync {self.held} (load_weights, reload_weights "
+                          "or a level-2 sleep): that base is dropped")
+            self.drop_held()
 
     def drop_held(self) -> None:
         """Say this worker no longer holds its last sync's weights (a failed or aborted sync, or

@@ -1,0 +1,74 @@
+"""Trainer sessions and the checks ``TrainerEngine.trainer_init`` and a sync's end share.
+
+Every ``trainer_init`` draws a session id on trainer rank 0 (:func:`new_session`), sent in every
+worker's init info and in every abort: a worker bound to one session refuses another's init unless it
+asks ``take_over`` (:meth:`weightsync.worker.engine.WorkerEngine.fence`), and ignores another session's
+abort. A session whose update a take-over aborted does not abort the engines again (they are the new
+session's): :func:`taken_over`. A rank > 0 re-initializing on a fixed ``master_port`` connects to the new
+init's store, never to the previous one rank 0 is still closing: :func:`connect_fresh`.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..control import trainer_left
+from ..errors import DataPlaneError, SyncFailed
+from ..infos import TAKEN_OVER
+from ..protocol import WeightSource
+
+__all__ = ["new_session", "taken_over", "check_finished", "check_source", "connect_fresh", "leave"]
+
+
+def new_session() -> str:
+    """A fresh trainer session id (random: two trainers never draw the same)."""
+    return secrets.token_hex(8)
+
+
+def taken_over(reason: str | None) -> bool:
+    """Whether a sync's failure is another trainer session taking the engines over."""
+    return reason is not None and TAKEN_OVER in reason
+
+
+def check_finished(comm: Any) -> None:
+    """Rank 0, after the finish call returned: a worker whose finish failed reported it (workers never
+    raise into vLLM); raise it as the sync's failure."""
+    failure = comm.peer_error()
+    if failure is not None:
+        raise SyncFailed(failure)
+
+
+def check_source(backend: str, kind: str, source: WeightSource | None) -> None:
+    if source is None:
+        raise ValueError(f"source is required for the {backend} transport")
+    method = "iter_local" if kind == "local" else "iter_full"
+    if getattr(type(source), method) is getattr(WeightSource, method):
+        want = "DTensorModuleSource" if kind == "local" else "FullTensorSource"
+        raise ValueError(f"the {backend} transport reads {method}(); source {type(source).__name__} does not "
+                         f"implement it (use {want})")
+
+
+def leave(comm: Any, rank: int) -> None:
+    """Rank > 0, shutting its engine down: mark the store as one this rank left (see :func:`connect_fresh`)."""
+    try:
+        comm.publish(trainer_left(rank), True)
+    except Exception:  # noqa: BLE001 - the store's host is gone already: nothing to mark
+        pass
+
+
+def connect_fresh(connect: Callable[[], Any], rank: int, timeout_s: float) -> Any:
+    """Rank > 0: the store of this init. One this rank left (:func:`leave`) is the previous init's, which
+    rank 0 is still closing on the same port: wait (at most ``timeout_s``) until it is gone, then connect again."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        comm = connect()
+        if comm.peek(trainer_left(rank)) is None:
+            return comm
+        comm.wait_for([trainer_left(0)], deadline - time.monotonic())  # never set: returns once it closed
+        comm.shutdown()
+        if time.monotonic() > deadline:
+            raise DataPlaneError(f"trainer rank {rank}: the previous init's store on this master_port was not "
+                                 f"closed within timeout_s={timeout_s}: shut the engine down on trainer rank 0 too")

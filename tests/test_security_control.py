@@ -1,0 +1,256 @@
+"""Hardening of the control flow (issue 34 items 4, 6, 9, 10): trainer sessions are fenced from each
+other, a failed finish is reported rather than raised into vLLM, a delta base that vLLM changed is
+dropped, and a stuck-but-alive worker makes every trainer rank raise within ``timeout_s``."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from helpers import until
+
+from weightsync.testing.actors import RemoteError
+from weightsync.testing.faults import JsonRoundTripClient
+
+pytestmark = [pytest.mark.timeout(600)]
+TIMEOUT_S = 20.0
+
+
+# ---- fencing, finish, delta base (issue 34 items 4, 9, 10) ----------------------------------------
+_NCCL = dict(trainers=2, tp=2, backend="weightsync_nccl")
+
+
+def _on(actor, code: str) -> None:
+    actor.call("builtins:exec", code, {})
+
+
+def _active(actor) -> bool:
+    return actor.call("builtins:eval", "__import__('weightsync.testing.actors', fromlist=['STATE']).STATE['active']", {})
+
+
+@pytest.mark.vllm
+def test_a_failed_applier_finish_is_reported_on_the_store_not_raised_into_vllm(cluster):
+    from helpers import init_info, mismatches
+    from weightsync.testing.cluster import Layout
+
+    layout = Layout(**_NCCL)
+    cluster.setup(layout)
+    worker1 = cluster.active_receivers[1]
+    cluster.make_engines(init_info("weightsync_nccl", layout, timeout_s=TIMEOUT_S))
+    _on(worker1, "import weightsync.worker.applier as a\na._kept = a.LayerwiseApplier.finish\n"
+                 "def broken(self):\n    raise RuntimeError('the applier broke at finish')\n"
+                 "a.LayerwiseApplier.finish = broken")
+    try:
+        futs = [a.submit("weightsync.testing.trainer:send_weights", "v1") for a in cluster.active_trainers]
+        for f in futs:  # the worker's own report, not the client's error from vLLM's RPC
+            with pytest.raises(RemoteError, match=r"SyncFailed: weight sync 1 failed: worker 1: RuntimeError: "
+                                                  r"finish_weight_update of weight sync 1 failed: RuntimeError: "
+                                                  r"the applier broke at finish"):
+                f.result(timeout=4 * TIMEOUT_S)
+    finally:
+        _on(worker1, "import weightsync.worker.applier as a\na.LayerwiseApplier.finish = a._kept")
+    cluster.make_engines(init_info("weightsync_nccl", layout, timeout_s=TIMEOUT_S))  # re-init recovers
+    cluster.sync(weight_version="v2")
+    assert mismatches(cluster) == {}
+
+
+_LOAD_NORM = ("import torch\nfrom weightsync.testing.actors import STATE\nfrom weightsync.testing.receiver import _ctx\n"
+              "m = STATE['model']\nw = dict(m.named_parameters())['model.norm.weight']\n"
+              "with _ctx():\n    m.load_weights([('model.norm.weight', torch.full_like(w, 0.5))])")
+
+
+@pytest.mark.vllm
+def test_vllm_load_weights_drops_the_delta_base_so_the_next_delta_is_refused_not_patched(cluster):
+    from helpers import init_info, mismatches
+    from weightsync.testing.cluster import Layout
+
+    layout = Layout(**_NCCL)
+    cluster.setup(layout)
+    info = init_info("weightsync_nccl", layout, timeout_s=TIMEOUT_S, delta=True)
+    cluster.make_engines(info)
+    cluster.sync(weight_version="dense")
+    cluster.train_step(5, lr=1e-4)
+    assert cluster.sync(weight_version="delta")["delta"]["base"] == 1  # a delta against sync 1
+    _on(cluster.active_receivers[0], _LOAD_NORM)  # vLLM's own load_weights, on the live model
+    cluster.train_step(6, lr=1e-4)
+    futs = [a.submit("weightsync.testing.trainer:send_weights", "patched") for a in cluster.active_trainers]
+    for f in futs:
+        with pytest.raises(RemoteError, match=r"weight sync 3 failed: worker 0: ValueError: update_info\.delta_base is "
+                                              r"sync 2, but worker 0 holds no complete sync \(vLLM changed its weights "
+                                              r"since weight sync 2 \(load_weights, reload_weights or a level-2 sleep\)"):
+            f.result(timeout=4 * TIMEOUT_S)
+    cluster.make_engines(info)  # after re-init the first sync is dense: exact again
+    stats = cluster.sync(weight_version="dense again")
+    assert stats["delta"] is None or stats["delta"]["base"] is None
+    assert mismatches(cluster) == {}
+
+
+def test_the_fingerprint_sees_load_weights_and_new_tensors_not_reads():
+    from weightsync.worker.agreement import fingerprint, weights_changed
+
+    model = torch.nn.Sequential(torch.nn.Linear(40, 30), torch.nn.LayerNorm(30)).to(torch.bfloat16)
+    before = fingerprint(model)
+    model(torch.randn(2, 40, dtype=torch.bfloat16))
+    model[1].weight.data.copy_(model[1].weight.data.clone())  # the same values again: still the base
+    assert not weights_changed(before, model)
+    model[0].weight.data.copy_(torch.randn(30, 40))  # as vLLM's loaders write: through .data, no version bump
+    assert weights_changed(before, model)
+    before = fingerprint(model)
+    model[1].weight = torch.nn.Parameter(model[1].weight.detach().clone())  # reload_weights' fresh tensors
+    assert weights_changed(before, model)
+
+
+def _trainer_b(layout, **fields):
+    """A second trainer (one rank, in this process) for the same engines, with the model's architecture."""
+    from helpers import init_info
+    from transformers import AutoModelForCausalLM
+
+    from weightsync import FullTensorSource, WeightTransferTrainerFactory
+    from weightsync.integrations.fsdp2.model import load_hf_config
+    from weightsync.testing.cluster import Layout, model_config_dir
+
+    torch.manual_seed(7)
+    model = AutoModelForCausalLM.from_config(load_hf_config(model_config_dir(layout.model)), dtype=torch.float32)
+    info = init_info("weightsync_nccl", Layout(trainers=1, tp=layout.tp), timeout_s=TIMEOUT_S, **fields)
+    return model, lambda client: WeightTransferTrainerFactory.trainer_init(info, client=client,
+                                                                            source=FullTensorSource(model))
+
+
+@pytest.mark.vllm
+def test_a_second_trainer_is_refused_and_leaves_the_first_ones_live_update_alone(cluster):
+    from helpers import mismatches
+    from weightsync.testing.cluster import Layout
+
+    layout = Layout(**_NCCL)
+    cluster.setup(layout)
+    cluster.make_engines(cluster.init_info(timeout_s=TIMEOUT_S))
+    client = cluster.client()
+    client.start_weight_update()  # trainer A's update is active on every worker
+    _, init_b = _trainer_b(layout)
+    with pytest.raises(ValueError, match=r"worker \d is bound to trainer session '[0-9a-f]{16}': the init of trainer "
+                                         r"session '[0-9a-f]{16}' is refused until '[0-9a-f]{16}' shuts down its "
+                                         r"engines \(or the new init asks take_over=True"):
+        init_b(client)
+    client.update_weights({"abort": "trainer B gave up", "sync_id": 1, "session": "b0b0b0b0b0b0b0b0"})  # ignored
+    assert all(_active(a) for a in cluster.active_receivers)
+    client.finish_weight_update(None)  # A's update, intact: it ends as A ends it
+    cluster.train_step(8)
+    cluster.sync(weight_version="still A's", verify=True)
+    assert mismatches(cluster) == {}
+
+
+class HoldingClient(JsonRoundTripClient):
+    """Trainer A's client: holds its update (the workers' update is active, started) until a failure is
+    reported on A's store, then gives up."""
+
+    def update_weights(self, update_info):
+        from weightsync.testing.actors import STATE
+
+        until(lambda: STATE["engine"].comm.peer_error() is not None, "a failure on trainer A's store", TIMEOUT_S)
+
+
+@pytest.mark.vllm
+def test_a_take_over_waits_then_aborts_the_first_trainers_update_as_its_failure(cluster):
+    from weightsync.testing.cluster import Layout
+
+    layout = Layout(**_NCCL)
+    cluster.setup(layout)
+    cluster.make_engines(cluster.init_info(timeout_s=TIMEOUT_S), client=HoldingClient(cluster.client()))
+    futs = [a.submit("weightsync.testing.trainer:send_weights", "A's") for a in cluster.active_trainers]
+    until(lambda: all(_active(a) for a in cluster.active_receivers), "trainer A's update started", TIMEOUT_S)
+    model, init_b = _trainer_b(layout, take_over=True)
+    t0 = time.monotonic()
+    b = init_b(cluster.client())
+    try:
+        assert time.monotonic() - t0 >= TIMEOUT_S / 2  # it waited for A's update first
+        for f in futs:
+            with pytest.raises(RemoteError, match=r"SyncFailed: weight sync 1 failed: worker \d: RuntimeError: trainer "
+                                                  r"session '[0-9a-f]{16}' took this engine over \(its init asked "
+                                                  r"take_over=True\) while an update of trainer session "
+                                                  r"'[0-9a-f]{16}' was active"):
+                f.result(timeout=4 * TIMEOUT_S)
+        b.send_weights(weight_version="B's")  # B's start finds A's update left active: that one is aborted
+        sd = {n: t.detach() for n, t in model.state_dict().items()}
+        assert cluster.on_receivers("compare_with_oracle", sd) == [[]] * layout.num_workers
+        assert cluster.client().weight_versions() == ["B's"] * layout.num_workers
+    finally:
+        b.shutdown()
+        cluster.on_trainers("shutdown_engine")
+
+
+class _LiveStore:
+    """The bound session's store, reachable and without a failure."""
+
+    def peer_error(self):
+        return None
+
+
+def test_the_any_transport_backend_fences_before_it_replaces_the_bound_engine():
+    from weightsync.infos import WorkerInitInfo
+    from weightsync.integrations.vllm_plugin import AnyTransportWorkerEngine
+    from weightsync.registry import transport
+
+    shut: list = []
+    bound = object.__new__(transport("weightsync_m2n").worker_engine)  # bound to session A over M2N
+    bound.info, bound.comm, bound.parallel_config = WorkerInitInfo(master_address="127.0.0.1", master_port=1,
+                                                                   session="a" * 16), _LiveStore(), None
+    bound.shutdown = lambda: shut.append(True)
+    wrapper = object.__new__(AnyTransportWorkerEngine)
+    wrapper.engine = bound
+    b = {"transport": "weightsync_nccl", "master_address": "127.0.0.1", "master_port": 2, "world_size": 3,
+         "session": "b" * 16}
+    with pytest.raises(ValueError, match=r"worker 0 is bound to trainer session 'a{16}': the init of trainer session "
+                                         r"'b{16}' is refused until 'a{16}' shuts down its engines"):
+        wrapper.parse_init_info(b)
+    assert wrapper.engine is bound and not shut  # session A's engine is left as it was
+
+# ---- every wait bounded by timeout_s (issue 34 item 6) -------------------------------------------
+STUCK_TIMEOUT_S = 8.0
+"""The stuck-worker syncs' timeout_s: small, so that waiting it out is cheap, and large enough that a
+sync that did not wait for it cannot pass for one that did."""
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("call", ["start_weight_update", "update_weights", "finish_weight_update"])
+@pytest.mark.parametrize("backend", ["weightsync_m2n", "weightsync_nccl", "weightsync_ipc"])
+def test_a_stuck_worker_makes_every_trainer_rank_raise_within_timeout_s(cluster, backend, call):
+    """A worker alive but stuck in a client call (``faults.hang``: it answers nothing, its process holds
+    its connections) makes every trainer rank raise ``SyncFailed`` after about ``timeout_s``, never
+    after the client's own timeout (300 s): each rank's wall-clock from the sync's start is in
+    [timeout_s, timeout_s + 5). Once released, the engines take a re-initialized sync."""
+    import re
+    import socket
+
+    from helpers import SOURCES, init_info, mismatches
+    from weightsync.testing.cluster import Layout
+
+    layout = Layout(trainers=2, tp=2, backend=backend)
+    cluster.setup(layout)
+    make = lambda: init_info(backend, layout, timeout_s=STUCK_TIMEOUT_S)  # noqa: E731
+    cluster.make_engines(make(), source=SOURCES[backend])
+    cluster.sync(weight_version="good")
+    raised: dict[int, float] = {}
+    with socket.create_server(("127.0.0.1", 0)) as release:  # closing it releases the stuck worker
+        cluster.active_receivers[1].call("weightsync.testing.faults:hang", call, release.getsockname()[1])
+        t0 = time.monotonic()
+        futs = [a.submit("weightsync.testing.trainer:send_weights", "stuck") for a in cluster.active_trainers]
+        for r, f in enumerate(futs):
+            f.add_done_callback(lambda _, r=r: raised.setdefault(r, time.monotonic() - t0))
+        errors = []
+        for f in futs:
+            with pytest.raises(RemoteError) as e:
+                f.result(timeout=6 * STUCK_TIMEOUT_S)
+            errors.append(str(e.value).split("\nTraceback")[0])
+    print(f"{backend} stuck in {call}: every rank raised after", {r: f"{s:.2f} s" for r, s in sorted(raised.items())})
+    for err in errors:
+        assert "SyncFailed: weight sync 2 failed" in err, err
+        # the first failure recorded: a wait that timed out, or a peer of the one that gave up (gloo
+        # closes a pair whose operation timed out)
+        assert re.search(r"[Tt]imed out|did not return within timeout_s=8.0|Connection closed by peer", err), err
+    for r, seconds in raised.items():  # it waited for the timeout (a bound that is real), and not longer
+        assert STUCK_TIMEOUT_S <= seconds < STUCK_TIMEOUT_S + 5, (r, seconds)
+    cluster.on_trainers("shutdown_engine")  # (waits for the client calls the failure left running)
+    cluster.make_engines(make(), source=SOURCES[backend])
+    cluster.sync(weight_version="after", verify=True)
+    assert mismatches(cluster) == {}
