@@ -254,3 +254,43 @@ def test_a_stuck_worker_makes_every_trainer_rank_raise_within_timeout_s(cluster,
     cluster.make_engines(make(), source=SOURCES[backend])
     cluster.sync(weight_version="after", verify=True)
     assert mismatches(cluster) == {}
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("backend", ["weightsync_m2n", "weightsync_nccl", "weightsync_ipc"])
+def test_a_worker_stuck_in_init_makes_every_trainer_rank_raise_within_timeout_s(cluster, backend):
+    """Item 6 for the init: a worker stuck before its ``init_weight_transfer_engine`` reaches the engine
+    makes every trainer rank's ``make_engine`` raise within [timeout_s, timeout_s + 5) of its start;
+    once released, a re-init on the same layout syncs bit-exact."""
+    import socket
+
+    from helpers import SOURCES, init_info, mismatches
+    from weightsync.testing.cluster import Layout
+
+    layout = Layout(trainers=2, tp=2, backend=backend)
+    cluster.setup(layout)
+    make = lambda: init_info(backend, layout, timeout_s=STUCK_TIMEOUT_S)  # noqa: E731
+    raised: dict[int, float] = {}
+    with socket.create_server(("127.0.0.1", 0)) as release:
+        cluster.active_receivers[1].call("weightsync.testing.faults:hang", "init_weight_transfer_engine",
+                                         release.getsockname()[1])
+        info, client = make(), cluster.client()  # (one master_port for every rank)
+        t0 = time.monotonic()
+        futs = [a.submit("weightsync.testing.trainer:make_engine", info, client, source=SOURCES[backend])
+                for a in cluster.active_trainers]
+        for r, f in enumerate(futs):
+            f.add_done_callback(lambda _, r=r: raised.setdefault(r, time.monotonic() - t0))
+        errors = []
+        for f in futs:
+            with pytest.raises(RemoteError) as e:
+                f.result(timeout=6 * STUCK_TIMEOUT_S)
+            errors.append(str(e.value).split("\nTraceback")[0])
+    print(f"{backend} stuck in init: every rank raised after", {r: f"{s:.2f} s" for r, s in sorted(raised.items())})
+    for err in errors:
+        assert "timeout_s=8.0" in err or "imed out" in err, err
+    for r, seconds in raised.items():
+        assert STUCK_TIMEOUT_S <= seconds < STUCK_TIMEOUT_S + 5, (r, seconds)
+    cluster.on_trainers("shutdown_engine")
+    cluster.make_engines(make(), source=SOURCES[backend])
+    cluster.sync(weight_version="after-stuck-init", verify=True)
+    assert mismatches(cluster) == {}

@@ -235,8 +235,8 @@ class Server:
     """One ``vllm serve`` process on ``model_dir`` (its own process group: engine core and workers go with
     it), with the ``weightsync`` weight-transfer backend, the request middleware and ``ServeReadback``."""
 
-    def __init__(self, workdir: str, model_dir: str, *, dtype: str, served: str, extra_args: tuple[str, ...] = ()
-                 ) -> None:
+    def __init__(self, workdir: str, model_dir: str, *, dtype: str, served: str, extra_args: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None) -> None:
         import json
         import subprocess
         import sys
@@ -249,7 +249,7 @@ class Server:
         src = os.path.dirname(os.path.dirname(os.path.abspath(weightsync.__file__)))
         here = os.path.dirname(os.path.abspath(__file__))
         env = {**os.environ, **ENGINE_ENV, "VLLM_SERVER_DEV_MODE": "1", "VLLM_TARGET_DEVICE": "cpu",
-               "PYTHONPATH": os.pathsep.join([src, here, os.environ.get("PYTHONPATH", "")])}
+               "PYTHONPATH": os.pathsep.join([src, here, os.environ.get("PYTHONPATH", "")]), **(env or {})}
         os.makedirs(env["VLLM_RPC_BASE_PATH"], exist_ok=True)
         self.cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
                     "--served-model-name", served, "--host", "127.0.0.1", "--port", str(self.port),

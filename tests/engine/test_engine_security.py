@@ -7,6 +7,9 @@ scheduler), and ``vllm serve`` over HTTP through ``HTTPVLLMWeightSyncClient`` (`
 inside ``clients.paused`` lands and resumes generation. A sync that fails after data moved under
 ``rollback=False`` leaves the engine paused, and resuming it is refused (``WeightsPartlyApplied``; over
 HTTP, weightsync's middleware answers ``POST /resume`` with 409) until a full sync lands.
+
+The server here runs with ``WEIGHTSYNC_HTTP_TOKEN``: the routes that change the engine answer 401 without
+the token, and an init arriving while an update is active answers 409 and leaves that update to land.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import select
 import shutil
 import socket
@@ -28,6 +32,7 @@ pytestmark = pytest.mark.timeout(900)
 
 ENGINE = EngineConfig("weightsync", 2, "bfloat16", "tiny_qwen3")  # test_engine_failures' engine (reused)
 NOT_PAUSED = "generation is not paused (1 of 1 engine(s)); call client.pause_generation() before send_weights"
+TOKEN = secrets.token_hex(16)  # the module's server requires it on the routes that change the engine
 PARTLY = (r"resume_generation refused: {where}: a failed weight sync left its weights partly applied "
           r"\(rollback=False; the trainer aborted the update: .*\); generation stays paused until a full sync lands")
 
@@ -112,7 +117,7 @@ def server(ray_session):
     ray_session.stop_engines()  # one engine at a time (memory)
     workdir = tempfile.mkdtemp(prefix="weightsync-serve-security-")
     srv = Server(workdir, random_checkpoint(os.path.join(workdir, "initial"), seed=123), dtype=DTYPE, served=SERVED,
-                 extra_args=("--skip-tokenizer-init",))
+                 extra_args=("--skip-tokenizer-init",), env={"WEIGHTSYNC_HTTP_TOKEN": TOKEN})
     try:
         srv.ready()
         yield srv
@@ -123,25 +128,15 @@ def server(ray_session):
 
 
 def test_vllm_serve_refuses_unpaused_syncs_and_its_resume_after_a_torn_one(server, trainer_actors):
-    from dataclasses import replace
-
-    import ray
-
-    from engine_support import Case, init_info
     from test_vllm_serve import DTYPE, MODEL, SERVED, http
     from weightsync import HTTPVLLMWeightSyncClient
     from weightsync.pausing import WeightsPartlyApplied
 
     url = server.url
-    client = HTTPVLLMWeightSyncClient(url)
+    client = HTTPVLLMWeightSyncClient(url, token=TOKEN)
     trainers = vllm_cpu.Trainers(trainer_actors[:2])
     trainers.setup(MODEL, DTYPE, seed=12)
-    case = Case("nccl", 1, DTYPE, MODEL, 2)
-
-    def make(fault=None, **kw):
-        info = replace(init_info(case, timeout_s=60.0), **kw)
-        ray.get([a.call.remote("weightsync.testing.trainer:make_engine", replace(info, rank=r), client,
-                               source="full", fault=fault) for r, a in enumerate(trainers.actors)], timeout=600)
+    make = _maker(trainers, client)
 
     def version():
         return http(url, "weight_info", method="GET")[1]["weight_version"]
@@ -163,7 +158,7 @@ def test_vllm_serve_refuses_unpaused_syncs_and_its_resume_after_a_torn_one(serve
         torn = _outcomes_text(trainers.send_weights_outcomes("http-torn"))
         assert all("the engines' weights may be partly updated (rollback=False)" in e for e in torn), torn
         assert http(url, "is_paused", method="GET") == (200, {"is_paused": True}), "it stays paused"
-        status, body = http(url, "resume")  # the middleware refuses it: the server stays paused
+        status, body = http(url, "resume", token=TOKEN)  # the middleware refuses it: the server stays paused
         assert status == 409 and body["error"]["type"] == "ConflictError", (status, body)
         assert "resume_generation refused: this server: a failed weight sync left its weights partly applied" in \
             body["error"]["message"], body
@@ -183,6 +178,23 @@ def test_vllm_serve_refuses_unpaused_syncs_and_its_resume_after_a_torn_one(serve
         trainers.teardown()
 
 
+def _maker(trainers, client):
+    """``make(fault=None)``: every trainer rank makes its engine on ``client`` (nccl broadcast, 2 ranks)."""
+    from dataclasses import replace
+
+    import ray
+
+    from engine_support import Case, init_info
+    from test_vllm_serve import DTYPE, MODEL
+
+    info = init_info(Case("nccl", 1, DTYPE, MODEL, 2), timeout_s=60.0)
+
+    def make(fault=None):
+        ray.get([a.call.remote("weightsync.testing.trainer:make_engine", replace(info, rank=r), client,
+                               source="full", fault=fault) for r, a in enumerate(trainers.actors)], timeout=600)
+    return make
+
+
 def _raw(url: str, path: str, body: bytes, length: int | None = None) -> tuple[int, dict]:
     """POST ``body`` as is; ``length``: the Content-Length header claimed instead of the body's."""
     import http.client
@@ -191,7 +203,7 @@ def _raw(url: str, path: str, body: bytes, length: int | None = None) -> tuple[i
     where = urllib.parse.urlsplit(url)
     conn = http.client.HTTPConnection(where.hostname, where.port, timeout=300)
     try:
-        conn.request("POST", f"/{path}", body=body, headers={"Content-Type": "application/json",
+        conn.request("POST", f"/{path}", body=body, headers={"Content-Type": "application/json", "X-Weightsync-Token": TOKEN,
                                                              "Content-Length": str(length or len(body))})
         reply = conn.getresponse()
         return reply.status, json.loads(reply.read())
@@ -216,13 +228,64 @@ def test_vllm_serve_refuses_bad_bodies_and_a_refused_init_connects_nowhere(serve
         assert (status, body["error"]["message"]) == (400, "the request body holds NaN, which is not a JSON number")
         status, body = _raw(url, "update_weights", b"{}", length=(16 << 20) + 1)  # the header alone decides
         assert (status, body["error"]["type"]) == (413, "PayloadTooLargeError"), body
-        status, body = http(url, "init_weight_transfer_engine", {"init_info": nccl})
+        status, body = http(url, "init_weight_transfer_engine", {"init_info": nccl}, token=TOKEN)
         assert (status, body["error"]["param"]) == (400, "timeout_s"), body
         assert "init_info.timeout_s must be in (0, 604800] seconds, got 0" in body["error"]["message"]
-        status, body = http(url, "init_weight_transfer_engine", {"init_info": {**nccl, "timeout_s": 30.0, "bogus": 1}})
+        status, body = http(url, "init_weight_transfer_engine", {"init_info": {**nccl, "timeout_s": 30.0, "bogus": 1}},
+                            token=TOKEN)
         assert 400 <= status < 500 and "bogus" in json.dumps(body), (status, body)  # the worker refused it
         assert select.select([listener], [], [], 0)[0] == [], "a refused init connected out to the host it named"
         status, body = http(url, "v1/completions", {"model": SERVED, "prompt": [[5, 6, 7]], "max_tokens": 1})
         assert status == 200 and len(body["choices"]) == 1, body  # it still serves
     finally:
         listener.close()
+
+
+def test_vllm_serve_needs_its_token_and_refuses_an_init_while_an_update_is_active(server, trainer_actors, tmp_path):
+    """Item 3 on the real server: with ``WEIGHTSYNC_HTTP_TOKEN`` set, the routes that change the engine
+    answer 401 without it (inference needs none); an init while an update is active answers 409 (checked
+    before the body), and the update goes on and lands."""
+    import ray
+
+    from test_vllm_serve import DTYPE, MODEL, SERVED, http
+    from weightsync import HTTPVLLMWeightSyncClient
+    from weightsync.errors import RemoteCallError
+
+    url = server.url
+    for path, token, why in (("pause", None, "none sent"), ("init_weight_transfer_engine", "wrong", "wrong token"),
+                             ("collective_rpc", None, "none sent")):
+        status, body = http(url, path, {}, token=token)
+        assert (status, body["error"]["type"]) == (401, "UnauthorizedError"), (path, status, body)
+        assert body["error"]["message"] == (f"/{path} needs the weight-transfer token: send it in the "
+                                            f"X-Weightsync-Token header ({why})"), body
+    with pytest.raises(RemoteCallError, match=r"/pause\?mode=abort&clear_cache=true -> HTTP 401"):
+        HTTPVLLMWeightSyncClient(url).pause_generation()
+    assert http(url, "is_paused", method="GET") == (200, {"is_paused": False}), "a refused pause paused"
+    status, body = http(url, "v1/completions", {"model": SERVED, "prompt": [[5, 6, 7]], "max_tokens": 1})
+    assert status == 200 and len(body["choices"]) == 1, body
+
+    trainers = vllm_cpu.Trainers(trainer_actors[:2])
+    trainers.setup(MODEL, DTYPE, seed=13)
+    posts = str(tmp_path / "posts")
+    # refused before its body is read while an update is active (409); otherwise 400, changing nothing
+    init = {"init_info": {"master_address": "127.0.0.1", "master_port": 1, "world_size": 2,
+                          "transport": "weightsync_nccl", "timeout_s": 0}}
+    try:
+        _maker(trainers, HTTPVLLMWeightSyncClient(url, token=TOKEN))()
+        ray.get([a.call.remote("weightsync.testing.faults:slow_data_plane", 0.3, posts) for a in trainers.actors])
+        refs = [a.call.remote("weightsync.testing.trainer:send_weights", "mid-update") for a in trainers.actors]
+        seen = {}
+        while 409 not in seen and len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) < len(refs):
+            status, body = http(url, "init_weight_transfer_engine", init, token=TOKEN)
+            seen[status] = body
+        assert 409 in seen, f"no init answered 409 during the sync: {seen}"
+        assert set(seen) <= {400, 409}, seen
+        assert seen[409]["error"]["message"].startswith("init_weight_transfer_engine refused: a weight update is "
+                                                        "active on this server (started, not finished)"), seen
+        ray.get(refs, timeout=600)  # the refused init changed nothing: the update lands
+        assert http(url, "weight_info", method="GET")[1]["weight_version"] == "mid-update"
+        status, body = http(url, "init_weight_transfer_engine", init, token=TOKEN)
+        assert (status, body["error"]["param"]) == (400, "timeout_s"), body  # no update active any more
+    finally:
+        ray.get([a.call.remote("weightsync.testing.faults:slow_data_plane", 0) for a in trainers.actors])
+        trainers.teardown()

@@ -68,11 +68,11 @@ def random_checkpoint(path: str, seed: int) -> str:
     return save_checkpoint(model.state_dict(), path)
 
 
-def http(url: str, path: str, body: Any = None, method: str = "POST") -> tuple[int, Any]:
-    """Status and JSON body of one request (4xx/5xx included)."""
+def http(url: str, path: str, body: Any = None, method: str = "POST", token: str | None = None) -> tuple[int, Any]:
+    """Status and JSON body of one request (4xx/5xx included); ``token``: sent as ``X-Weightsync-Token``."""
     data = None if method == "GET" else json.dumps(body if body is not None else {}).encode()
-    req = urllib.request.Request(f"{url}/{path}", data=data, method=method,
-                                 headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json", **({"X-Weightsync-Token": token} if token else {})}
+    req = urllib.request.Request(f"{url}/{path}", data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=300) as r:
             status, raw = r.status, r.read()

@@ -239,7 +239,7 @@ def slow_data_plane(seconds: float, count_to: str | None = None) -> None:
         setattr(Communicator, n, slow(fn))
 
 
-HANG_CALLS = ("start_weight_update", "update_weights", "finish_weight_update")
+HANG_CALLS = ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update")
 
 
 def hang(call: str, port: int) -> None:
