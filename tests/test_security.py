@@ -8,6 +8,7 @@ import multiprocessing as mp
 import os
 import signal
 import threading
+import time
 from datetime import timedelta
 
 import pytest

@@ -218,7 +218,8 @@ def test_a_stuck_worker_makes_every_trainer_rank_raise_within_timeout_s(cluster,
     """A worker alive but stuck in a client call (``faults.hang``: it answers nothing, its process holds
     its connections) makes every trainer rank raise ``SyncFailed`` after about ``timeout_s``, never
     after the client's own timeout (300 s): each rank's wall-clock from the sync's start is in
-    [timeout_s, timeout_s + 5). Once released, the engines take a re-initialized sync."""
+    [timeout_s, timeout_s + 5), and generation stays paused (``SyncFailed.stuck``: ``clients.paused``
+    does not wait on the stuck engine to resume). Once released, the engines take a re-initialized sync."""
     import re
     import socket
 
@@ -250,6 +251,8 @@ def test_a_stuck_worker_makes_every_trainer_rank_raise_within_timeout_s(cluster,
         assert re.search(r"[Tt]imed out|did not return within timeout_s=8.0|Connection closed by peer", err), err
     for r, seconds in raised.items():  # it waited for the timeout (a bound that is real), and not longer
         assert STUCK_TIMEOUT_S <= seconds < STUCK_TIMEOUT_S + 5, (r, seconds)
+    # clients.paused did not wait on the stuck engine to resume it: generation stays paused
+    assert set(cluster.client().generation_paused().values()) == {True}
     cluster.on_trainers("shutdown_engine")  # (waits for the client calls the failure left running)
     cluster.make_engines(make(), source=SOURCES[backend])
     cluster.sync(weight_version="after", verify=True)

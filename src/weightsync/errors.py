@@ -23,11 +23,14 @@ class SyncFailed(RuntimeError):
     refuses syncs until ``trainer_init`` runs again. ``restored``: the engines' weights are those of
     the last complete sync (the failure came before the update started, or ``rollback=True``);
     False: they may be partly updated until a full sync lands (``clients.paused`` keeps generation
-    paused then)."""
+    paused then). ``stuck``: on trainer rank 0, a client call to the engines had not returned when the
+    sync gave up (an engine does not answer): ``clients.paused`` then leaves generation paused rather
+    than wait on that engine to resume it."""
 
-    def __init__(self, message: str, *, restored: bool = True) -> None:
+    def __init__(self, message: str, *, restored: bool = True, stuck: bool = False) -> None:
         super().__init__(message)
         self.restored = restored
+        self.stuck = stuck
 
 
 class PoisonedError(RuntimeError):

@@ -130,15 +130,17 @@ def paused(client: Any, mode: str = "abort", clear_cache: bool = True) -> Iterat
     (``restored`` False: the default ``rollback=False`` and data had moved), generation stays
     paused: re-initialize, sync again (inside ``paused`` again, which resumes on success), or call
     ``client.resume_generation()`` yourself once a full sync landed (until then our clients refuse it:
-    ``WeightsPartlyApplied``). Any other failure resumes generation, unless an earlier failure's
-    weights are still partly applied. A sync outside ``paused`` is refused (``Refused``) unless the
+    ``WeightsPartlyApplied``). A ``SyncFailed`` with ``stuck`` (an engine did not answer a call
+    within ``timeout_s``) leaves generation paused too: resuming would wait on that engine; resume once
+    it answers. Any other failure resumes generation, unless an earlier failure's weights are still
+    partly applied. A sync outside ``paused`` is refused (``Refused``) unless the
     init info says ``require_paused=False``."""
     with suppress(RemoteCallError):  # an engine that does not answer: the sync's preflight refuses, naming it
         client.pause_generation(mode=mode, clear_cache=clear_cache)
     try:
         yield
     except BaseException as e:
-        if getattr(e, "restored", True):
+        if getattr(e, "restored", True) and not getattr(e, "stuck", False):
             # WeightsPartlyApplied: an earlier failure's weights are still partly applied: stay paused;
             # RemoteCallError: an engine that does not answer; the body's own error is the one to raise
             with suppress(WeightsPartlyApplied, RemoteCallError):

@@ -360,7 +360,8 @@ class TrainerEngine:
         restored = (self.init_info.rollback and not self._finished) or not self._started
         torn = "" if restored else ("; the engines' weights may be partly updated (rollback=False): "
                                     "re-initialize and sync again before serving")
-        return SyncFailed(f"weight sync {self.sync_id} failed: {reason}{torn}", restored=restored)
+        return SyncFailed(f"weight sync {self.sync_id} failed: {reason}{torn}", restored=restored,
+                          stuck=self.is_sender and self._pool.busy())
 
     def shutdown(self) -> None:
         """Release the group (and the store, on rank 0, once every rank read the last outcome).
