@@ -12,6 +12,7 @@ from . import configs
 from .clients import HTTPVLLMWeightSyncClient, RayVLLMWeightSyncClient, WeightSyncClient
 from .errors import DataPlaneError, EngineDead, PoisonedError, Refused, RemoteCallError, SyncAborted, SyncFailed
 from .infos import TrainerInitInfo, WorkerInitInfo, WorkerUpdateInfo
+from .pausing import WeightsPartlyApplied, paused
 from .protocol import ParamMeta, WeightSource
 from .registry import TRANSPORTS, Transport, WeightTransferTrainerFactory, WorkerEngineFactory, transport, transport_names
 from .stats import DeltaStats, SyncStats
@@ -25,7 +26,7 @@ __all__ = [
     "WorkerUpdateInfo", "TrainerEngine", "SyncStats", "DeltaStats", "WeightTransferTrainerFactory", "WorkerEngineFactory",
     "WeightSyncClient", "HTTPVLLMWeightSyncClient", "RayVLLMWeightSyncClient", "Transport", "transport",
     "transport_names", "SyncFailed", "PoisonedError", "DataPlaneError", "SyncAborted", "RemoteCallError", "Refused",
-    "EngineDead", "configs",
+    "EngineDead", "WeightsPartlyApplied", "paused", "configs",
 ]
 
 
