@@ -211,6 +211,27 @@ STUCK_TIMEOUT_S = 8.0
 sync that did not wait for it cannot pass for one that did."""
 
 
+def _stuck_in(cluster, call: str, fn: str, *args, **kwargs) -> tuple[list[str], dict[int, float]]:
+    """Worker 1's next ``call`` hangs (``faults.hang``) while every trainer rank runs ``fn(*args, **kwargs)``,
+    which must raise: each rank's error text and seconds from the start until it raised. The worker is
+    released on return."""
+    import socket
+
+    raised: dict[int, float] = {}
+    with socket.create_server(("127.0.0.1", 0)) as release:  # closing it releases the stuck worker
+        cluster.active_receivers[1].call("weightsync.testing.faults:hang", call, release.getsockname()[1])
+        t0 = time.monotonic()
+        futs = [a.submit(fn, *args, **kwargs) for a in cluster.active_trainers]
+        for r, f in enumerate(futs):
+            f.add_done_callback(lambda _, r=r: raised.setdefault(r, time.monotonic() - t0))
+        errors = []
+        for f in futs:
+            with pytest.raises(RemoteError) as e:
+                f.result(timeout=6 * STUCK_TIMEOUT_S)
+            errors.append(str(e.value).split("\nTraceback")[0])
+    return errors, raised
+
+
 @pytest.mark.vllm
 @pytest.mark.parametrize("call", ["start_weight_update", "update_weights", "finish_weight_update"])
 @pytest.mark.parametrize("backend", ["weightsync_m2n", "weightsync_nccl", "weightsync_ipc"])
@@ -221,7 +242,6 @@ def test_a_stuck_worker_makes_every_trainer_rank_raise_within_timeout_s(cluster,
     [timeout_s, timeout_s + 5), and generation stays paused (``SyncFailed.stuck``: ``clients.paused``
     does not wait on the stuck engine to resume). Once released, the engines take a re-initialized sync."""
     import re
-    import socket
 
     from helpers import SOURCES, init_info, mismatches
     from weightsync.testing.cluster import Layout
@@ -231,18 +251,7 @@ def test_a_stuck_worker_makes_every_trainer_rank_raise_within_timeout_s(cluster,
     make = lambda: init_info(backend, layout, timeout_s=STUCK_TIMEOUT_S)  # noqa: E731
     cluster.make_engines(make(), source=SOURCES[backend])
     cluster.sync(weight_version="good")
-    raised: dict[int, float] = {}
-    with socket.create_server(("127.0.0.1", 0)) as release:  # closing it releases the stuck worker
-        cluster.active_receivers[1].call("weightsync.testing.faults:hang", call, release.getsockname()[1])
-        t0 = time.monotonic()
-        futs = [a.submit("weightsync.testing.trainer:send_weights", "stuck") for a in cluster.active_trainers]
-        for r, f in enumerate(futs):
-            f.add_done_callback(lambda _, r=r: raised.setdefault(r, time.monotonic() - t0))
-        errors = []
-        for f in futs:
-            with pytest.raises(RemoteError) as e:
-                f.result(timeout=6 * STUCK_TIMEOUT_S)
-            errors.append(str(e.value).split("\nTraceback")[0])
+    errors, raised = _stuck_in(cluster, call, "weightsync.testing.trainer:send_weights", "stuck")
     print(f"{backend} stuck in {call}: every rank raised after", {r: f"{s:.2f} s" for r, s in sorted(raised.items())})
     for err in errors:
         assert "SyncFailed: weight sync 2 failed" in err, err
@@ -265,29 +274,14 @@ def test_a_worker_stuck_in_init_makes_every_trainer_rank_raise_within_timeout_s(
     """Item 6 for the init: a worker stuck before its ``init_weight_transfer_engine`` reaches the engine
     makes every trainer rank's ``make_engine`` raise within [timeout_s, timeout_s + 5) of its start;
     once released, a re-init on the same layout syncs bit-exact."""
-    import socket
-
     from helpers import SOURCES, init_info, mismatches
     from weightsync.testing.cluster import Layout
 
     layout = Layout(trainers=2, tp=2, backend=backend)
     cluster.setup(layout)
     make = lambda: init_info(backend, layout, timeout_s=STUCK_TIMEOUT_S)  # noqa: E731
-    raised: dict[int, float] = {}
-    with socket.create_server(("127.0.0.1", 0)) as release:
-        cluster.active_receivers[1].call("weightsync.testing.faults:hang", "init_weight_transfer_engine",
-                                         release.getsockname()[1])
-        info, client = make(), cluster.client()  # (one master_port for every rank)
-        t0 = time.monotonic()
-        futs = [a.submit("weightsync.testing.trainer:make_engine", info, client, source=SOURCES[backend])
-                for a in cluster.active_trainers]
-        for r, f in enumerate(futs):
-            f.add_done_callback(lambda _, r=r: raised.setdefault(r, time.monotonic() - t0))
-        errors = []
-        for f in futs:
-            with pytest.raises(RemoteError) as e:
-                f.result(timeout=6 * STUCK_TIMEOUT_S)
-            errors.append(str(e.value).split("\nTraceback")[0])
+    errors, raised = _stuck_in(cluster, "init_weight_transfer_engine", "weightsync.testing.trainer:make_engine",
+                               make(), cluster.client(), source=SOURCES[backend])  # (one master_port for all)
     print(f"{backend} stuck in init: every rank raised after", {r: f"{s:.2f} s" for r, s in sorted(raised.items())})
     for err in errors:
         assert "timeout_s=8.0" in err or "imed out" in err, err
