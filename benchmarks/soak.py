@@ -42,6 +42,24 @@ def resources() -> dict:
     return {"rss": rss, "fds": len(os.listdir("/proc/self/fd")), "threads": threading.active_count()}
 
 
+def perturb(seed: int) -> None:
+    """Inside a trainer rank: change a varying share (0.1-5 %) of every local shard in place, as an optimizer
+    step changes the weights, without the step's own autograd and optimizer allocations (``--change step``
+    runs the FSDP2 step instead: it alone grows a rank's RSS by a few MiB over its first few hundred steps,
+    which is the trainer's, not weightsync's)."""
+    import torch
+
+    from weightsync.testing.trainer import STATE
+
+    g = torch.Generator().manual_seed(seed * 100 + STATE["rank"])
+    share = 0.001 + 0.049 * torch.rand((), generator=g).item()
+    with torch.no_grad():
+        for p in STATE["model"].parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            hit = torch.rand(local.shape, generator=g) < share
+            local.add_(torch.randn(local.shape, generator=g).mul_(hit).to(local.dtype))
+
+
 def store_keys() -> int:
     """Inside trainer rank 0: the keys on the group's store (it hosts it)."""
     from weightsync.testing.trainer import STATE
@@ -87,8 +105,15 @@ def sample(cluster) -> dict:
     return {"rss_mib": res["rss"] / MIB, "fds": res["fds"], "store_keys": rank0.call("soak:store_keys")}
 
 
-def soak(cluster, mode: str, model_dir: str, syncs: int, verify_every: int, samples: int, warmup: int) -> dict:
+def soak(cluster, mode: str, model_dir: str, syncs: int, verify_every: int, samples: int, warmup: int,
+         change: str = "perturb") -> dict:
     import dataclasses
+
+    def step(seed: int) -> None:
+        if change == "step":
+            cluster.train_step(seed)
+        else:
+            cluster.on_trainers("soak:perturb", seed)
 
     layout, fields, engine_kwargs = modes()[mode]
     cluster.setup(dataclasses.replace(layout, model=model_dir))
@@ -96,17 +121,18 @@ def soak(cluster, mode: str, model_dir: str, syncs: int, verify_every: int, samp
     cluster.make_engines(cluster.init_info(buffer_bytes=buffer, **fields), **engine_kwargs)
     procs = cluster.active_trainers + cluster.active_receivers
     for i in range(warmup):  # buffers, plan, optimizer state, allocator, the delta's base, the harness's connections
-        cluster.train_step(-1 - i)
+        step(-1 - i)
         cluster.sync(weight_version=f"warm{i}", verify=i % 2 == 1)
     before = [a.call("soak:resources") for a in procs]
     trace = [{"sync": 0, **sample(cluster)}]
-    t0, verified, checked, last = time.perf_counter(), 0, 0, {}
+    t0, verified, checked, last, changed = time.perf_counter(), 0, 0, {}, 0
     for i in range(1, syncs + 1):
         if i % 10 == 1:
-            cluster.train_step(i)
+            step(i)
         sampled = i % max(1, syncs // samples) == 0 or i == syncs
         check = i % verify_every == 0 or sampled  # (samples follow verified syncs: verify keys included)
         last = cluster.sync(weight_version=f"soak{i}", verify=check)
+        changed += (last.get("delta") or {}).get("changed") or 0
         checked += check
         verified += check and last["verified"] is True
         if sampled:
@@ -118,8 +144,9 @@ def soak(cluster, mode: str, model_dir: str, syncs: int, verify_every: int, samp
              "rss_growth_mib": (y["rss"] - x["rss"]) / MIB, "fds": (x["fds"], y["fds"]),
              "threads": (x["threads"], y["threads"])} for a, x, y in zip(procs, before, after)]
     keys = [t["store_keys"] for t in trace]
-    return {"mode": mode, "transport": layout.backend, "delta": bool(fields.get("delta")),
-            "delta_base_last": (last.get("delta") or {}).get("base"), "syncs": syncs, "verified_syncs": checked,
+    return {"mode": mode, "change": change, "transport": layout.backend, "delta": bool(fields.get("delta")),
+            "delta_base_last": (last.get("delta") or {}).get("base"),
+            "delta_changed_values": changed, "syncs": syncs, "verified_syncs": checked,
             "verified": verified, "bit_exact_after": exact, "seconds": seconds, "seconds_per_sync": seconds / syncs,
             "trainer0_rss_growth_mib": trace[-1]["rss_mib"] - trace[0]["rss_mib"],
             "store_keys": (min(keys), max(keys)), "trace": trace, "processes": rows}
@@ -157,6 +184,8 @@ def main() -> int:
     ap.add_argument("--model", default="tiny_qwen3", help="a shipped config name or a config directory")
     ap.add_argument("--layers", type=int, default=None, help="cut the model to this many decoder layers")
     ap.add_argument("--verify-every", type=int, default=100, help="every N-th sync runs with verify=True")
+    ap.add_argument("--change", choices=["perturb", "step"], default="perturb",
+                    help="how the weights change every 10 syncs: in place (perturb) or an FSDP2 optimizer step")
     ap.add_argument("--warmup", type=int, default=10, help="syncs before the first measurement")
     ap.add_argument("--samples", type=int, default=20, help="RSS / key-count samples over the run")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "soak.json"))
@@ -175,7 +204,8 @@ def main() -> int:
     try:
         results = []
         for m in args.mode:
-            results.append(soak(cluster, m, model_dir, args.syncs, args.verify_every, args.samples, args.warmup))
+            results.append(soak(cluster, m, model_dir, args.syncs, args.verify_every, args.samples, args.warmup,
+                                args.change))
             load.append(os.getloadavg())
             print(table(results[-1:]), flush=True)
     finally:
@@ -183,7 +213,7 @@ def main() -> int:
     ok = all(passed(r) for r in results)
     meta = {"commit": commit, "started": started, "finished": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
             "loadavg_1_5_15": load, "model": args.model, "layers": args.layers, "verify_every": args.verify_every,
-            "warmup": args.warmup, "ok": ok}
+            "warmup": args.warmup, "change": args.change, "ok": ok}
     print(table(results))
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
