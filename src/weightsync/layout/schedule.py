@@ -28,8 +28,10 @@ __all__ = ["ALIGN", "ALONE", "PEERS", "Message", "slabs", "split_item", "peer_me
 ALIGN = 64
 """Byte alignment of each message in staging, and the granularity of ``message_cap``."""
 
-ALONE = 256 << 10
-"""Default ``alone`` of :func:`pair_messages`: above it a staging copy costs more than one more message."""
+ALONE = 1 << 20
+"""Default ``alone`` of :func:`pair_messages`, the floor on a message's size: a smaller piece is packed
+with its pair's other small pieces (up to ``cap``), so a pair moving >= 1 MiB sends messages of
+>= 1 MiB but maybe its last; a piece this large goes alone (from / into its tensor where it is one run)."""
 
 PEERS = 16
 """The most peers one round of a rank exchanges messages with (:func:`peer_groups`): bounds a round's

@@ -17,6 +17,7 @@ from ..layout.records import DestPiece, TensorSource, dtype_itemsize
 from ..layout.regions import Region
 from ..layout.schedule import ALONE, PEERS, Message
 from .m2n_rounds import DEPTH, run_rounds  # re-exported: the executor's callers import it from here
+from .packing import Spans
 
 __all__ = ["FALLBACK", "sources_to_wire", "sources_from_wire", "dests_to_wire", "Gathered", "gather_plan",
            "Rounds", "my_messages", "run_rounds"]
@@ -100,6 +101,7 @@ class Rounds:
                  apart: Callable[[Any], bool] | None = None, alone: int = ALONE, peers: int = PEERS) -> None:
         self._make = partial(pairs.rounds, cap=cap, itemsize_of=itemsize_of, apart=apart, alone=alone, peers=peers)
         self.items = pairs.count()
+        self.spans = Spans()  # the staged messages' byte spans, found on the first sync (the executor's)
         self._kept = list(self._make()) if self.items <= KEEP_ITEMS else None
         self._len = None if self._kept is None else len(self._kept)
         self.nbytes = (pairs.nbytes(dtype_itemsize) if self._kept is None  # what this rank sends or receives dense
