@@ -277,3 +277,38 @@ def test_byte_runs_views_equal_the_boxes_bytes_and_grouped_views_equal_single_on
         assert g.shape == v.shape and torch.equal(g, single) and g.data_ptr() == single.data_ptr()
     with_gap = runs.likes(buf, (0, 1), [None, views[3]])
     assert with_gap[0] is None and torch.equal(with_gap[1], buf[1:5])
+
+
+def test_spans_found_on_the_first_sync_serve_the_next_ones_and_yield_to_a_new_layout():
+    """A staged message's byte spans, and where a direct one is in its tensor, are found once
+    (``Rounds.spans``) and cut from each sync's own tensors after: three syncs of new values into new tensors give the reference's values each
+    time; when a target's layout changes (here: a transposed copy, not contiguous) its message is
+    applied item by item again, still exactly."""
+    shapes = {"a": (6, 4), "b": (3, 8), "c": (5,), "d": (2, 3, 4)}
+    sources = [TensorSource(n, s, "float32", source_regions(s, (1,), [Shard(0)], mesh_coordinates((1,))))
+               for n, s in shapes.items()]
+    pieces = [DestPiece("a", Region((0, 0), (6, 4)), "pa", (1, 0)), DestPiece("b", Region((1, 0), (2, 8)), "pb", (0, 0)),
+              DestPiece("c", Region((0,), (5,)), "pc", (2,)), DestPiece("d", Region((0, 1, 0), (2, 2, 4)), "pd", (0, 0, 0))]
+    params = {"pa": (7, 4), "pb": (2, 8), "pc": (7,), "pd": (2, 2, 4)}
+    plan = build_plan(sources, [pieces])
+    send, recv = (my_messages(plan, sources, rank=0, sender=s, cap=1 << 10, alone=96) for s in (True, False))
+    assert sum(len(m.items) > 1 for rnd in send for m in rnd) >= 1  # the small pieces share a staged message
+    assert sum(m.nbytes >= 96 and len(m.items) == 1 for rnd in send for m in rnd) >= 1  # "a" goes alone: direct
+    wire_dtypes = {s.name: s.dtype for s in sources}
+    for sync in range(4):
+        full = {n: torch.randn(s) for n, s in shapes.items()}
+        shards = make_local_shards(full, sources)[0]
+        want = {n: torch.zeros(s) for n, s in params.items()}
+        execute_reference(plan, {0: shards}, {0: want})
+        got = {n: torch.zeros(s) for n, s in params.items()}
+        if sync == 3:  # a target of another layout: its message goes item by item, still exactly
+            got["pa"] = torch.zeros(params["pa"][::-1]).t()
+        staging = torch.empty(1 << 11, dtype=torch.uint8)
+        plane = Loopback()
+        run_rounds(plane, send, staging, sender=True, peer_rank=lambda w: 1 + w, dtypes=wire_dtypes,
+                   tensor_of=lambda m, i: shards[m.items[i].name])
+        run_rounds(Loopback({(SRC, tag): t for (_, tag), t in plane.wire.items()}), recv, torch.empty_like(staging),
+                   sender=False, peer_rank=lambda r: r, dtypes=wire_dtypes, tensor_of=lambda m, i: got[m.items[i].param])
+        for n in params:
+            assert torch.equal(got[n], want[n]), (sync, n)
+        assert send.spans._of and recv.spans._of and send.spans._direct and recv.spans._direct

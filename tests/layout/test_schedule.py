@@ -23,8 +23,8 @@ from weightsync.layout import (
     mesh_coordinates,
     source_regions,
 )
-from weightsync.layout.schedule import (ALIGN, ALONE, Message, message_cap, pair_messages, peer_messages, rounds,
-                                       split_item)
+from weightsync.layout.schedule import (ALIGN, ALONE, Message, message_cap, pair_messages, peer_group, peer_groups,
+                                       peer_messages, rounds, slabs, split_item)
 
 
 def _it(name, offsets, sizes, src_offsets=None, param_offsets=None, src=0, dst=0, param="p"):
@@ -275,3 +275,47 @@ def test_pairs_give_each_pairs_items_once_in_the_same_order_on_both_ends(seed):
         assert rp.count() == len(plan.items_for_dst(w))
     with pytest.raises(ValueError, match="rank must be an int"):
         plan.pairs(plan.num_src_ranks, sender=True)
+
+
+def test_slabs_cut_a_3d_item_into_one_index_slabs_only_when_a_slab_is_at_least_alone():
+    item = _it("e", (2, 4, 0), (3, 4, 8), src_offsets=(0, 4, 0), param_offsets=(5, 0, 0))
+    got = slabs(item, 2, 64)  # a slab: 4 x 8 x 2 = 64 bytes
+    assert [(p.region.offsets, p.region.sizes, p.src_offsets, p.param_offsets) for p in got] == [
+        ((2 + i, 4, 0), (1, 4, 8), (i, 4, 0), (5 + i, 0, 0)) for i in range(3)]
+    assert slabs(item, 2, 65) == [item]  # small slabs: packed whole
+    flat = _it("f", (0, 0), (6, 8))
+    assert slabs(flat, 2, 1) == [flat] and slabs(_it("g", (0, 0, 0), (1, 4, 8)), 2, 1) == [_it("g", (0, 0, 0), (1, 4, 8))]
+
+
+def test_message_cap_and_peer_groups_bound_the_peers_of_a_round():
+    assert message_cap(1 << 20, 256, 128, peers=16) == (1 << 20) // 16
+    assert message_cap(1 << 20, 3, 5, peers=16) == message_cap(1 << 20, 3, 5)  # few peers: their share
+    assert peer_groups(256, 128, 16) == 16 and peer_groups(3, 5, 16) == 1 and peer_groups(3, 5, 2) == 3
+    with pytest.raises(ValueError, match="peers must be >= 1"):
+        peer_groups(3, 5, 0)
+    assert all(peer_group(r, w, 3) == peer_group(w, r, 3) for r in range(4) for w in range(5))
+
+
+@pytest.mark.parametrize("peers", [1, 2, 3])
+@pytest.mark.parametrize("seed", range(30))
+def test_rounds_by_peer_group_hold_at_most_peers_and_follow_one_order_on_every_rank(seed, peers):
+    """Each round is one (group, k): the k-th message of the rank's peers in one group, at most
+    ``peers`` of them, the rounds in ascending (group, k) on every rank, and both ends of a pair put
+    its k-th message in the round of the same key: the order deadlock freedom rests on."""
+    sources, dests, _ = _random_plan_inputs(seed)
+    plan = build_plan(sources, dests)
+    size = {s.name: dtype_itemsize(s.dtype) for s in sources}.__getitem__
+    groups = peer_groups(plan.num_src_ranks, plan.num_dst_ranks, peers)
+    keyed = {}
+    for sender, n in ((True, plan.num_src_ranks), (False, plan.num_dst_ranks)):
+        for rank in range(n):
+            keys = []
+            for rnd in plan.pairs(rank, sender=sender).rounds(cap=128, itemsize_of=size, alone=64, peers=peers):
+                key = {(peer_group(m.src, m.dst, groups), m.index) for m in rnd}
+                assert len(key) == 1 and len(rnd) <= peers
+                assert len({m.dst if sender else m.src for m in rnd}) == len(rnd)
+                keys += key
+                for m in rnd:
+                    keyed.setdefault((m.src, m.dst, m.index), []).append((keys[-1], m))
+            assert keys == sorted(keys) and len(set(keys)) == len(keys)
+    assert keyed and all(len(v) == 2 and v[0] == v[1] for v in keyed.values())

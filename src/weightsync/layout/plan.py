@@ -39,7 +39,7 @@ from weightsync.layout.records import (
     dtype_itemsize,
     new_item,
 )
-from weightsync.layout.schedule import ALONE, Message, iter_rounds, peer_messages
+from weightsync.layout.schedule import ALONE, PEERS, Message, iter_rounds, peer_group, peer_groups, peer_messages
 
 __all__ = [
     "DestPiece",
@@ -241,12 +241,15 @@ class PairItems:
 
     def rounds(self, *, cap: int, itemsize_of: Callable[[str], int],
                apart: Callable[[TransferItem], bool] | None = None,
-               alone: int = ALONE) -> Iterator[list[Message]]:
+               alone: int = ALONE, peers: int = PEERS) -> Iterator[list[Message]]:
         """This rank's rounds: every peer's items cut by :func:`~weightsync.layout.schedule.peer_messages`
         (``itemsize_of`` maps a tensor name to bytes per element; ``apart``, ``alone`` as there), made as
-        they are consumed."""
+        they are consumed; at most ``peers`` peers a round (the peers' groups one after another:
+        :func:`~weightsync.layout.schedule.peer_groups`)."""
+        groups = peer_groups(self._c.num_src, self._c.num_dst, peers)
+        group = None if groups == 1 else partial(peer_group, self.rank, groups=groups)
         return iter_rounds({p: peer_messages(partial(self.items, p), cap=cap, itemsize_of=itemsize_of, apart=apart,
-                                             alone=alone) for p in self.peers})
+                                             alone=alone) for p in self.peers}, group)
 
 
 def build_plan(

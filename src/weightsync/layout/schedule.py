@@ -7,7 +7,9 @@ receive it into, its own tensor with no staging copy); the smaller pieces follow
 Round k carries the k-th message of every pair: each rank posts its round-k sends and receives
 together, and posts and waits for its rounds in order (the executor keeps a few posted at once).
 Every op of round k is matched in round k, so rounds cannot deadlock, and one round of a rank
-stages at most ``peers x cap`` bytes.
+stages at most ``peers x cap`` bytes. Above :data:`PEERS` peers a rank's peers are split into
+groups (:func:`peer_group`: the same group for a pair on both ends) and the rounds go group by
+group, so a round has at most ``PEERS`` peers and ``cap`` need not shrink with the peer count.
 
 Pure: plain data in, frozen dataclasses out.
 """
@@ -20,14 +22,20 @@ from dataclasses import dataclass, replace
 from weightsync.layout.records import TransferItem, align_up
 from weightsync.layout.regions import Region
 
-__all__ = ["ALIGN", "ALONE", "Message", "split_item", "peer_messages", "pair_messages", "message_cap", "iter_rounds",
-           "rounds"]
+__all__ = ["ALIGN", "ALONE", "PEERS", "Message", "slabs", "split_item", "peer_messages", "pair_messages", "message_cap",
+           "peer_groups", "peer_group", "iter_rounds", "rounds"]
 
 ALIGN = 64
 """Byte alignment of each message in staging, and the granularity of ``message_cap``."""
 
-ALONE = 256 << 10
-"""Default ``alone`` of :func:`pair_messages`: above it a staging copy costs more than one more message."""
+ALONE = 1 << 20
+"""Default ``alone`` of :func:`pair_messages`, the floor on a message's size: a smaller piece is packed
+with its pair's other small pieces (up to ``cap``), so a pair moving >= 1 MiB sends messages of
+>= 1 MiB but maybe its last; a piece this large goes alone (from / into its tensor where it is one run)."""
+
+PEERS = 16
+"""The most peers one round of a rank exchanges messages with (:func:`peer_groups`): bounds a round's
+grouped ops and staging share per peer (``message_cap``) whatever the number of ranks."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +79,22 @@ def split_item(item: TransferItem, itemsize: int, cap: int) -> list[TransferItem
     raise ValueError(f"item of tensor {item.name!r} ({nbytes} bytes) cannot be split below cap={cap} bytes")
 
 
+def slabs(item: TransferItem, itemsize: int, alone: int) -> list[TransferItem]:
+    """``item`` as 2-D slabs (one index along every dim but the last two) when it has more than 2 dims
+    and one slab is at least ``alone`` bytes, else ``[item]``. A slab whose last dim is whole in a
+    tensor is one run of it (e.g. one expert's rows of a fused 3-D expert tensor), so it can go
+    from / into that tensor with no staging copy; several experts' rows together would not."""
+    sizes = item.region.sizes
+    if len(sizes) <= 2 or all(n == 1 for n in sizes[:-2]):
+        return [item]
+    if sizes[-2] * sizes[-1] * itemsize < alone:
+        return [item]
+    out = [item]
+    for dim in range(len(sizes) - 2):
+        out = [_shift(it, dim, i, 1) for it in out for i in range(sizes[dim])]
+    return out
+
+
 def peer_messages(items: Callable[[], Iterable[TransferItem]], *, cap: int, itemsize_of: Callable[[str], int],
                   alone: int = ALONE, apart: Callable[[TransferItem], bool] | None = None) -> Iterator[Message]:
     """One pair's messages, made as they are consumed. ``items()`` gives the pair's items in order
@@ -94,8 +118,9 @@ def peer_messages(items: Callable[[], Iterable[TransferItem]], *, cap: int, item
     def pieces() -> Iterator[tuple[TransferItem, int, int]]:  # (piece, itemsize, bytes), in order
         for item in items():
             size = itemsize_of(item.name)
-            for piece in split_item(item, size, cap):
-                yield piece, size, piece.region.numel * size
+            for slab in slabs(item, size, alone):
+                for piece in split_item(slab, size, cap):
+                    yield piece, size, piece.region.numel * size
 
     index = 0
     for piece, _, nbytes in pieces():
@@ -135,10 +160,11 @@ def pair_messages(items: Iterable[TransferItem], *, by: str, cap: int, itemsize_
             for peer, lst in per_peer.items()}
 
 
-def message_cap(staging_bytes: int, num_src: int, num_dst: int, *, buffers: int = 1) -> int:
-    """Largest message such that a rank's round (one message per peer) fits ``staging_bytes`` split
-    into ``buffers`` equal parts (2: one round on the wire while the next is packed or applied)."""
-    peers = max(num_src, num_dst, 1)
+def message_cap(staging_bytes: int, num_src: int, num_dst: int, *, buffers: int = 1, peers: int = PEERS) -> int:
+    """Largest message such that a rank's round (one message per peer of its group, at most
+    ``peers``: :func:`peer_groups`) fits ``staging_bytes`` split into ``buffers`` equal parts (2: one
+    round on the wire while the next is packed or applied)."""
+    peers = min(max(num_src, num_dst, 1), max(peers, 1))
     cap = staging_bytes // buffers // peers // ALIGN * ALIGN
     if cap < ALIGN:
         halves = "" if buffers == 1 else f" in {buffers} buffers"
@@ -147,19 +173,47 @@ def message_cap(staging_bytes: int, num_src: int, num_dst: int, *, buffers: int 
     return cap
 
 
-def iter_rounds(messages: Mapping[int, Iterable[Message]]) -> Iterator[list[Message]]:
-    """Round k = the k-th message of every peer (peers in ascending order), made as consumed."""
-    its = [iter(messages[p]) for p in sorted(messages)]
-    while its:
-        rnd, live = [], []
-        for it in its:
-            m = next(it, None)
-            if m is not None:
-                rnd.append(m)
-                live.append(it)
-        its = live
-        if rnd:
-            yield rnd
+def peer_groups(num_src: int, num_dst: int, peers: int = PEERS) -> int:
+    """Number of peer groups such that no rank has more than ``peers`` peers in one group: pair
+    (trainer r, worker w) is in group ``(r + w) % groups`` (:func:`peer_group`), so each group holds at
+    most ``ceil(num_dst / groups)`` workers of a trainer and ``ceil(num_src / groups)`` trainers of a worker."""
+    if peers < 1:
+        raise ValueError(f"peers must be >= 1, got {peers}")
+    return max(1, -(-max(num_src, num_dst) // peers))
+
+
+def peer_group(src: int, dst: int, groups: int) -> int:
+    """The group of pair (trainer ``src``, worker ``dst``): equal on both ends."""
+    return (src + dst) % groups
+
+
+def iter_rounds(messages: Mapping[int, Iterable[Message]],
+                group: Callable[[int], int] | None = None) -> Iterator[list[Message]]:
+    """Round k = the k-th message of every peer (peers in ascending order), made as consumed. With
+    ``group`` (peer -> its :func:`peer_group`), the rounds go group by group (groups ascending): all
+    the rounds of the peers in the lowest group, then the next; a round holds one group's peers only.
+    Both ends of a pair put its k-th message in the round (group, k): the rounds of every rank follow
+    one order, so a rank never waits for a round its peer posts after one it waits for itself."""
+    peers = sorted(messages)
+    if group is None:
+        parts = [peers]
+    else:
+        by: dict[int, list[int]] = {}
+        for p in peers:
+            by.setdefault(group(p), []).append(p)
+        parts = [by[g] for g in sorted(by)]
+    for part in parts:
+        its = [iter(messages[p]) for p in part]
+        while its:
+            rnd, live = [], []
+            for it in its:
+                m = next(it, None)
+                if m is not None:
+                    rnd.append(m)
+                    live.append(it)
+            its = live
+            if rnd:
+                yield rnd
 
 
 def rounds(messages: Mapping[int, Iterable[Message]]) -> list[list[Message]]:

@@ -15,8 +15,9 @@ from ..control import m2n_dest
 from ..layout.plan import PairItems, TransferPlan, build_plan
 from ..layout.records import DestPiece, TensorSource, dtype_itemsize
 from ..layout.regions import Region
-from ..layout.schedule import ALONE, Message
+from ..layout.schedule import ALONE, PEERS, Message
 from .m2n_rounds import DEPTH, run_rounds  # re-exported: the executor's callers import it from here
+from .packing import Spans
 
 __all__ = ["FALLBACK", "sources_to_wire", "sources_from_wire", "dests_to_wire", "Gathered", "gather_plan",
            "Rounds", "my_messages", "run_rounds"]
@@ -97,9 +98,10 @@ class Rounds:
     plan (:meth:`TransferPlan.pairs`): iterable any number of times, kept when small."""
 
     def __init__(self, pairs: PairItems, itemsize_of: Callable[[str], int], cap: int,
-                 apart: Callable[[Any], bool] | None = None, alone: int = ALONE) -> None:
-        self._make = partial(pairs.rounds, cap=cap, itemsize_of=itemsize_of, apart=apart, alone=alone)
+                 apart: Callable[[Any], bool] | None = None, alone: int = ALONE, peers: int = PEERS) -> None:
+        self._make = partial(pairs.rounds, cap=cap, itemsize_of=itemsize_of, apart=apart, alone=alone, peers=peers)
         self.items = pairs.count()
+        self.spans = Spans()  # the staged messages' byte spans, found on the first sync (the executor's)
         self._kept = list(self._make()) if self.items <= KEEP_ITEMS else None
         self._len = None if self._kept is None else len(self._kept)
         self.nbytes = (pairs.nbytes(dtype_itemsize) if self._kept is None  # what this rank sends or receives dense
@@ -124,14 +126,15 @@ class Rounds:
 
 
 def my_messages(plan: TransferPlan, sources: list[TensorSource], *, rank: int, sender: bool, cap: int,
-                dense_only: Sequence[Collection[str]] = (), alone: int = ALONE) -> Rounds:
+                dense_only: Sequence[Collection[str]] = (), alone: int = ALONE, peers: int = PEERS) -> Rounds:
     """This rank's rounds (see :class:`Rounds`). ``dense_only[w]``: worker w's params that never take
     a delta (received in checkpoint layout and processed, or fallbacks); their small pieces are packed
     apart from the others' (the same cut on both ends: every rank has every worker's list); ``alone``:
-    as in :func:`~weightsync.layout.schedule.peer_messages`."""
+    as in :func:`~weightsync.layout.schedule.peer_messages`; ``peers``: the most peers a round has
+    (``cap`` from :func:`~weightsync.layout.schedule.message_cap` with the same ``peers``)."""
     size = {s.name: dtype_itemsize(s.dtype) for s in sources}
     apart = None
     if any(dense_only):
         def apart(item: Any) -> bool:
             return item.param in dense_only[item.dst_rank]
-    return Rounds(plan.pairs(rank, sender=sender), size.__getitem__, cap, apart, alone)
+    return Rounds(plan.pairs(rank, sender=sender), size.__getitem__, cap, apart, alone, peers)

@@ -6,6 +6,7 @@ the data plane, through spans of one staging buffer where a message's bytes are 
 from __future__ import annotations
 
 import enum
+import gc
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from ..layout.regions import box_slices
 from ..layout.schedule import Message
 from ..protocol import dtype_from_name
 from .delta import decode, patch, sparse_nbytes
-from .packing import ByteRuns, Staging, fold_checksum, fold_value  # Staging: re-exported
+from .packing import ByteRuns, Spans, Staging, fold_checksum, fold_value  # Staging: re-exported
 
 __all__ = ["DEPTH", "SlotKind", "Staging", "run_rounds"]
 
@@ -56,8 +57,10 @@ class _Executor:
 
     def __init__(self, comm: Communicator, staging: torch.Tensor, *, peer_rank: Callable[[int], int],
                  dtypes: Mapping[str, str], tensor_of: TensorOf, sums: dict[int, int] | None,
-                 sparse: Mapping[tuple[int, int], Any] | None, ready: Callable[[], Any] | None) -> None:
+                 sparse: Mapping[tuple[int, int], Any] | None, ready: Callable[[], Any] | None,
+                 spans: Spans | None = None) -> None:
         self.comm, self.peer_rank, self.dtypes, self.tensor_of = comm, peer_rank, dtypes, tensor_of
+        self.spans = Spans() if spans is None else spans  # kept across syncs by the caller's rounds
         self.sums, self.sparse, self.ready = sums, sparse or {}, ready
         self.staging = Staging(staging)
         self.runs = ByteRuns()  # this sync's tensors' bytes, flat: an item is one view of them
@@ -185,6 +188,15 @@ class _Executor:
         its tensor is contiguous in the wire dtype, else views in the item's shape (the tensor's side
         may then differ in dtype: the copy casts)."""
         runs, wire = self.runs, self._wire
+
+        def find(i: int) -> tuple[torch.Tensor, int] | None:
+            t, item = tensors[i], m.items[i]
+            box = runs.box(t, offsets[i], item.region.sizes) if t.dtype == wire(item.name) else None
+            return None if box is None or box.dim() != 1 else (box, m.offsets[i])
+
+        got = self.spans.pairs((self.sender, self.peer(m), m.index), runs, tensors, buf, find)
+        if got is not None:
+            return got
         mine = [runs.box(t, at, item.region.sizes) if t.dtype == wire(item.name) else None
                 for item, t, at in zip(m.items, tensors, offsets)]
         theirs = runs.likes(buf, m.offsets, mine)
@@ -198,17 +210,19 @@ class _Executor:
     def _direct(self, m: Message) -> torch.Tensor | None:
         """The bytes of message ``m`` in this rank's own tensor, when ``m`` is one item contiguous
         there in the wire dtype: sent from the shard or received into the parameter with no
-        staging copy. Each end decides for itself; the bytes on the wire are the same either way."""
+        staging copy. Each end decides for itself; the bytes on the wire are the same either way.
+        Where it is in the tensor is kept (``Spans``) while the tensor's layout stays the same."""
         if len(m.items) != 1:
             return None
         item, tensor = m.items[0], self.tensor_of(m, 0)
         if tensor.dtype != self._wire(item.name):
             return None
-        at = item.src_offsets if self.sender else item.param_offsets
-        box = self.runs.box(tensor, at, item.region.sizes)
-        if box is None:  # not contiguous: the item's own view may still be
+        flat, layout = self.runs.flat(tensor)
+        if flat is None:  # not contiguous: the item's own view may still be
             return _direct(m, self.tensor_of, self.dtypes, self.sender)
-        return box if box.dim() == 1 and box.numel() == m.nbytes else None
+        at = item.src_offsets if self.sender else item.param_offsets
+        return self.spans.direct((self.sender, self.peer(m), m.index), flat, layout, m.nbytes,
+                                 lambda: self.runs.box(tensor, at, item.region.sizes))
 
 
 class _Sender(_Executor):
@@ -347,8 +361,14 @@ def run_rounds(comm: Communicator, plan_rounds: Iterable[list[Message]], staging
     (packed, their ops held back) until one would have to be waited for, or they end: a sender
     packs that much of its staging while ``ready()`` is still to be called (the engines start)."""
     end = _Sender if sender else _Receiver
-    return end(comm, staging, peer_rank=peer_rank, dtypes=dtypes, tensor_of=tensor_of, sums=sums,
-               sparse=sparse, ready=ready).run(plan_rounds)
+    paused = gc.isenabled()  # a sync's views are freed by their counts: no cyclic GC pass over the plan's objects
+    gc.disable()
+    try:
+        return end(comm, staging, peer_rank=peer_rank, dtypes=dtypes, tensor_of=tensor_of, sums=sums,
+                   sparse=sparse, ready=ready, spans=getattr(plan_rounds, "spans", None)).run(plan_rounds)
+    finally:
+        if paused:
+            gc.enable()
 
 
 def _itemsize(m: Message, dtypes: Mapping[str, str]) -> int:

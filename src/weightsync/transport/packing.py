@@ -27,6 +27,7 @@ transient memory <= 2 x CHUNK_BYTES on the tensor's device, whatever the tensor'
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -37,7 +38,7 @@ from ..layout.records import align_up
 from ..layout.schedule import ALIGN
 from ..protocol import dtype_from_name
 
-__all__ = ["CHUNK_BYTES", "ROW_WORDS", "ByteRuns", "Staging", "fold_checksum", "fold_value", "pack", "unpack"]
+__all__ = ["CHUNK_BYTES", "ROW_WORDS", "ByteRuns", "Spans", "Staging", "fold_checksum", "fold_value", "pack", "unpack"]
 
 CHUNK_BYTES = 16 << 20
 """Bytes of the int64 work buffer one :func:`fold_checksum` call allocates (bounds its memory)."""
@@ -122,7 +123,7 @@ class ByteRuns:
             flat = t.reshape(-1).view(torch.uint8) if t.is_contiguous() else None
             es = t.element_size()
             got = self._of[id(t)] = (t, flat, tuple(t.shape), tuple(st * es for st in t.stride()), es)
-        _, flat, shape, strides, n = got
+        _, flat, shape, strides, n = got[:5]
         nd = len(shape)
         if flat is None or len(sizes) != nd:
             return None
@@ -139,6 +140,17 @@ class ByteRuns:
                 n *= s
             return flat[start : start + n]
         return flat.as_strided((*sizes, n), (*strides, 1), flat.storage_offset() + start)
+
+    def flat(self, t: torch.Tensor) -> tuple[torch.Tensor | None, tuple[Any, ...]]:
+        """``t``'s bytes, flat (None when ``t`` is not contiguous), and its layout: (shape, byte
+        strides, dtype); the same box of two tensors of one layout is the same bytes of each."""
+        got = self._of.get(id(t))
+        if got is None:
+            self.box(t, (), ())  # caches t (a box of no dims: nothing else)
+            got = self._of[id(t)]
+        if len(got) == 5:
+            got = self._of[id(t)] = (*got, (got[2], got[3], t.dtype))
+        return got[1], got[5]
 
     def likes(self, buf: torch.Tensor, offsets: tuple[int, ...], boxes: list[torch.Tensor | None]) -> list[Any]:
         """:meth:`like` of each box (None where it is None); a run of boxes of one shape that lie
@@ -173,6 +185,77 @@ class ByteRuns:
                 acc *= s
             strides = self._strides[shape] = tuple(reversed(out))
         return buf.as_strided(shape, strides, buf.storage_offset() + off)
+
+
+class Spans:
+    """Numbers kept across syncs: per staged message (by key), where each of its items' bytes are in
+    its tensor (one run: start and end) and in the message, computed on first use; a later sync uses
+    them while each item's tensor has the layout it had then (else they are computed anew). A message
+    with an item that is not one run of its tensor is marked and goes item by item from then on. Per
+    item two ints, a split size and a shared layout reference, no view: the views are cut each sync."""
+
+    def __init__(self) -> None:
+        self._of: dict[Any, Any] = {}  # key -> (layouts, [start, end] * items, split sizes, picks) or False
+        self._direct: dict[Any, tuple[Any, int]] = {}  # key -> (layout, start or -1: not one run)
+
+    def __len__(self) -> int:
+        return len(self._of) + len(self._direct)
+
+    def nbytes(self) -> int:
+        """About the host bytes kept: the arrays, a reference per item, ~200 bytes per message."""
+        n = 200 * len(self)
+        for got in self._of.values():
+            if got:
+                lays, spans, sizes, picks = got
+                n += 8 * len(lays) + spans.itemsize * len(spans) + sizes.itemsize * len(sizes) + 8 * len(picks or ())
+        return n
+
+    def direct(self, key: Any, flat: torch.Tensor, layout: Any, nbytes: int, find: Any) -> torch.Tensor | None:
+        """The ``nbytes`` of a one-item message in the tensor ``flat`` is of (one run of it), or None:
+        ``find()`` gives its 1-D byte view or None, called when ``layout`` is not the one seen last."""
+        got = self._direct.get(key)
+        if got is None or got[0] != layout:
+            view = find()
+            ok = view is not None and view.dim() == 1 and view.numel() == nbytes
+            got = self._direct[key] = (layout, view.storage_offset() - flat.storage_offset() if ok else -1)
+        return None if got[1] < 0 else flat[got[1] : got[1] + nbytes]
+
+    def pairs(self, key: Any, runs: ByteRuns, tensors: list[torch.Tensor], buf: torch.Tensor,
+              find: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        """(tensor side, ``buf`` side) byte views of each item, or None where an item is not one run of
+        its tensor in the wire dtype. ``find(i)``: item i's 1-D byte view of its tensor (a
+        :meth:`ByteRuns.box`) and its offset in ``buf``, or None."""
+        got = self._of.get(key)
+        if got is False:
+            return None
+        flats = [runs.flat(t) for t in tensors]
+        if got is None or any(f[1] != lay for f, lay in zip(flats, got[0])):
+            got = self._of[key] = self._find(flats, buf, find)
+            if got is False:
+                return None
+        lays, spans, sizes, picks = got
+        mine = [f[0][spans[j] : spans[j + 1]] for f, j in zip(flats, range(0, len(spans), 2))]
+        parts = buf.split(sizes.tolist())
+        return mine, list(parts) if picks is None else [parts[j] for j in picks]
+
+    @staticmethod
+    def _find(flats: list[Any], buf: torch.Tensor, find: Any) -> Any:
+        spans, sizes, picks, at = array("q"), array("q"), [], 0
+        for i, (flat, _) in enumerate(flats):
+            got = find(i) if flat is not None else None
+            if got is None:
+                return False
+            view, off = got
+            start = view.storage_offset() - flat.storage_offset()
+            spans.extend((start, start + view.numel()))
+            if off > at:
+                sizes.append(off - at)
+            picks.append(len(sizes))
+            sizes.append(view.numel())
+            at = off + view.numel()
+        if at < buf.numel():
+            sizes.append(buf.numel() - at)
+        return (tuple(f[1] for f in flats), spans, sizes, None if len(picks) == len(sizes) else picks)
 
 
 def _byte_blocks(t: torch.Tensor, limit: int) -> Iterator[torch.Tensor]:
