@@ -159,6 +159,9 @@ class LoRASlots:
 
         module, which, sub = self._locate(name)
         layer = self.manager.modules[module]
+        if not isinstance(getattr(layer, "lora_a_stacked", None), tuple) or not hasattr(layer, "output_slices"):
+            raise ValueError(f"target_modules: adapter tensor {name!r} targets {module!r}, a "
+                             f"{type(layer).__name__}: weightsync syncs LoRA on linear layers only")
         peft_module, _ = parse_fine_tuned_lora_name(name)
         rank, scale = helper.get_rank_and_scaling(peft_module)
         if len(shape) != 2 or (shape[0] if which == "a" else shape[1]) != rank:
