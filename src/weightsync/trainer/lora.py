@@ -1,0 +1,132 @@
+"""A PEFT LoRA adapter as a weight source: ``lora_A`` / ``lora_B`` local shards, never gathered (issue 39).
+
+``LoRASource(model, num_trainer_ranks)`` reads one adapter of a PEFT model (plain, or ``fully_shard``-ed
+by FSDP2: then each rank holds a DTensor shard of every ``lora_A`` / ``lora_B``) and names each tensor
+as PEFT saves it (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``: the adapter name
+dropped), which is what vLLM's LoRA loader parses. ``metadata`` carries every tensor's full shape and
+FSDP2 layout (the same ``ParamMeta`` as :class:`~weightsync.trainer.sources.DTensorModuleSource`);
+``config`` the ``LoraConfig`` fields vLLM's loader reads (rank, alpha, rsLoRA, patterns).
+
+``pieces(blocks)`` cuts, from this rank's local shards only, the parts of the requested blocks of the
+full tensors this rank is the sender of: of ranks holding an equal region (replicated tensors, or a
+mesh dim that replicates), the lowest sends it, so every element goes once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import cached_property
+from typing import Any
+
+import torch
+
+from ..layout.regions import Region, source_regions
+from ..protocol import ParamMeta
+from .sources import DTensorModuleSource, _local, _named
+
+__all__ = ["LoRASource", "sender_regions", "peft_saved_name", "CONFIG_KEYS"]
+
+CONFIG_KEYS = ("r", "lora_alpha", "target_modules", "use_rslora", "rank_pattern", "alpha_pattern", "bias")
+"""The ``LoraConfig`` fields an adapter sync carries (vLLM's ``PEFTHelper`` reads them)."""
+
+
+def peft_saved_name(name: str, adapter: str) -> str | None:
+    """PEFT's saved name of a parameter of adapter ``adapter``
+    (``...q_proj.lora_A.default.weight`` -> ``...q_proj.lora_A.weight``); None for any other parameter."""
+    for part in ("lora_A", "lora_B"):
+        infix = f".{part}.{adapter}."
+        if infix in name:
+            return name.replace(infix, f".{part}.")
+    return None
+
+
+def sender_regions(meta: ParamMeta) -> tuple[Region | None, ...]:
+    """Per trainer rank, the region of the full tensor it sends (None: a lower rank holds the same)."""
+    regions = source_regions(meta.shape, meta.mesh_shape, meta.placements, meta.rank_coordinates)
+    first: dict[Region, int] = {}
+    return tuple(reg if first.setdefault(reg, r) == r else None for r, reg in enumerate(regions))
+
+
+class LoRASource:
+    """One PEFT adapter's ``lora_A`` / ``lora_B`` (see the module docstring).
+
+    Args:
+        model: a ``peft.PeftModel`` (or its ``base_model``), plain or ``fully_shard``-ed.
+        num_trainer_ranks: ranks of the trainer mesh every DTensor is laid out on.
+        adapter: the PEFT adapter name (``"default"`` unless named).
+        rank: this trainer rank (which shard it holds; 0 for a plain model).
+    """
+
+    def __init__(self, model: torch.nn.Module, num_trainer_ranks: int = 1, *, adapter: str = "default",
+                 rank: int = 0) -> None:
+        configs = getattr(model, "peft_config", None)
+        if not isinstance(configs, dict) or adapter not in configs:
+            have = sorted(configs) if isinstance(configs, dict) else "none (not a PEFT model)"
+            raise ValueError(f"adapter: {adapter!r} is not an adapter of this model (its adapters: {have})")
+        if not isinstance(rank, int) or not 0 <= rank < num_trainer_ranks:
+            raise ValueError(f"rank must be in [0, num_trainer_ranks={num_trainer_ranks}), got {rank!r}")
+        self.model, self.adapter, self.rank = model, adapter, rank
+        self._source = DTensorModuleSource(model, num_trainer_ranks, name_map=lambda n: peft_saved_name(n, adapter))
+        if not self.metadata:
+            raise ValueError(f"adapter: {adapter!r} has no lora_A / lora_B parameters (embedding or DoRA "
+                             f"adapters are not synced)")
+        dtypes = {m.dtype for m in self.metadata}
+        if len(dtypes) != 1:
+            raise ValueError(f"dtype: the adapter's tensors must share one dtype, got {sorted(map(str, dtypes))}")
+
+    @property
+    def num_trainer_ranks(self) -> int:
+        return self._source.num_trainer_ranks
+
+    @cached_property
+    def config(self) -> dict[str, Any]:
+        cfg = self.model.peft_config[self.adapter]
+        out: dict[str, Any] = {}
+        for key in CONFIG_KEYS:
+            value = getattr(cfg, key, None)
+            if isinstance(value, (set, frozenset, tuple)):
+                value = sorted(value)
+            if value is not None:
+                out[key] = dict(value) if isinstance(value, dict) else value
+        if getattr(cfg, "use_dora", False):
+            raise ValueError("use_dora: DoRA adapters are not synced (vLLM serves plain LoRA)")
+        return out
+
+    @cached_property
+    def metadata(self) -> list[ParamMeta]:
+        return self._source.metadata
+
+    @cached_property
+    def _senders(self) -> dict[str, Region | None]:
+        return {m.name: sender_regions(m)[self.rank] for m in self.metadata}
+
+    @cached_property
+    def _locals(self) -> dict[str, torch.Tensor]:
+        return {peft_saved_name(n, self.adapter): p for n, p in _named(self.model, None)
+                if peft_saved_name(n, self.adapter) is not None}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole adapter (every tensor, full)."""
+        return sum(int(torch.Size(m.shape).numel()) * m.dtype.itemsize for m in self.metadata)
+
+    def cuts(self, blocks: Sequence[tuple[str, Region]]) -> list[tuple[str, Region]]:
+        """The parts of ``blocks`` (name, region of the full tensor) this rank sends, in order."""
+        out = []
+        for name, block in blocks:
+            mine = self._senders.get(name)
+            if mine is None:
+                continue
+            part = block.intersect(mine)
+            if part is not None and not part.is_empty:
+                out.append((name, part))
+        return out
+
+    def pieces(self, blocks: Sequence[tuple[str, Region]]) -> list[tuple[str, Region, torch.Tensor]]:
+        """This rank's parts of ``blocks`` with their data, views of the local shards (no gather)."""
+        out = []
+        for name, part in self.cuts(blocks):
+            local = _local(self._locals[name]).detach()
+            mine = self._senders[name]
+            out.append((name, part, local[part.shift(mine.offsets).slices()]))
+        return out
