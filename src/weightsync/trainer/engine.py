@@ -112,6 +112,10 @@ class TrainerEngine:
         if not isinstance(init_info, cls.init_info_cls):
             raise TypeError(f"{cls.__name__} needs a {cls.init_info_cls.__name__}, got {type(init_info).__name__}")
         check_source(init_info.backend, cls.spec.source, source)
+        if init_info.on_engine_failure == "drop":  # one group per replica (docs/elastic.md)
+            from .elastic import ElasticTrainerEngine
+
+            return ElasticTrainerEngine.trainer_init(cls, init_info, client=client, source=source)
         self = cls(init_info, client=client, source=source)
         self.sync_id, self.failed, self.comm, self._calls = 0, None, None, None
         self.session = new_session()  # rank 0's is the one the workers get
@@ -363,14 +367,14 @@ class TrainerEngine:
         return SyncFailed(f"weight sync {self.sync_id} failed: {reason}{torn}", restored=restored,
                           stuck=self.is_sender and self._pool.busy())
 
-    def shutdown(self) -> None:
+    def shutdown(self, *, drain: bool = True) -> None:
         """Release the group (and the store, on rank 0, once every rank read the last outcome).
-        Call on every trainer rank."""
+        Call on every trainer rank. ``drain=False``: a client call still stuck is not waited for."""
         if self.comm is not None and self.is_sender and self._outcome_ack:
             self._acknowledge(self._outcome_ack)
         elif self.comm is not None:
             leave(self.comm, self.rank)
-        self._pool.drain(self.init_info.timeout_s)  # the client calls a failure left running
+        self._pool.drain(self.init_info.timeout_s if drain else 0.0)  # the client calls a failure left running
         for comm in (self.comm, self._calls):
             if comm is not None:
                 comm.shutdown()
