@@ -32,7 +32,8 @@ class Channel(Protocol):
     def read(self, key: str, timeout_s: float | None = None) -> Any: ...
 
 __all__ = ["JOIN_DECISION", "join_key", "INIT_DONE", "trainer_left", "SyncKeys", "Listing", "agree", "gather", "init_ack", "model_metas", "model_digest",
-           "m2n_sources", "m2n_sources_digest", "m2n_dest", "m2n_plan_digest", "nccl_loader", "membership_change"]
+           "m2n_sources", "m2n_sources_digest", "m2n_dest", "m2n_plan_digest", "nccl_loader", "membership_change",
+           "replica_dropped"]
 
 # ---- init keys ----------------------------------------------------------------------------
 def join_key(rank: int) -> str:
@@ -56,6 +57,11 @@ def membership_change(n: int) -> str:
     """Trainer rank 0's ``n``-th membership change (``on_engine_failure="drop"``: the replicas added or
     removed and their groups' ports, or the error every rank raises), on the membership store."""
     return f"members/{n}"
+
+
+def replica_dropped(sync: int, replica: int) -> str:
+    """Trainer rank 0 dropped ``replica`` in its ``sync``-th sync and is done with its group (the reason)."""
+    return f"members/sync{sync}/dropped/{replica}"
 
 
 def init_ack(rank: int) -> str:

@@ -27,12 +27,13 @@ import threading
 from typing import Any
 
 from ..comm import Communicator
-from ..control import membership_change
+from ..control import membership_change, replica_dropped
 from ..errors import Refused, SyncFailed
 from ..infos import TrainerInitInfo
 from ..protocol import WeightSource
 from ..stats import DeltaStats, SyncStats
 from .session import connect_fresh, leave
+from .waits import MARGIN_S
 
 __all__ = ["ElasticTrainerEngine"]
 
@@ -219,16 +220,24 @@ class ElasticTrainerEngine:
             except (SyncFailed, ValueError) as e:
                 if isinstance(e, ValueError) and _UNREACHABLE not in str(e):
                     raise  # bad input (the source's, or an unpaused engine): nothing moved on this replica
-                dropped[rid] = str(e)
-                self._members.pop(rid)
-                m.group.shutdown(drain=False)  # (a stuck worker's call is not waited for)
-                if self.is_sender:
-                    self._release(m, shutdown_workers=False)
+                dropped[rid] = self._drop(m, str(e))
         if not done:
             raise SyncFailed(f"weight sync {self.sync_id}: every replica was dropped: "
                              + "; ".join(f"replica {r}: {why}" for r, why in dropped.items()), restored=False)
         return merged(done, dropped, self._tp, backend=self.init_info.backend, rank=self.rank,
                       weight_version=weight_version)
+
+    def _drop(self, m: _Member, reason: str) -> str:
+        """Every rank: leave ``m``'s group. Rank 0 may still be settling its failure (the update call, the
+        abort: up to ``timeout_s`` more), so the other ranks wait until it says it is done (and why)."""
+        self._members.pop(m.id)
+        m.group.shutdown(drain=False)  # (a stuck worker's call is not waited for)
+        key = replica_dropped(self.sync_id, m.id)
+        if self.is_sender:
+            self._release(m, shutdown_workers=False)
+            self.comm.publish(key, reason)
+            return reason
+        return self.comm.read(key, timeout_s=2 * self.init_info.timeout_s + MARGIN_S)
 
     def shutdown(self) -> None:
         """Shut every replica's group down, then the membership store. Call on every trainer rank."""

@@ -35,9 +35,9 @@ from typing import Any, ClassVar
 
 from ..comm import Communicator, describe
 from ..control import INIT_DONE, SyncKeys, gather, init_ack
-from ..errors import PoisonedError, SyncFailed, refusal
+from ..errors import PoisonedError, Refused, SyncFailed, refusal
 from ..infos import TrainerInitInfo, WorkerInitInfo, WorkerUpdateInfo
-from ..pausing import check_paused, preflight_error
+from ..pausing import REFUSED, check_paused, preflight_error
 from ..protocol import WeightSource
 from ..stats import SyncStats
 from .session import check_finished, check_source, connect_fresh, leave, new_session, taken_over
@@ -250,10 +250,20 @@ class TrainerEngine:
         stale, self._held_syncs = self._held_syncs[:-1], self._held_syncs[-1:]
         self.comm.delete(keys + [SyncKeys(s).held(w) for s in stale for w in range(workers)])
 
+    def _check_paused(self) -> None:
+        """Rank 0: every engine's generation is paused, or ``Refused`` (:mod:`weightsync.pausing`), asked
+        within half of ``timeout_s`` (an engine that does not answer is refused before the ranks' wait ends)."""
+        if self.is_sender:
+            try:
+                client_result(self._pool.submit(lambda: check_paused(self)), self.init_info.timeout_s / 2,
+                              "generation_paused")
+            except TimeoutError as e:
+                raise Refused(f"{REFUSED}could not ask whether every engine's generation is paused: {e}") from None
+
     def _agreed_preflight(self, verify: bool) -> Any:
         """``_preflight`` on every rank; any rank's error is every rank's (see the module docstring)."""
         try:
-            check_paused(self)  # rank 0: every engine's generation is paused, or Refused (weightsync.pausing)
+            self._check_paused()
             prepared, error = self._preflight(verify), ""
         except ValueError as e:
             prepared, error = None, str(e)
