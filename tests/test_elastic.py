@@ -2,7 +2,7 @@
 ``on_engine_failure="drop"`` replicas join and leave between syncs (a joining one gets the current
 version dense while the others take deltas), a replica whose worker dies or hangs mid-sync is dropped
 and reported while the others complete bit-exact, bad input at add is refused naming ``engines[i]``
-with the running replicas untouched, and the default policy keeps a sync all-or-nothing."""
+with the running replicas untouched."""
 
 from __future__ import annotations
 
@@ -171,14 +171,10 @@ def test_a_hanging_worker_is_dropped_after_timeout_s_and_can_be_added_back(clust
 
 def test_bad_input_at_add_is_refused_naming_the_field_and_the_replicas_keep_syncing(cluster):
     backend = "weightsync_m2n"
-    cluster.setup(layout(backend, replicas=5))
-    r0, r1, wide, tp2a, tp2b = cluster.receivers[:5]
+    cluster.setup(layout(backend))
+    r0, r1, wide = cluster.receivers[:3]
     wide.call(_R + "setup", model_config_dir("tiny_qwen3_wide"), tp=1, rank=0, replica=2, port=_free_port(),
               dtype="float32", backend=backend)
-    port = _free_port()
-    for f in [a.submit(_R + "setup", model_config_dir("tiny_qwen3"), tp=2, rank=r, replica=3, port=port,
-                       dtype="float32", backend=backend) for r, a in enumerate((tp2a, tp2b))]:
-        f.result(timeout=300)
     start(cluster, backend, [r0, r1])
     cluster.sync("v1")
 
@@ -189,32 +185,16 @@ def test_bad_input_at_add_is_refused_naming_the_field_and_the_replicas_keep_sync
                 f.result(timeout=4 * TIMEOUT_S)
 
     refused([engine_of(r1)], r"ValueError: engines\[0\]: .* is already replica 1 of this trainer")
-    refused([engine_of(tp2a), engine_of(tp2a)], r"ValueError: engines\[1\]: .* is listed twice")
-    refused([engine_of(wide)], r"engines\[0\]: refused \(worker 0: ValueError: .*(shape|hidden)")
-    refused([[tp2a.address, tp2b.address]], r"engines\[0\]: refused \(worker 0: ValueError: .*world_size")
+    refused([engine_of(wide), engine_of(wide)], r"ValueError: engines\[1\]: .* is listed twice")
+    refused([engine_of(wide)], r"ValueError: engines\[0\]: refused \(worker 0 could not resolve destinations: "
+                               r"ValueError: parameter 'model\.layers\.0\.mlp\.gate_proj\.weight': the trainer's shape "
+                               r"\(128, 64\) does not match .*; the running replicas are untouched")
     cluster.train_step(1)  # the running replicas are untouched
     stats = cluster.sync("v2")
     assert stats["replicas"] == [0, 1] and stats["dropped"] == {}
     assert differences(cluster, [r0, r1]) == {} and versions([r0, r1]) == ["v2", "v2"]
     cluster.on_trainers("shutdown_engine")
-
-
-def test_the_default_policy_stays_all_or_nothing(cluster):
-    backend = "weightsync_m2n"
-    cluster.setup(layout(backend))
-    rs = cluster.receivers[:3]
-    client = LocalWeightSyncClient([engine_of(r) for r in rs], timeout_s=TIMEOUT_S)
-    cluster.make_engines(init_info(backend, layout(backend), timeout_s=TIMEOUT_S), client=client)
-    cluster.sync("v1")
-    with socket.create_server(("127.0.0.1", 0)) as release:
-        rs[1].call("weightsync.testing.faults:hang", "update_weights", release.getsockname()[1])
-        futs = [a.submit("weightsync.testing.trainer:send_weights", "v2") for a in cluster.active_trainers]
-        for f in futs:
-            with pytest.raises(RemoteError, match=r"SyncFailed: weight sync 2 failed"):
-                f.result(timeout=4 * TIMEOUT_S)
-    assert versions(rs) == ["v1"] * 3  # no replica advanced, every one refuses syncs until re-initialized
-    assert all(r.call("weightsync.testing.probes:engine_poisoned") for r in rs)
-    cluster.on_trainers("shutdown_engine")
+    cluster.teardown()  # a receiver holds another model: the next setup rebuilds every one
 
 
 def test_clients_add_and_remove_engines_naming_the_bad_entry():
