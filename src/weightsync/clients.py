@@ -7,16 +7,17 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from .errors import EngineDead, RemoteCallError
 from .pausing import PAUSE_MODES, UpdateTracker, WeightsPartlyApplied, _check_mode, partly_applied_message, paused
 
-__all__ = ["WeightSyncClient", "RemoteCallError", "EngineDead", "per_engine", "HTTPVLLMWeightSyncClient",
+__all__ = ["WeightSyncClient", "EngineMembership", "RemoteCallError", "EngineDead", "per_engine", "HTTPVLLMWeightSyncClient",
            "RayVLLMWeightSyncClient", "paused", "PAUSE_MODES", "WeightsPartlyApplied"]
 
 UpdatePayload = dict[str, Any] | list[dict[str, Any]]
@@ -52,7 +53,52 @@ class WeightSyncClient(Protocol):
     def finish_weight_update(self, weight_version: str | None = None) -> None: ...
 
 
-class HTTPVLLMWeightSyncClient:
+class EngineMembership:
+    """Which engines a client drives, changeable between syncs (``on_engine_failure="drop"``,
+    docs/elastic.md): the trainer engine's ``add_engines`` / ``remove_engines`` call these on rank 0,
+    and ``for_engines`` gives it a client of one replica's engine for that replica's group."""
+
+    _engines_attr: ClassVar[str]
+
+    @property
+    def engines(self) -> list[Any]:
+        """The engines this client drives (handles or URLs), in ``engine_index`` order."""
+        return list(getattr(self, self._engines_attr))
+
+    def _checked(self, engines: Any) -> list[Any]:
+        """``engines`` as a list, each as this client keeps it (``ValueError`` naming ``engines[i]``)."""
+        return list(engines) if isinstance(engines, (list, tuple)) else [engines]
+
+    def _index(self, engine: Any) -> int | None:
+        return next((k for k, e in enumerate(getattr(self, self._engines_attr)) if e is engine or e == engine), None)
+
+    def add_engines(self, engines: Any) -> None:
+        """Drive ``engines`` too (after those it drives). A duplicate is refused, naming it."""
+        new = self._checked(engines)
+        for k, e in enumerate(new):
+            if self._index(e) is not None or any(e is o or e == o for o in new[:k]):
+                raise ValueError(f"engines[{k}]: {e!r} is already one of this client's engines")
+        getattr(self, self._engines_attr).extend(new)
+
+    def remove_engines(self, engines: Any) -> None:
+        """Stop driving ``engines`` (each must be one of this client's)."""
+        gone = self._checked(engines)
+        for k, e in enumerate(gone):
+            if self._index(e) is None:
+                raise ValueError(f"engines[{k}]: {e!r} is not one of this client's engines")
+        for e in gone:
+            del getattr(self, self._engines_attr)[self._index(e)]
+
+    def for_engines(self, engines: Any) -> Any:
+        """A client of the same kind and settings that drives ``engines`` only."""
+        c = copy.copy(self)
+        setattr(c, self._engines_attr, self._checked(engines))
+        if hasattr(c, "_tracker"):
+            c._tracker = UpdateTracker()
+        return c
+
+
+class HTTPVLLMWeightSyncClient(EngineMembership):
     """Talks to one or more ``vllm serve`` instances over their RL routes, JSON only (no pickle).
 
     The server mounts those routes with ``VLLM_SERVER_DEV_MODE=1``; start it with
@@ -67,14 +113,22 @@ class HTTPVLLMWeightSyncClient:
     """
 
     concurrent_calls = True
+    _engines_attr = "base_urls"
 
     def __init__(self, base_url: str | list[str], *, timeout_s: float = 300.0, token: str | None = None) -> None:
         urls = [base_url] if isinstance(base_url, str) else list(base_url)
         if not urls or any(not isinstance(u, str) or not u.startswith(("http://", "https://")) for u in urls):
             raise ValueError(f"base_url must be http(s) URL(s), got {base_url!r}")
-        self.base_urls = [u.rstrip("/") for u in urls]
+        self.base_urls = self._checked(urls)
         self.timeout_s = timeout_s
         self.token = token
+
+    def _checked(self, engines: Any) -> list[str]:
+        urls = [engines] if isinstance(engines, str) else list(engines)
+        for k, u in enumerate(urls):
+            if not isinstance(u, str) or not u.startswith(("http://", "https://")):
+                raise ValueError(f"engines[{k}] must be an http(s) URL, got {u!r}")
+        return [u.rstrip("/") for u in urls]
 
     def _headers(self) -> dict[str, str]:
         return {"Content-Type": "application/json", **({"X-Weightsync-Token": self.token} if self.token else {})}
@@ -153,7 +207,7 @@ class HTTPVLLMWeightSyncClient:
         return {f"engine {i} ({u})": a["is_paused"] for i, (u, a) in enumerate(zip(self.base_urls, answers))}
 
 
-class RayVLLMWeightSyncClient:
+class RayVLLMWeightSyncClient(EngineMembership):
     """Talks to one or more vLLM ``LLM`` Ray actors (one per replica); Ray is imported on use.
 
     Pausing: an actor's own ``pause_generation``/``resume_generation``/``is_paused`` methods when it
@@ -162,6 +216,7 @@ class RayVLLMWeightSyncClient:
     an actor's weights partly applied is kept on the actor (:mod:`weightsync.pausing`)."""
 
     concurrent_calls = True
+    _engines_attr = "handles"
 
     def __init__(self, handle: Any, *, timeout_s: float = 300.0) -> None:
         self.handles = list(handle) if isinstance(handle, (list, tuple)) else [handle]

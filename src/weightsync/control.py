@@ -32,7 +32,8 @@ class Channel(Protocol):
     def read(self, key: str, timeout_s: float | None = None) -> Any: ...
 
 __all__ = ["JOIN_DECISION", "join_key", "INIT_DONE", "trainer_left", "SyncKeys", "Listing", "agree", "gather", "init_ack", "model_metas", "model_digest",
-           "m2n_sources", "m2n_sources_digest", "m2n_dest", "m2n_plan_digest", "nccl_loader"]
+           "m2n_sources", "m2n_sources_digest", "m2n_dest", "m2n_plan_digest", "nccl_loader", "membership_change",
+           "replica_dropped"]
 
 # ---- init keys ----------------------------------------------------------------------------
 def join_key(rank: int) -> str:
@@ -50,6 +51,17 @@ def trainer_left(rank: int) -> str:
     """Trainer rank ``rank`` > 0 shut its engine down: a store that has this key is a previous init's that
     rank 0 has not closed yet (``trainer.session.connect_fresh``); never set for rank 0."""
     return f"init/left/{rank}"
+
+
+def membership_change(n: int) -> str:
+    """Trainer rank 0's ``n``-th membership change (``on_engine_failure="drop"``: the replicas added or
+    removed and their groups' ports, or the error every rank raises), on the membership store."""
+    return f"members/{n}"
+
+
+def replica_dropped(sync: int, replica: int) -> str:
+    """Trainer rank 0 dropped ``replica`` in its ``sync``-th sync and is done with its group (the reason)."""
+    return f"members/sync{sync}/dropped/{replica}"
 
 
 def init_ack(rank: int) -> str:

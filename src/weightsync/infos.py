@@ -144,8 +144,16 @@ class TrainerInitInfo:
     engine reports its generation paused (``client.pause_generation()`` or ``clients.paused``);
     False allows syncs while the engines serve (requests may then run on half-written weights)."""
 
+    on_engine_failure: str = "fail"
+    """``"fail"`` (all-or-nothing): a worker's failure fails the sync on every replica. ``"drop"``:
+    one sync group per replica (docs/elastic.md); a replica whose worker fails or does not answer
+    within ``timeout_s`` is dropped (its update aborted, it is poisoned, ``SyncStats.dropped`` says
+    why), every other replica completes the sync, and replicas can be added and removed between syncs."""
+
     def __post_init__(self) -> None:
         name = type(self).__name__
+        if self.on_engine_failure not in ("fail", "drop"):
+            raise ValueError(f"{name}.on_engine_failure must be 'fail' or 'drop', got {self.on_engine_failure!r}")
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 0:
             raise ValueError(f"{name}.rank must be an int >= 0, got {self.rank!r}")
         if not isinstance(self.num_trainer_ranks, int) or self.num_trainer_ranks < 1:
@@ -192,6 +200,16 @@ class TrainerInitInfo:
         """The init info for ``num_trainer_ranks`` trainer ranks and ``replicas`` engines of ``tp``
         workers each; ``buffer_bytes`` sets the transport's staging/bucket size, ``fields`` any other field."""
         raise NotImplementedError(f"{cls.__name__} does not implement for_deployment")
+
+    def replica_workers(self, num_replicas: int) -> int:
+        """Workers per replica when the client drives ``num_replicas`` engines (``on_engine_failure="drop"``)."""
+        raise ValueError(f"{type(self).__name__}.on_engine_failure='drop' needs one sync group per replica, "
+                         f"which {self.backend} does not have (use weightsync_m2n or weightsync_nccl)")
+
+    def for_replica(self, tp: int, port: int) -> "TrainerInitInfo":
+        """This info for one replica of ``tp`` workers, its group's store on ``port``."""
+        self.replica_workers(1)  # raises for a transport without per-replica groups
+        raise NotImplementedError(f"{type(self).__name__} does not implement for_replica")
 
 
 @dataclass(kw_only=True)

@@ -65,6 +65,11 @@ class SyncStats:
     """Set for an engine with ``delta=True``: what changed and what that saved."""
     verified: bool | None = None
     """True when the sync ran with ``verify=True`` and every worker's checksums matched."""
+    replicas: list[int] = field(default_factory=list)
+    """``on_engine_failure="drop"``: the replicas (ids, ``ElasticTrainerEngine.replicas``) this sync
+    completed on; per-worker fields count worker ``replica * tp + tp rank`` (rank 0 only)."""
+    dropped: dict[int, str] = field(default_factory=dict)
+    """``on_engine_failure="drop"``: replica id -> why this sync dropped it (its failure)."""
 
     @property
     def seconds(self) -> float:
@@ -90,6 +95,8 @@ class SyncStats:
                 "worker_phases": {w: _rounded(p) for w, p in self.worker_phases.items()}}
         if self.delta is not None:
             head["delta"] = self.delta
+        if self.replicas or self.dropped:
+            head.update(replicas=self.replicas, dropped=self.dropped)
         return f"SyncStats({', '.join(f'{k}={v!r}' for k, v in head.items())})"
 
 

@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Any
 
-from ..clients import per_engine
+from ..clients import EngineMembership, per_engine
 from ..errors import RemoteCallError
 from ..pausing import UpdateTracker, WeightsPartlyApplied, _check_mode, partly_applied_message
 from .actors import STATE, ActorAddress, call_many
@@ -34,7 +34,7 @@ _HERE = "weightsync.testing.client:"
 _PAUSED, _PARTIAL = "weightsync_paused", "weightsync_partly_applied"
 
 
-class LocalWeightSyncClient:
+class LocalWeightSyncClient(EngineMembership):
     """Args:
         replicas: per replica, the addresses of its TP workers in rank order.
         timeout_s: per-call limit.
@@ -42,13 +42,21 @@ class LocalWeightSyncClient:
 
     concurrent_calls = True
     """Calls from several threads at once are safe (each takes its own connections)."""
+    _engines_attr = "replicas"
+    """An engine is a replica: the list of its workers' addresses."""
 
     def __init__(self, replicas: list[list[ActorAddress]], *, timeout_s: float = 600.0) -> None:
         if not replicas or any(not r for r in replicas):
             raise ValueError("replicas must be a non-empty list of non-empty worker lists")
-        self.replicas = [list(r) for r in replicas]
+        self.replicas = self._checked(replicas)
         self.timeout_s = timeout_s
         self._tracker = UpdateTracker()
+
+    def _checked(self, engines: Any) -> list[list[ActorAddress]]:
+        for k, r in enumerate(engines):
+            if not isinstance(r, (list, tuple)) or not r:
+                raise ValueError(f"engines[{k}] must be a non-empty list of worker addresses, got {r!r}")
+        return [list(r) for r in engines]
 
     @property
     def workers(self) -> list[ActorAddress]:

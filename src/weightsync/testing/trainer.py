@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from .actors import STATE
 
-__all__ = ["setup", "teardown", "train_step", "full_state_dict", "make_engine", "send_weights", "shutdown_engine"]
+__all__ = ["setup", "teardown", "train_step", "full_state_dict", "make_engine", "send_weights", "shutdown_engine",
+           "add_engines", "remove_engines"]
 
 
 def setup(model_dir: str, *, world: int, rank: int, port: int, dtype: str, seed: int = 0, fsdp: bool = True,
@@ -125,6 +126,18 @@ def send_weights(weight_version: str | None = None, verify: bool = False, pause:
     d = dataclasses.asdict(stats)
     d["seconds"], d["gbps"] = stats.seconds, stats.gbps
     return d
+
+
+def add_engines(engines: Any) -> list[int]:
+    """``add_engines`` on this rank's (elastic) engine: rank 0 names ``engines``, the others follow."""
+    engine = STATE["engine"]
+    return engine.add_engines(engines if engine.rank == 0 else None)
+
+
+def remove_engines(engines: Any) -> list[int]:
+    """``remove_engines`` on this rank's (elastic) engine: rank 0 names ``engines``, the others follow."""
+    engine = STATE["engine"]
+    return engine.remove_engines(engines if engine.rank == 0 else None)
 
 
 def _paused(engine: Any) -> Any:

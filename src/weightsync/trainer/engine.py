@@ -35,9 +35,9 @@ from typing import Any, ClassVar
 
 from ..comm import Communicator, describe
 from ..control import INIT_DONE, SyncKeys, gather, init_ack
-from ..errors import PoisonedError, SyncFailed, refusal
+from ..errors import PoisonedError, Refused, SyncFailed, refusal
 from ..infos import TrainerInitInfo, WorkerInitInfo, WorkerUpdateInfo
-from ..pausing import check_paused, preflight_error
+from ..pausing import REFUSED, check_paused, preflight_error
 from ..protocol import WeightSource
 from ..stats import SyncStats
 from .session import check_finished, check_source, connect_fresh, leave, new_session, taken_over
@@ -112,6 +112,10 @@ class TrainerEngine:
         if not isinstance(init_info, cls.init_info_cls):
             raise TypeError(f"{cls.__name__} needs a {cls.init_info_cls.__name__}, got {type(init_info).__name__}")
         check_source(init_info.backend, cls.spec.source, source)
+        if init_info.on_engine_failure == "drop":  # one group per replica (docs/elastic.md)
+            from .elastic import ElasticTrainerEngine
+
+            return ElasticTrainerEngine.trainer_init(cls, init_info, client=client, source=source)
         self = cls(init_info, client=client, source=source)
         self.sync_id, self.failed, self.comm, self._calls = 0, None, None, None
         self.session = new_session()  # rank 0's is the one the workers get
@@ -246,10 +250,20 @@ class TrainerEngine:
         stale, self._held_syncs = self._held_syncs[:-1], self._held_syncs[-1:]
         self.comm.delete(keys + [SyncKeys(s).held(w) for s in stale for w in range(workers)])
 
+    def _check_paused(self) -> None:
+        """Rank 0: every engine's generation is paused, or ``Refused`` (:mod:`weightsync.pausing`), asked
+        within half of ``timeout_s`` (an engine that does not answer is refused before the ranks' wait ends)."""
+        if self.is_sender:
+            try:
+                client_result(self._pool.submit(lambda: check_paused(self)), self.init_info.timeout_s / 2,
+                              "generation_paused")
+            except TimeoutError as e:
+                raise Refused(f"{REFUSED}could not ask whether every engine's generation is paused: {e}") from None
+
     def _agreed_preflight(self, verify: bool) -> Any:
         """``_preflight`` on every rank; any rank's error is every rank's (see the module docstring)."""
         try:
-            check_paused(self)  # rank 0: every engine's generation is paused, or Refused (weightsync.pausing)
+            self._check_paused()
             prepared, error = self._preflight(verify), ""
         except ValueError as e:
             prepared, error = None, str(e)
@@ -363,14 +377,14 @@ class TrainerEngine:
         return SyncFailed(f"weight sync {self.sync_id} failed: {reason}{torn}", restored=restored,
                           stuck=self.is_sender and self._pool.busy())
 
-    def shutdown(self) -> None:
+    def shutdown(self, *, drain: bool = True) -> None:
         """Release the group (and the store, on rank 0, once every rank read the last outcome).
-        Call on every trainer rank."""
+        Call on every trainer rank. ``drain=False``: a client call still stuck is not waited for."""
         if self.comm is not None and self.is_sender and self._outcome_ack:
             self._acknowledge(self._outcome_ack)
         elif self.comm is not None:
             leave(self.comm, self.rank)
-        self._pool.drain(self.init_info.timeout_s)  # the client calls a failure left running
+        self._pool.drain(self.init_info.timeout_s if drain else 0.0)  # the client calls a failure left running
         for comm in (self.comm, self._calls):
             if comm is not None:
                 comm.shutdown()

@@ -217,8 +217,8 @@ class IPCTrainerEngine(TrainerEngine):
             handles={str(w): {"trainer_rank": t, "handle": handles[str(w)]} for w, t in enumerate(i.worker_to_trainer)},
             **wire))
 
-    def shutdown(self) -> None:
-        super().shutdown()
+    def shutdown(self, *, drain: bool = True) -> None:
+        super().shutdown(drain=drain)
         if getattr(self, "_buffer", None) is not None:
             self._buffer.close()  # a CPU file is already gone; CUDA memory goes once the workers let go
         self._buffer = None

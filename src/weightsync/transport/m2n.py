@@ -19,6 +19,7 @@ destinations, every party builds the plan and all agree on its digest.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -80,6 +81,17 @@ class M2NTrainerInitInfo(TrainerInitInfo):
             fields["staging_bytes"] = buffer_bytes
         return cls(num_trainer_ranks=num_trainer_ranks, world_size=num_trainer_ranks + replicas * tp,
                    dst_mesh_dims=(replicas, tp), rank=rank, **fields)
+
+    def replica_workers(self, num_replicas: int) -> int:
+        if self.dst_mesh_dims[0] != num_replicas:
+            raise ValueError(f"dst_mesh_dims={self.dst_mesh_dims} names {self.dst_mesh_dims[0]} replica(s), but the "
+                             f"client drives {num_replicas} engine(s)")
+        return self.dst_mesh_dims[1]
+
+    def for_replica(self, tp: int, port: int) -> "M2NTrainerInitInfo":
+        """One replica's group: every trainer rank and that replica's ``tp`` workers (its pairs only)."""
+        return dataclasses.replace(self, master_port=port, world_size=self.num_trainer_ranks + tp,
+                                   dst_mesh_dims=(1, tp), on_engine_failure="fail")
 
 
 @dataclass(kw_only=True)

@@ -19,6 +19,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -70,6 +71,16 @@ class NCCLTrainerInitInfo(TrainerInitInfo):
         if buffer_bytes is not None:
             fields["bucket_bytes"] = buffer_bytes
         return cls(num_trainer_ranks=num_trainer_ranks, world_size=1 + replicas * tp, rank=rank, **fields)
+
+    def replica_workers(self, num_replicas: int) -> int:
+        if (self.world_size - 1) % num_replicas:
+            raise ValueError(f"world_size={self.world_size} is not 1 + a multiple of the {num_replicas} engine(s) "
+                             "the client drives")
+        return (self.world_size - 1) // num_replicas
+
+    def for_replica(self, tp: int, port: int) -> "NCCLTrainerInitInfo":
+        """One replica's group: trainer rank 0 and that replica's ``tp`` workers (a communicator of its own)."""
+        return dataclasses.replace(self, master_port=port, world_size=1 + tp, on_engine_failure="fail")
 
 
 @dataclass(kw_only=True)
@@ -249,8 +260,8 @@ class NCCLTrainerEngine(TrainerEngine):
                 self.comm.wait(w, "bucket broadcast")
         return checksum
 
-    def shutdown(self) -> None:
-        super().shutdown()
+    def shutdown(self, *, drain: bool = True) -> None:
+        super().shutdown(drain=drain)
         self._buffers = []
 
 
