@@ -101,6 +101,9 @@ def setup(model_dir: str, *, tp: int, rank: int, replica: int, port: int, dtype:
 
     load_general_plugins()
     _stand_in_cpu_moe_prepack()
+    from .fp8_kernel import install as _stand_in_cpu_fp8_kernel
+
+    _stand_in_cpu_fp8_kernel()  # vLLM builds block-FP8 layers on CPUs without AMX (testing/fp8_kernel.py)
     mc = ModelConfig(model=model_dir, tokenizer=None, skip_tokenizer_init=True, dtype=dtype,
                      max_model_len=128, enforce_eager=True, seed=seed)
     vc = VllmConfig(model_config=mc, parallel_config=ParallelConfig(tensor_parallel_size=tp, enable_expert_parallel=ep),
