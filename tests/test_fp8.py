@@ -81,7 +81,8 @@ def fp8_differences(state_dict: dict[str, torch.Tensor]) -> dict[str, list[str]]
 LAYOUTS = [
     Layout(trainers=1, tp=1, dtype="bfloat16", model=MODEL, backend="weightsync_m2n"),
     Layout(trainers=2, tp=2, dtype="bfloat16", model=MODEL, backend="weightsync_m2n"),
-    Layout(trainers=3, tp=2, dtype="float32", model=MODEL, backend="weightsync_m2n"),
+    # vLLM runs FP8 models in bf16/fp16 only: an fp32 trainer's norms and embeddings are cast on receive
+    Layout(trainers=3, tp=2, dtype="bfloat16", trainer_dtype="float32", model=MODEL, backend="weightsync_m2n"),
     Layout(trainers=3, tp=1, dtype="bfloat16", model=MODEL, backend="weightsync_m2n"),
 ]
 
@@ -90,7 +91,7 @@ LAYOUTS = [
                                                  "fsdp3-tp1-bf16"])
 def test_workers_quantize_their_shard_bit_exact_to_the_reference_checkpoint(cluster, layout):
     cluster.setup(layout)
-    cluster.make_engines(init_info(layout.backend, layout))
+    cluster.make_engines(init_info(layout.backend, layout, cast_dtypes=layout.trainer_dtype is not None))
     for step in range(2):
         cluster.train_step(21 + step)
         stats = cluster.sync(f"v{step}")
@@ -105,14 +106,85 @@ def test_workers_quantize_their_shard_bit_exact_to_the_reference_checkpoint(clus
         assert all(len(g["fp8"]) == 8 for g in got)
 
 
-def test_bf16_shard_bytes_per_worker_match_the_plan(cluster):
-    """Mode (a) moves the trainer's dtype: a worker's bytes are its shard's elements x 2 (bf16)."""
+def test_delta_syncs_into_fp8_targets_are_bit_exact(cluster):
+    """FP8 modules go through the loader path, so their pieces always go dense; the rest as deltas."""
     layout = LAYOUTS[1]
     cluster.setup(layout)
-    cluster.make_engines(init_info(layout.backend, layout))
-    stats = cluster.sync("v0")
-    full = cluster.on_trainers("full_state_dict")[0]
-    total = sum(t.numel() for n, t in full.items()) * 2  # bf16
-    per_worker = stats["bytes_received_per_worker"]
-    replicated = sum(t.numel() for n, t in full.items() if "norm" in n) * 2
-    assert sum(per_worker.values()) == total + replicated * (layout.tp - 1)
+    cluster.make_engines(init_info(layout.backend, layout, delta=True))
+    cluster.sync("v0")
+    for step in range(2):
+        cluster.train_step(31 + step, lr=1e-3)
+        stats = cluster.sync(f"v{step + 1}", verify=True)
+        assert stats["verified"] and stats["delta"]["workers"] == list(range(layout.num_workers))
+        assert 0 < stats["delta"]["changed"] < stats["delta"]["compared"]
+        full = cluster.on_trainers("full_state_dict")[0]
+        got = cluster.on_receivers(_ME + "fp8_differences", full)
+        assert [g["bad"] for g in got] == [[]] * layout.num_workers, f"delta sync v{step + 1}"
+
+
+# --- bad input: refused at init, naming the parameter, before any data moves ---------------------
+
+def _refused(cluster, layout, info, match: str) -> None:
+    source = "local" if layout.backend == "weightsync_m2n" else "full"
+    futs = [a.submit("weightsync.testing.trainer:make_engine", info, cluster.client(), source=source)
+            for a in cluster.active_trainers]
+    for f in futs:
+        with pytest.raises(RemoteError, match=match):
+            f.result()
+
+
+def test_a_trainer_dtype_that_cannot_be_quantized_is_refused_naming_the_parameter(cluster):
+    layout = Layout(trainers=2, tp=2, dtype="bfloat16", trainer_dtype="float64", model=MODEL,
+                    backend="weightsync_m2n")
+    cluster.setup(layout)
+    _refused(cluster, layout, init_info(layout.backend, layout, cast_dtypes=True),
+             r"ValueError: parameter 'model\.layers\.0\.self_attn\.q_proj\.weight': the trainer sends float64, which "
+             r"cannot be quantized into vLLM's block-FP8 model\.layers\.0\.self_attn\.qkv_proj\.weight")
+
+
+def test_an_fp8_model_without_block_scales_is_refused_naming_the_parameter(cluster):
+    layout = Layout(trainers=2, tp=2, dtype="bfloat16", model="tiny_qwen3_fp8_tensor", trainer_model=MODEL,
+                    backend="weightsync_m2n")
+    cluster.setup(layout)
+    _refused(cluster, layout, init_info(layout.backend, layout),
+             r"ValueError: parameter 'model\.layers\.0\.self_attn\.q_proj\.weight': vLLM's layer is FP8 with "
+             r"per-tensor scales \(no weight_block_size\)")
+
+
+def test_a_full_tensor_transport_is_refused_for_fp8_targets(cluster):
+    layout = Layout(trainers=2, tp=2, dtype="bfloat16", model=MODEL, backend="weightsync_nccl")
+    cluster.setup(layout)
+    _refused(cluster, layout, init_info(layout.backend, layout),
+             r"ValueError: parameter 'model\.layers\.0\.self_attn\.q_proj\.weight': vLLM's "
+             r"model\.layers\.0\.self_attn\.qkv_proj\.weight is block FP8, which weightsync_nccl cannot fill")
+
+
+def test_a_shard_that_cuts_a_block_is_refused_naming_the_parameter():
+    from weightsync.layout.records import DestPiece
+    from weightsync.layout.regions import Region
+    from weightsync.worker.fp8 import check_blocks
+
+    whole = DestPiece("w", Region((128, 0), (128, 256)), "p", (0, 0))
+    check_blocks("w", (256, 256), (128, 256), (128, 128), [whole])  # whole blocks: accepted
+    edge = DestPiece("w", Region((128, 0), (72, 256)), "p", (0, 0))  # the tensor's last, partial block
+    check_blocks("w", (200, 256), (72, 256), (128, 128), [edge])
+    cut = DestPiece("w", Region((64, 0), (64, 256)), "p", (0, 0))
+    with pytest.raises(ValueError, match=r"^parameter 'w': this worker's shard \(rows/cols \(64, 0\)\+\(64, 256\) "
+                                         r"at \(0, 0\) of p\) cuts vLLM's FP8 blocks of 128 x 128 \(weight_block_size\) "
+                                         r"along dim 0; TP shards must hold whole blocks$"):
+        check_blocks("w", (128, 256), (64, 256), (128, 128), [cut])
+
+
+def test_the_quantizer_matches_the_reference_on_edges_zeros_and_extremes():
+    from weightsync.worker.fp8 import quantize_blocks
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(300, 200, generator=g) * torch.logspace(-8, 4, 200)  # partial blocks, wide ranges
+    w[:128, :128] = 0  # an all-zero block
+    w[200, 150] = 3e38
+    q, s = quantize_blocks(w, (BLOCK, BLOCK))
+    rq, rs = reference_quantize(w)
+    assert torch.equal(s, rs) and s[0, 0] == 1.0
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+    assert torch.equal(quantize_blocks(w.to(torch.bfloat16), (BLOCK, BLOCK))[0].view(torch.uint8),
+                       reference_quantize(w.to(torch.bfloat16))[0].view(torch.uint8))

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 __all__ = ["FP8_MAX", "QUANTIZABLE", "block_size", "scale_name", "check_blocks", "check_sent_dtype", "kv_cache_scale",
+           "refuse_full_tensors",
            "quantize_blocks", "quantize_into"]
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -49,6 +50,9 @@ def block_size(module: Any, param_name: str) -> tuple[int, int] | None:
     per-tensor or per-channel scales (no ``weight_block_size``), or a layer without the block scales
     (``weight_scale_inv``) in its checkpoint layout."""
     qm = getattr(module, "quant_method", None)
+    if type(qm).__name__ == "Fp8MoEMethod":
+        raise ValueError(f"parameter {param_name!r}: vLLM's fused-MoE layer is FP8 (Fp8MoEMethod); weightsync "
+                         "quantizes dense linear layers only (FP8 experts are not supported yet)")
     if qm is None or type(qm).__name__ not in _FP8_METHODS:
         return None
     block = getattr(qm, "weight_block_size", None)
@@ -70,6 +74,16 @@ def kv_cache_scale(module: Any, attr: str) -> bool:
     which a quantized model's layers hold and a checkpoint may or may not carry (``kv_cache_scheme``)."""
     qm = getattr(module, "quant_method", None)
     return qm is not None and type(qm).__name__.endswith("KVCacheMethod") and attr.endswith("_scale")
+
+
+def refuse_full_tensors(dests: Any, transport: str) -> None:
+    """Full-tensor transports hand whole tensors to vLLM's loaders, which would cast the trainer's
+    weights into FP8 instead of quantizing them: refused at init, naming the first such tensor."""
+    quantized = set(getattr(dests, "quantized", ()))
+    hit = next((p for p in dests.placed if p.param in quantized), None)
+    if hit is not None:
+        raise ValueError(f"parameter {hit.name!r}: vLLM's {hit.param} is block FP8, which {transport} cannot fill "
+                         "(its loaders would cast, not quantize); use weightsync_m2n, whose workers quantize")
 
 
 def check_sent_dtype(name: str, dtype: str, param: str) -> None:
