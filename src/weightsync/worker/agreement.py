@@ -13,7 +13,9 @@ values for:
   omits a tensor, e.g. ``up_proj``, one half of the fused ``gate_up_proj``), computed with
   :func:`weightsync.layout.regions.uncovered` from the regions the sync places on this worker.
   Not required: a vocabulary's padding rows (vLLM zeroes them), parameters vLLM's processing
-  derived (not in the checkpoint layout), and the parameters named in ``partial``.
+  derived (not in the checkpoint layout), block-FP8 scales (the workers compute them), the
+  attention's KV-cache scales of an FP8 model (optional in checkpoints: vLLM keeps its defaults),
+  and the parameters named in ``partial``.
 
 Every transport runs it: M2N on the regions of its plan (``_init``), the full-tensor transports
 (nccl, ipc) on the metadata whose tensors will reach the parameters' loaders whole, at init and
@@ -29,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .destinations import UNKNOWN, WorkerDestinations, checkpoint_layout, resolve_destinations
+from .fp8 import check_sent_dtype, kv_cache_scale
 from ..control import Listing, agree, model_digest, model_metas
 from ..layout.buckets import metadata_digest
 from ..layout.regions import Region, format_regions, uncovered
@@ -65,8 +68,12 @@ def check_model(model: torch.nn.Module, metas: Sequence[tuple[str, str, Sequence
 
 def _check_dtypes(dests: WorkerDestinations, metas: Sequence[tuple[str, str, Sequence[int]]], cast: bool) -> None:
     sent = {name: dtype for name, dtype, _ in metas}
+    quantized = set(dests.quantized)
     for p in dests.placed:
         have, want = sent[p.name], dests.param_dtypes.get(p.param)
+        if p.param in quantized:  # block FP8: the worker quantizes what it receives
+            check_sent_dtype(p.name, have, p.param)
+            continue
         if want is None or have == want:
             continue
         floats = all(getattr(torch, d).is_floating_point for d in (have, want))
@@ -85,6 +92,7 @@ def coverage_gaps(model: torch.nn.Module, dests: WorkerDestinations,
     for p in dests.placed:
         written.setdefault(p.param, []).append(Region(tuple(p.param_offsets), tuple(p.region.sizes)))
     reached = set(dests.reached)  # whole tensors through a loader we cannot see into: taken as covering it
+    reached.update(dests.derived)  # block-FP8 scales: the worker computes them from the weights it receives
     modules = dict(model.named_modules())
     layouts: dict[str, dict[str, torch.Tensor]] = {}
     gaps = []
@@ -92,6 +100,8 @@ def coverage_gaps(model: torch.nn.Module, dests: WorkerDestinations,
         if name in reached or any(name == x or name.startswith(x + ".") for x in partial):
             continue
         path, _, attr = name.rpartition(".")
+        if kv_cache_scale(modules[path], attr):
+            continue  # optional in a checkpoint (kv_cache_scheme), not in a trainer's model
         layout = layouts.setdefault(path, checkpoint_layout(modules[path]))
         if layout and attr not in layout:
             continue  # derived by vLLM's processing, not part of the checkpoint

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from .experts import is_fused_moe
+from .fp8 import STAGING_DTYPE, block_size, quantize_into, scale_name
 
 __all__ = ["LayerwiseApplier"]
 
@@ -36,6 +37,7 @@ class LayerwiseApplier:
         self.model, self.model_config, self.rollback = model, model_config, rollback
         self._snapshot: dict[str, torch.Tensor] | None = None
         self._open: dict[str, torch.nn.Module] = {}
+        self._fp8: dict[str, tuple[tuple[int, int], dict[str, torch.Tensor]]] = {}  # path -> (block, staged weights)
         self._moe_kernels: dict[torch.nn.Module, Any] = {}
         self.active = False
 
@@ -84,7 +86,20 @@ class LayerwiseApplier:
                 self._open[path] = layer
             for name in get_layer_params_buffers(layer)[0]:
                 out[f"{path}.{name}"] = getattr(layer, name)
+            out.update(self._stage_fp8(path, layer))
         return out
+
+    def _stage_fp8(self, path: str, layer: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """A block-FP8 layer's weights are received unquantized, into float32 staging of their shape;
+        ``finish`` quantizes them into the layer's FP8 weights and block scales (``worker/fp8.py``)."""
+        block = block_size(layer, path)
+        if block is None:
+            return {}
+        if path not in self._fp8:
+            staged = {a: torch.empty(t.shape, dtype=STAGING_DTYPE, device=t.device)
+                      for a, t in layer.named_parameters(recurse=False) if scale_name(a) is not None}
+            self._fp8[path] = (block, staged)
+        return {f"{path}.{a}": t for a, t in self._fp8[path][1].items()}
 
     def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Hand tensors to ``model.load_weights``; the caller must keep them unmodified until
@@ -105,7 +120,10 @@ class LayerwiseApplier:
                 from vllm.model_executor.model_loader.reload.layerwise import _layerwise_process, get_layerwise_info
 
                 while self._open:
-                    _, layer = self._open.popitem()
+                    path, layer = self._open.popitem()
+                    if path in self._fp8:
+                        block, staged = self._fp8.pop(path)
+                        quantize_into(layer, staged, block)
                     info = get_layerwise_info(layer)
                     info.load_numel_total = None  # processed here, not by the loaders
                     _layerwise_process(layer, info)
@@ -115,7 +133,7 @@ class LayerwiseApplier:
             for module in stale:
                 _reprocess(module)
         finally:
-            self.active, self._snapshot = False, None
+            self.active, self._snapshot, self._fp8 = False, None, {}
             self._restore_moe_kernels(unprocessed_only=True)
 
     def _unset_moe_kernels(self) -> None:
@@ -166,7 +184,7 @@ class LayerwiseApplier:
     def abort(self) -> None:
         """Undo a partial update: put opened modules back untouched (old tensors and kernels),
         finalize (re-places kept storage), restore the snapshot, rebuild derived kernels."""
-        snapshot, self._snapshot = self._snapshot, None
+        snapshot, self._snapshot, self._fp8 = self._snapshot, None, {}
         try:
             if self._open:
                 from vllm.model_executor.model_loader.reload.layerwise import _place_kernel_tensors, get_layerwise_info

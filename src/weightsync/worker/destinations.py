@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from .experts import ExpertLayers, is_fused_moe
+from .fp8 import block_size, check_blocks, scale_name
 from .placers import FUSED_LAYERS, Placed, Placement, Target, Unplaced, place
 from ..layout.records import DestPiece
 
@@ -62,6 +63,8 @@ class WorkerDestinations:
     via_loader: tuple[str, ...] = ()  # vLLM params (whole modules) received in checkpoint layout, then processed
     placed: tuple[DestPiece, ...] = ()  # every region placed, fallback modules' too (for the coverage check)
     reached: tuple[str, ...] = ()  # vLLM params a tensor reaches only whole through its loader (region unknown)
+    quantized: tuple[str, ...] = ()  # block-FP8 weights: received unquantized (float32 staging), quantized here
+    derived: tuple[str, ...] = ()  # their block scales, computed by the worker (no trainer tensor writes them)
 
     @property
     def via_loader_modules(self) -> tuple[str, ...]:
@@ -148,11 +151,16 @@ def _target(view: _ModelView, name: str, shape: tuple[int, ...], doubts: dict[st
     pname, module, shard = found
     if view.is_tied(pname, module):
         return _Tied(pname)
-    param = _loaded(module, pname.rpartition(".")[2])
+    attr = pname.rpartition(".")[2]
+    param = _loaded(module, attr)
     quant = getattr(module, "quant_method", None)
-    if quant is not None and type(quant).__name__ not in _UNQUANTIZED:
+    fp8 = block_size(module, name) is not None  # the worker quantizes: placed like an unquantized weight
+    if fp8 and scale_name(attr) is None:
+        raise ValueError(f"parameter {name!r}: vLLM's {pname} belongs to a block-FP8 layer whose scales the "
+                         "workers compute from its weights; the trainer sends the unquantized weights only")
+    if not fp8 and quant is not None and type(quant).__name__ not in _UNQUANTIZED:
         return Unplaced(f"quantized layer ({type(quant).__name__})", pname)
-    if param.dtype not in _COPY_DTYPES:
+    if not fp8 and param.dtype not in _COPY_DTYPES:
         return Unplaced(f"parameter dtype {param.dtype}", pname)
     if len(shape) != param.dim():
         raise ValueError(f"parameter {name!r}: the trainer's shape {shape} and vLLM's {pname} "
@@ -165,7 +173,16 @@ def _place_tensor(view: _ModelView, name: str, shape: tuple[int, ...], doubts: d
     if moe is not None:
         return moe
     target = _target(view, name, shape, doubts)
-    return place(target) if isinstance(target, Target) else target
+    if not isinstance(target, Target):
+        return target
+    placed = place(target)
+    block = block_size(target.module, name)
+    if block is not None:  # into a block-FP8 weight: only as whole blocks, never through its loader
+        if not isinstance(placed, Placed):
+            raise ValueError(f"parameter {name!r}: vLLM's block-FP8 {target.param_name} takes it only as block "
+                             f"copies, which are not proven here ({placed.reason})")
+        check_blocks(name, shape, tuple(target.param.shape), block, placed.pieces)
+    return placed
 
 
 def resolve_destinations(model: torch.nn.Module, metas: Sequence[tuple[str, str, Sequence[int]]]) -> WorkerDestinations:
@@ -200,29 +217,39 @@ def resolve_destinations(model: torch.nn.Module, metas: Sequence[tuple[str, str,
     pieces = [p for p in pieces if p.param.rpartition(".")[0] not in fallback_modules]
     shapes = {n: tuple(p.shape) for n, p in view.params.items()}
     dtypes = {n: str(p.dtype).removeprefix("torch.") for n, p in view.params.items()}
-    pieces, demoted, via = _post_processed(view, pieces, sizes, shapes, dtypes)
+    quantized: dict[str, str] = {}  # block-FP8 weight -> its scale
+    pieces, demoted, via = _post_processed(view, pieces, sizes, shapes, dtypes, quantized)
     return WorkerDestinations(tuple(pieces), tuple(fallbacks + demoted), tuple(tied), shapes, dtypes, tuple(via),
-                              tuple(placed), tuple(dict.fromkeys(reached)))
+                              tuple(placed), tuple(dict.fromkeys(reached)), tuple(quantized),
+                              tuple(quantized.values()))
 
 
 def _post_processed(view: _ModelView, pieces: list[DestPiece], sizes: dict[str, int], shapes: dict[str, tuple[int, ...]],
-                    dtypes: dict[str, str]) -> tuple[list[DestPiece], list[Fallback], list[str]]:
-    """Modules whose live tensors are not the checkpoint layout (post-processed, or fused MoE) go via
-    the loader: their parameters are received in checkpoint layout (``shapes``/``dtypes`` updated)
-    and re-processed. Where no trainer tensor writes one of their layout tensors, processing would
-    run on it unwritten: their tensors fall back instead. Returns the pieces kept, those fallbacks and
-    the via-loader parameters."""
+                    dtypes: dict[str, str], quantized: dict[str, str]) -> tuple[list[DestPiece], list[Fallback], list[str]]:
+    """Modules whose live tensors are not the checkpoint layout (post-processed, fused MoE, block FP8)
+    go via the loader: their parameters are received in checkpoint layout (``shapes``/``dtypes``
+    updated; a block-FP8 weight in float32, then quantized, its scales computed: ``quantized``) and
+    re-processed. Where no trainer tensor writes one of their layout tensors, processing would run
+    on it unwritten: their tensors fall back instead (refused for block FP8). Returns the pieces
+    kept, those fallbacks and the via-loader parameters."""
     fallbacks: list[Fallback] = []
     via: list[str] = []
     covered = {p.param for p in pieces}
     for path in dict.fromkeys(p.param.rpartition(".")[0] for p in pieces):
         module = view.modules[path]
         layout = checkpoint_layout(module)
-        if not is_fused_moe(module) and not any(_processed(getattr(module, a), t) for a, t in layout.items()
-                                                if isinstance(getattr(module, a, None), torch.Tensor)):
+        fp8 = block_size(module, path) is not None
+        if not is_fused_moe(module) and not fp8 and not any(
+                _processed(getattr(module, a), t) for a, t in layout.items()
+                if isinstance(getattr(module, a, None), torch.Tensor)):
             continue
+        scales = {f"{path}.{scale_name(a)}": f"{path}.{a}" for a in layout if fp8 and scale_name(a)}
         names = [f"{path}.{a}" for a in layout]
-        missing = [n for n in names if n not in covered] + [f"{path}.{b} (a buffer)" for b in _layout_buffers(module)]
+        missing = [n for n in names if n not in covered and n not in scales] + [
+            f"{path}.{b} (a buffer)" for b in _layout_buffers(module)]
+        if missing and fp8:
+            raise ValueError(f"parameter {missing[0]!r}: no trainer tensor writes it, and vLLM's block-FP8 module "
+                             f"{path} cannot take the others through its loader")
         if missing:  # processing would run on a tensor no trainer tensor fills
             moved = [p for p in pieces if p.param.rpartition(".")[0] == path]
             fallbacks.extend(Fallback(n, f"module {path} is post-processed and no trainer tensor writes "
@@ -232,6 +259,8 @@ def _post_processed(view: _ModelView, pieces: list[DestPiece], sizes: dict[str, 
         via.extend(names)
         for a, t in layout.items():
             shapes[f"{path}.{a}"], dtypes[f"{path}.{a}"] = tuple(t.shape), str(t.dtype).removeprefix("torch.")
+        for scale, weight in scales.items():  # received unquantized into float32 staging
+            quantized[weight], dtypes[weight] = scale, "float32"
     return pieces, fallbacks, via
 
 

@@ -35,6 +35,7 @@ from ..infos import TAKEN_OVER, WorkerInitInfo, WorkerUpdateInfo, parse_info
 from ..registry import TRANSPORTS, transport
 from .agreement import fingerprint, weights_changed
 from .applier import LayerwiseApplier
+from .fp8 import refuse_full_tensors
 
 __all__ = ["WorkerEngine"]
 
@@ -129,6 +130,7 @@ class WorkerEngine:
         digest = metadata_digest(wire)
         if digest != getattr(self, "_checked_digest", None):
             self._dests = self._check_model(wire)
+            refuse_full_tensors(self._dests, type(self).spec.name)  # block-FP8 targets: M2N only (issue 38)
             self._checked_digest = digest
         return self._dests
 
