@@ -6,7 +6,8 @@
 Modes (2 FSDP2 trainer ranks -> vLLM TP=2 on CPU, the ``weightsync.testing`` harness):
 ``m2n-delta`` (``weightsync_m2n`` with ``delta=True``: fp32 trainers, bf16 engine and wire), ``m2n``
 (``weightsync_m2n``, fp32) and ``broadcast`` (``weightsync_nccl``, fp32). Each runs ``--warmup`` syncs (10;
-verified and not), then ``--syncs`` syncs with an optimizer step every 10, every ``--verify-every``-th (and
+verified and not), then ``--syncs`` syncs with the weights changed every 10 (``--change``: in place, or an FSDP2
+optimizer step), every ``--verify-every``-th (and
 each one sampled) with ``verify=True`` (every worker checks what it applied against the trainers' checksums
 before the sync may finish), and checks the final weights bit-exact against vLLM's ``load_weights``.
 ``--model`` is a shipped config (``weightsync/configs``) or a directory; ``--layers N`` cuts it to N decoder
