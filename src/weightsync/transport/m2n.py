@@ -72,6 +72,8 @@ class M2NTrainerInitInfo(TrainerInitInfo):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if not isinstance(self.fp8_wire, bool):
+            raise ValueError(f"fp8_wire must be a bool, got {self.fp8_wire!r}")
         self._set(fp8_block=check_block(self.fp8_block))
         dims = tuple(self.dst_mesh_dims) if isinstance(self.dst_mesh_dims, (list, tuple)) else ()
         if len(dims) != 2 or any(not isinstance(d, int) or d < 1 for d in dims):

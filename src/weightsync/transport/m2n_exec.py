@@ -45,10 +45,12 @@ def sources_from_wire(wire: list[Any]) -> list[TensorSource]:
 
 
 def sources_digest(wire: list[Any]) -> str:
+    """The digest the trainer ranks agree on: their sources' wire form, hashed."""
     return hashlib.sha256(json.dumps(wire).encode()).hexdigest()
 
 
 def source_name(wire: list[Any]) -> str:
+    """A source's name, from its wire form."""
     return wire[0]
 
 
