@@ -114,12 +114,15 @@ def expected_blocks(state_dict: dict[str, torch.Tensor], layout: Layout, itemsiz
             if not (".layers." in name and name.endswith("_proj.weight")):
                 continue
             rows, cols = tp_shard(name, tuple(w.shape), layout.tp, t)
-            shards = fsdp_rows(w.shape[0], layout.trainers)
+            on_cols = layout.tp_aligned and name.endswith(("o_proj.weight", "down_proj.weight"))  # Shard(1)
+            shards = fsdp_rows(w.shape[int(on_cols)], layout.trainers)
             for r0 in range(rows.start, rows.stop, BLOCK):
                 r1 = min(r0 + BLOCK, w.shape[0])
-                inside = any(a <= r0 and r1 <= b for a, b in shards)
                 for c0 in range(cols.start, cols.stop, BLOCK):
-                    numel = (r1 - r0) * (min(c0 + BLOCK, cols.stop) - c0)
+                    c1 = min(c0 + BLOCK, cols.stop)
+                    lo, hi = (c0, c1) if on_cols else (r0, r1)
+                    inside = any(a <= lo and hi <= b for a, b in shards)
+                    numel = (r1 - r0) * (c1 - c0)
                     got["trainer" if inside else "worker"] += 1
                     got["saved"] += numel * (itemsize - 1) - 4 if inside else 0
                     if inside:
@@ -142,6 +145,9 @@ LAYOUTS = {  # (trainers, tp): FSDP 1/2/3 (3: uneven shards, blocks cut) x TP 1/
     "fsdp1-tp4-bf16": Layout(trainers=1, tp=4, dtype="bfloat16", model=MODEL, backend="weightsync_m2n"),
     "fsdp2-tp4-bf16": Layout(trainers=2, tp=4, dtype="bfloat16", model=MODEL, backend="weightsync_m2n"),
     "fsdp3-tp4-bf16": Layout(trainers=3, tp=4, dtype="bfloat16", model=MODEL, backend="weightsync_m2n"),
+    # o_proj / down_proj sharded on dim 1 by the trainers (evenly, as FSDP2 requires there): whole column blocks
+    "fsdp2-tp2-bf16-tp_aligned": Layout(trainers=2, tp=2, dtype="bfloat16", model=MODEL, backend="weightsync_m2n",
+                                        tp_aligned=True),
 }
 
 
