@@ -23,9 +23,9 @@ linear placement), their pieces from :func:`weightsync.worker.experts.fused_expe
 Trainer: 1-D FSDP mesh of 256, ``Shard(0)`` (the expert dim of 3-D expert tensors; uneven where rows
 do not divide). Each rank builds the whole plan, then its compact per-peer listing
 (``TransferPlan.pairs``, what the M2N executor keeps): the table reports both, and the process's peak
-RSS over the plan and the listings above its RSS before (``/proc`` VmHWM). ``--cut`` also times one
-pass over trainer rank 0's rounds cut from that listing (what a rank with more than
-``m2n_exec.KEEP_ITEMS`` items does on every sync) and its peak memory.
+RSS over the plan and the listings above its RSS before (``/proc`` VmHWM). ``--cut`` also times
+cutting trainer rank 0's rounds from that listing into arrays (``PairItems.compact_rounds``: what
+a rank does once at init, ``m2n_exec.Rounds``) and its peak memory.
 The plan is built ``--repeats`` times (median reported; the machine may be shared). Prints a
 markdown table.
 """
@@ -292,17 +292,14 @@ def measure(args: argparse.Namespace) -> dict:
 
 
 def _cut_pass(pairs: PairItems, itemsize: dict[str, int], num_src: int, num_dst: int) -> dict:
-    """One pass over trainer rank 0's rounds cut from the compact plan (64 MiB staging; a round stages
-    at most half of it): what a rank above ``m2n_exec.KEEP_ITEMS`` items does on every sync before any
-    byte moves."""
+    """Trainer rank 0's rounds cut from the compact plan into arrays (64 MiB staging; a round stages
+    at most half of it): what a rank does once at init (``m2n_exec.Rounds``)."""
     cap = message_cap(64 << 20, num_src, num_dst, buffers=2)
     _reset_peak()
     rss0, _ = _rss_mib()
     t0 = time.perf_counter()
-    n_rounds = n_msgs = 0
-    for rnd in pairs.rounds(cap=cap, itemsize_of=itemsize.__getitem__):
-        n_rounds += 1
-        n_msgs += len(rnd)
+    cut = pairs.compact_rounds(cap=cap, itemsize_of=itemsize.__getitem__)
+    n_rounds, n_msgs = len(cut), cut.num_messages
     _, peak = _rss_mib()
     return {"cut_s": time.perf_counter() - t0, "cut_rounds": n_rounds, "cut_messages": n_msgs,
             "cut_peak_mib": peak - rss0, "cut_cap": cap}
@@ -329,7 +326,7 @@ def cut_line(r: dict) -> str:
     """The ``--cut`` pass of one row, in words (empty without it)."""
     if "cut_s" not in r:
         return ""
-    return (f"{r['model']} {r['layout']}: trainer rank 0's rounds cut from the compact plan in {r['cut_s']:.2f} s "
+    return (f"{r['model']} {r['layout']}: trainer rank 0's rounds cut from the compact plan into arrays in {r['cut_s']:.2f} s "
             f"({r['cut_rounds']:,} rounds, {r['cut_messages']:,} messages of <= {r['cut_cap'] >> 10} KiB), "
             f"peak +{r['cut_peak_mib']:.0f} MiB")
 

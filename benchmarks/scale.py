@@ -19,7 +19,8 @@ nothing else moves. Tensors are ``torch.empty`` (pages a sync never writes stay 
 Per shape and rank: items, messages, rounds, median and smallest message (true bytes: an item's
 bytes times ``S`` unless 1-D), host CPU s per sync (``process_time`` of one sync after a warm-up
 sync, one torch thread), init s and MiB (plan + this rank's listing, peak RSS above the RSS
-before), kept MiB (what the executor keeps from the first sync for the next: ``Rounds.spans``, about).
+before), kept MiB (what a rank keeps across syncs: its rounds' arrays and the spans the first sync
+finds, ``Rounds.kept_bytes``, about).
 Rounds hold at most ``PEERS`` peers each (``message_cap`` and the rounds alike), so the cap does not
 shrink with the peer count. Beside them the wire lower bound from the plan's true bytes (the busiest rank's) at NVLink
 450 GB/s and IB 50 GB/s, and the anchors' published seconds. ``--quick`` runs 1/8 of the layers and
@@ -200,7 +201,7 @@ def _side(plan, sources: list[TensorSource], pieces: list[DestPiece], *, sender:
         tensors = {p: torch.empty(e, dtype=kind[p]) for p, e in ends.items()}
         tensor_of = lambda m, i: tensors[m.items[i].param]  # noqa: E731
     n_rounds, nbytes = 0, []
-    for rnd in rounds:  # stats pass (cuts the rounds once more above KEEP_ITEMS)
+    for rnd in rounds:  # stats pass
         n_rounds += 1
         nbytes += [_true_nbytes(m, size) for m in rnd]
     staging = torch.empty(STAGING // S, dtype=torch.uint8)
@@ -214,7 +215,7 @@ def _side(plan, sources: list[TensorSource], pieces: list[DestPiece], *, sender:
     run_rounds(Instant(), rounds, staging, **kw)
     cpu, wall = time.process_time() - c0, time.perf_counter() - w0
     return {"items": rounds.items, "messages": len(nbytes), "staged_messages": staged, "rounds": n_rounds,
-            "kept_mib": rounds.spans.nbytes() / 2**20,
+            "kept_mib": rounds.kept_bytes() / 2**20,
             "median_msg": median(nbytes) if nbytes else 0, "min_msg": min(nbytes, default=0),
             "host_cpu_s": cpu, "host_wall_s": wall, "list_s": list_s, "list_peak_mib": peak - rss0}
 

@@ -13,7 +13,7 @@ import torch
 
 from helpers import execute_reference, make_local_shards
 from weightsync.layout import DestPiece, Region, Shard, TensorSource, build_plan, mesh_coordinates, source_regions
-from weightsync.transport import m2n_exec, m2n_rounds
+from weightsync.transport import m2n_rounds
 from weightsync.layout.records import TransferItem
 from weightsync.layout.schedule import Message
 from weightsync.transport.m2n_exec import my_messages
@@ -220,9 +220,10 @@ def test_a_round_stages_only_the_bytes_it_needs_in_the_lowest_free_span():
                    dtypes={"t": "float32"}, tensor_of=lambda m, i: shard)
 
 
-def test_rounds_cut_anew_equal_the_kept_ones_on_both_ends(monkeypatch):
-    """Above ``KEEP_ITEMS`` a rank's rounds are cut from the compact plan on every pass: the same
-    messages, on both ends, pass after pass (2 trainer ranks -> 3 workers, rows and columns)."""
+def test_rounds_kept_as_arrays_equal_the_item_by_item_cut_on_both_ends():
+    """A rank's rounds are cut once into arrays (``Rounds.compact``), whatever its item count: the
+    same messages as the item-by-item cut (``PairItems.rounds``), on both ends, pass after pass
+    (2 trainer ranks -> 3 workers, rows and columns)."""
     shapes = {"a": (12, 10), "b": (9, 14), "c": (5,)}
     sources = [TensorSource(n, s, "float32", source_regions(s, (2,), [Shard(0)], mesh_coordinates((2,))))
                for n, s in shapes.items()]
@@ -230,20 +231,17 @@ def test_rounds_cut_anew_equal_the_kept_ones_on_both_ends(monkeypatch):
               DestPiece("b", Region((0, 5 * w), (9, min(5, 14 - 5 * w))), "pb", (0, 0)),
               DestPiece("c", Region((0,), (5,)), "pc", (0,))] for w in range(3)]
     plan = build_plan(sources, dests)
-
-    def both(cap):
-        return ([my_messages(plan, sources, rank=r, sender=True, cap=cap) for r in range(2)],
-                [my_messages(plan, sources, rank=w, sender=False, cap=cap) for w in range(3)])
-
-    kept = both(128)
-    monkeypatch.setattr(m2n_exec, "KEEP_ITEMS", 0)
-    anew = both(128)
-    for k, a in zip(kept[0] + kept[1], anew[0] + anew[1]):
-        assert a._kept is None and k._kept is not None
-        assert list(a) == list(a) == list(k) and len(a) == len(k) >= 2 and a.nbytes == k.nbytes
-    send = {(m.src, m.dst, m.index): m for rs in anew[0] for rnd in rs for m in rnd}
-    recv = {(m.src, m.dst, m.index): m for rs in anew[1] for rnd in rs for m in rnd}
-    assert send == recv and len(send) > 3
+    size = {n: 4 for n in shapes}.__getitem__
+    send = [my_messages(plan, sources, rank=r, sender=True, cap=128) for r in range(2)]
+    recv = [my_messages(plan, sources, rank=w, sender=False, cap=128) for w in range(3)]
+    for rank, (rs, sender) in enumerate([(r, True) for r in send] + [(r, False) for r in recv]):
+        rank = rank if sender else rank - 2
+        want = list(plan.pairs(rank, sender=sender).rounds(cap=128, itemsize_of=size))
+        assert list(rs) == list(rs) == want and len(rs) == len(want) >= 2
+        assert rs.nbytes == sum(m.nbytes for r in want for m in r) and rs.kept_bytes() > 0
+    by_send = {(m.src, m.dst, m.index): m for rs in send for rnd in rs for m in rnd}
+    by_recv = {(m.src, m.dst, m.index): m for rs in recv for rnd in rs for m in rnd}
+    assert by_send == by_recv and len(by_send) > 3
 
 
 def test_byte_runs_views_equal_the_boxes_bytes_and_grouped_views_equal_single_ones():
@@ -282,7 +280,7 @@ def test_byte_runs_views_equal_the_boxes_bytes_and_grouped_views_equal_single_on
 def test_spans_found_on_the_first_sync_serve_the_next_ones_and_yield_to_a_new_layout():
     """A staged message's byte spans, and where a direct one is in its tensor, are found once
     (``Rounds.spans``) and cut from each sync's own tensors after: three syncs of new values into new tensors give the reference's values each
-    time; when a target's layout changes (here: a transposed copy, not contiguous) its message is
+    time (a box that is not one run of its tensor too, as a strided view); when a target's layout changes (here: a transposed copy, not contiguous) its message is
     applied item by item again, still exactly."""
     shapes = {"a": (6, 4), "b": (3, 8), "c": (5,), "d": (2, 3, 4)}
     sources = [TensorSource(n, s, "float32", source_regions(s, (1,), [Shard(0)], mesh_coordinates((1,))))
@@ -312,3 +310,4 @@ def test_spans_found_on_the_first_sync_serve_the_next_ones_and_yield_to_a_new_la
         for n in params:
             assert torch.equal(got[n], want[n]), (sync, n)
         assert send.spans._of and recv.spans._of and send.spans._direct and recv.spans._direct
+        assert send.spans._shape_list  # "d"'s box is no run of its shard: kept as a strided view's numbers

@@ -40,6 +40,7 @@ from weightsync.layout.records import (
     new_item,
 )
 from weightsync.layout.schedule import ALONE, PEERS, Message, iter_rounds, peer_group, peer_groups, peer_messages
+from weightsync.layout.schedule_compact import CompactRounds, cut_rounds
 
 __all__ = [
     "DestPiece",
@@ -250,6 +251,17 @@ class PairItems:
         group = None if groups == 1 else partial(peer_group, self.rank, groups=groups)
         return iter_rounds({p: peer_messages(partial(self.items, p), cap=cap, itemsize_of=itemsize_of, apart=apart,
                                              alone=alone) for p in self.peers}, group)
+
+    def compact_rounds(self, *, cap: int, itemsize_of: Callable[[str], int],
+                       apart: Callable[[TransferItem], bool] | None = None,
+                       alone: int = ALONE, peers: int = PEERS) -> CompactRounds:
+        """:meth:`rounds`, the same messages in the same order, cut once into numeric arrays
+        (:mod:`~weightsync.layout.schedule_compact`): no object per item, whatever the item count."""
+        c, members = self._c, self._members
+        sizes = [itemsize_of(c.names[m[0]]) if m else 1 for m in members]
+        return cut_rounds(rank=self.rank, sender=self.sender, num_src=c.num_src, num_dst=c.num_dst, names=c.names,
+                          params=c.params, members=members, runs=self._runs, sig_itemsize=sizes, cap=cap,
+                          alone=alone, peers=peers, apart=apart)
 
 
 def build_plan(

@@ -8,7 +8,6 @@ import hashlib
 import json
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 from ..comm import Communicator
@@ -108,41 +107,27 @@ def gather_plan(comm: Communicator, sources: list[TensorSource], num_workers: in
     return Gathered(build_plan(sources, pieces), pieces, fallbacks, via, fp8)
 
 
-KEEP_ITEMS = 1 << 20
-"""A rank with at most this many items keeps its rounds cut once (~100 B per item); above it they are
-cut anew from the compact plan on every sync, so memory stays O(one round) at any model size."""
-
-
 class Rounds:
-    """This rank's messages grouped into rounds (the same cuts as its peers'), from the compact
-    plan (:meth:`TransferPlan.pairs`): iterable any number of times, kept when small."""
+    """This rank's messages grouped into rounds (the same cuts as its peers'), cut once from the
+    compact plan (:meth:`PairItems.compact_rounds`) into numeric arrays, whatever the item count:
+    iterable any number of times, each pass making its :class:`Message` s from the arrays."""
 
     def __init__(self, pairs: PairItems, itemsize_of: Callable[[str], int], cap: int,
                  apart: Callable[[Any], bool] | None = None, alone: int = ALONE, peers: int = PEERS) -> None:
-        self._make = partial(pairs.rounds, cap=cap, itemsize_of=itemsize_of, apart=apart, alone=alone, peers=peers)
-        self.items = pairs.count()
+        self.compact = pairs.compact_rounds(cap=cap, itemsize_of=itemsize_of, apart=apart, alone=alone, peers=peers)
+        self.items = pairs.count()  # the plan's items (the pieces a large one is cut into: compact.num_items)
         self.spans = Spans()  # the staged messages' byte spans, found on the first sync (the executor's)
-        self._kept = list(self._make()) if self.items <= KEEP_ITEMS else None
-        self._len = None if self._kept is None else len(self._kept)
-        self.nbytes = (pairs.nbytes(dtype_itemsize) if self._kept is None  # what this rank sends or receives dense
-                       else sum(m.nbytes for r in self._kept for m in r))
+        self.nbytes = self.compact.total_bytes()  # what this rank sends or receives dense
 
     def __iter__(self) -> Iterator[list[Message]]:
-        if self._kept is not None:
-            return iter(self._kept)
-        return self._counted()
-
-    def _counted(self) -> Iterator[list[Message]]:
-        n = 0
-        for rnd in self._make():
-            n += 1
-            yield rnd
-        self._len = n
+        return iter(self.compact)
 
     def __len__(self) -> int:
-        if self._len is None:  # not cut through yet: once more just to count (only above KEEP_ITEMS)
-            self._len = sum(1 for _ in self._make())
-        return self._len
+        return len(self.compact)
+
+    def kept_bytes(self) -> int:
+        """About the host bytes kept across syncs: the rounds' arrays and the spans found."""
+        return self.compact.kept_bytes() + self.spans.nbytes()
 
 
 def my_messages(plan: TransferPlan, sources: list[TensorSource], *, rank: int, sender: bool, cap: int,

@@ -19,15 +19,13 @@ from ..layout.regions import box_slices
 from ..layout.schedule import Message
 from ..protocol import dtype_from_name
 from .delta import decode, patch, sparse_nbytes
+from .m2n_views import ItemViews, TensorOf, item_view, itemsize_of_message, numels
 from .packing import ByteRuns, Spans, Staging, fold_checksum, fold_value  # Staging: re-exported
 
 __all__ = ["DEPTH", "SlotKind", "Staging", "run_rounds"]
 
 DEPTH = 8
 """Staged rounds a rank keeps posted at once (they share the staging buffer, each its own span)."""
-
-TensorOf = Callable[[Message, int], torch.Tensor]
-
 
 class SlotKind(enum.Enum):
     """Where a message's bytes are on this rank while the data plane moves them."""
@@ -48,7 +46,7 @@ class _Posted:
     span: tuple[int, int] = (0, 0)  # staging bytes [start, end) it holds; empty for an early part
 
 
-class _Executor:
+class _Executor(ItemViews):
     """One end of the rounds (see :func:`run_rounds`): what both ends do alike. A subclass says who
     its peer is, what a sparse slot is, which slots need no staging, how it posts, what it does to a
     round before posting it (:meth:`_prepare`) and once it was waited for (:meth:`_finish`)."""
@@ -65,6 +63,7 @@ class _Executor:
         self.staging = Staging(staging)
         self.runs = ByteRuns()  # this sync's tensors' bytes, flat: an item is one view of them
         self.wire: dict[str, torch.dtype] = {}  # tensor name -> its wire dtype
+        self.memo: dict[int, Any] = {}  # an item key -> its tensor and flat bytes, this sync (ItemViews._tensors)
         self.whole_rounds = getattr(comm, "ordered", False)
         self.folded: dict[tuple[int, int], int] = {}  # (peer, message index) -> that message's checksum
         self.moved = 0
@@ -176,55 +175,6 @@ class _Executor:
         self.folded[self.key(m)] = acc
 
 
-    def _wire(self, name: str) -> torch.dtype:
-        dt = self.wire.get(name)
-        if dt is None:
-            dt = self.wire[name] = dtype_from_name(self.dtypes[name])
-        return dt
-
-    def _pairs(self, m: Message, buf: torch.Tensor, tensors: list[torch.Tensor],
-               offsets: list[tuple[int, ...]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(this rank's side, ``buf``'s side) of each item of staged message ``m``: byte views where
-        its tensor is contiguous in the wire dtype, else views in the item's shape (the tensor's side
-        may then differ in dtype: the copy casts)."""
-        runs, wire = self.runs, self._wire
-
-        def find(i: int) -> tuple[torch.Tensor, int] | None:
-            t, item = tensors[i], m.items[i]
-            box = runs.box(t, offsets[i], item.region.sizes) if t.dtype == wire(item.name) else None
-            return None if box is None or box.dim() != 1 else (box, m.offsets[i])
-
-        got = self.spans.pairs((self.sender, self.peer(m), m.index), runs, tensors, buf, find)
-        if got is not None:
-            return got
-        mine = [runs.box(t, at, item.region.sizes) if t.dtype == wire(item.name) else None
-                for item, t, at in zip(m.items, tensors, offsets)]
-        theirs = runs.likes(buf, m.offsets, mine)
-        for i, box in enumerate(mine):
-            if box is None:
-                item = m.items[i]
-                mine[i] = tensors[i][box_slices(offsets[i], item.region.sizes)]
-                theirs[i] = _view(buf, m.offsets[i], item, self.dtypes)
-        return mine, theirs
-
-    def _direct(self, m: Message) -> torch.Tensor | None:
-        """The bytes of message ``m`` in this rank's own tensor, when ``m`` is one item contiguous
-        there in the wire dtype: sent from the shard or received into the parameter with no
-        staging copy. Each end decides for itself; the bytes on the wire are the same either way.
-        Where it is in the tensor is kept (``Spans``) while the tensor's layout stays the same."""
-        if len(m.items) != 1:
-            return None
-        item, tensor = m.items[0], self.tensor_of(m, 0)
-        if tensor.dtype != self._wire(item.name):
-            return None
-        flat, layout = self.runs.flat(tensor)
-        if flat is None:  # not contiguous: the item's own view may still be
-            return _direct(m, self.tensor_of, self.dtypes, self.sender)
-        at = item.src_offsets if self.sender else item.param_offsets
-        return self.spans.direct((self.sender, self.peer(m), m.index), flat, layout, m.nbytes,
-                                 lambda: self.runs.box(tensor, at, item.region.sizes))
-
-
 class _Sender(_Executor):
     """Packs each staged item's region of its shard into the span and posts while the earlier
     rounds are on the wire; direct messages and sparse payloads go from where they are."""
@@ -255,8 +205,7 @@ class _Sender(_Executor):
         """Copy a staged message's items into ``buf`` (one grouped copy); with ``sums``, fold what it sends."""
         tensor_of, dtypes = self.tensor_of, self.dtypes
         if kind is SlotKind.STAGED and self.sums is None:
-            shards = [tensor_of(m, i) for i in range(len(m.items))]
-            srcs, dsts = self._pairs(m, buf, shards, [it.src_offsets for it in m.items])
+            srcs, dsts = self._pairs(m, buf)
             torch._foreach_copy_(dsts, srcs)
             return
         views = []
@@ -266,7 +215,7 @@ class _Sender(_Executor):
                 wire = dtype_from_name(dtypes[item.name])
                 views.append(src if src.dtype == wire else src.to(wire))
                 continue
-            view = _view(buf, off, item, dtypes)
+            view = item_view(buf, off, item, dtypes)
             if kind is SlotKind.STAGED:
                 view.copy_(tensor_of(m, i)[box_slices(item.src_offsets, item.region.sizes)])
             views.append(view)
@@ -284,7 +233,7 @@ class _Receiver(_Executor):
         return m.src
 
     def _sparse_slot(self, m: Message, sp: Any) -> torch.Tensor | int:
-        return sparse_nbytes(_numels(m), sp, _itemsize(m, self.dtypes), [it.name for it in m.items])
+        return sparse_nbytes(numels(m), sp, itemsize_of_message(m, self.dtypes), [it.name for it in m.items])
 
     def _own(self, kind: SlotKind) -> bool:
         return kind is SlotKind.DIRECT
@@ -305,13 +254,12 @@ class _Receiver(_Executor):
         was applied (in the wire dtype)."""
         tensor_of, dtypes = self.tensor_of, self.dtypes
         if kind is SlotKind.STAGED and self.sums is None:
-            targets = [tensor_of(m, i) for i in range(len(m.items))]
-            targets, received = self._pairs(m, buf, targets, [it.param_offsets for it in m.items])
+            targets, received = self._pairs(m, buf)
             torch._foreach_copy_(targets, received)
             return
         patches = None
         if kind is SlotKind.SPARSE:
-            patches = decode(buf, _numels(m), self.sparse[self.key(m)], _itemsize(m, dtypes),
+            patches = decode(buf, numels(m), self.sparse[self.key(m)], itemsize_of_message(m, dtypes),
                              [it.name for it in m.items])
         views = []
         for i, (item, off) in enumerate(zip(m.items, m.offsets)):
@@ -320,7 +268,7 @@ class _Receiver(_Executor):
                 patch(target, *patches[i])
                 received = target
             else:
-                received = _view(buf, off, item, dtypes)
+                received = item_view(buf, off, item, dtypes)
                 if kind is SlotKind.STAGED:
                     target.copy_(received)
             views.append(target if target.dtype == received.dtype else received)  # in the wire dtype
@@ -347,7 +295,9 @@ def run_rounds(comm: Communicator, plan_rounds: Iterable[list[Message]], staging
     rounds posted at once. Sender: copy each staged item's region of its local shard (``tensor_of``
     gives the shard) into the span and post while the earlier rounds are on the wire. Receiver: when
     a staged round completes, copy each item into its target region (``tensor_of`` gives the
-    parameter or fallback buffer; dtype cast if needed) while the later rounds arrive.
+    parameter or fallback buffer; dtype cast if needed) while the later rounds arrive. ``tensor_of``
+    must pick an item's tensor by the item's tensor name or param name only: for rounds kept as
+    arrays it is asked once per sync and (name, param), not once per item.
     No deadlock: a rank posts round k's ops only after those of rounds < k, and waits only for
     posted staged rounds in order (or, once everything is posted, for the rest in any order). Take
     the lowest round with a blocked op: its peer has not posted the counterpart, so that peer is
@@ -369,31 +319,3 @@ def run_rounds(comm: Communicator, plan_rounds: Iterable[list[Message]], staging
     finally:
         if paused:
             gc.enable()
-
-
-def _itemsize(m: Message, dtypes: Mapping[str, str]) -> int:
-    return dtype_from_name(dtypes[m.items[0].name]).itemsize
-
-
-def _numels(m: Message) -> list[int]:
-    return [item.region.numel for item in m.items]
-
-
-def _direct(m: Message, tensor_of: TensorOf, dtypes: Mapping[str, str], sender: bool) -> torch.Tensor | None:
-    """The bytes of message ``m`` in this rank's own tensor, when ``m`` is one item whose region is
-    contiguous there in the wire dtype (``_Executor._direct`` without its byte views: any tensor)."""
-    if len(m.items) != 1:
-        return None
-    item, tensor = m.items[0], tensor_of(m, 0)
-    if tensor.dtype != dtype_from_name(dtypes[item.name]):
-        return None
-    view = tensor[box_slices(item.src_offsets if sender else item.param_offsets, item.region.sizes)]
-    if not view.is_contiguous() or view.numel() * view.element_size() != m.nbytes:
-        return None
-    return view.reshape(-1).view(torch.uint8)
-
-
-def _view(buf: torch.Tensor, off: int, item: Any, dtypes: Mapping[str, str]) -> torch.Tensor:
-    dtype = dtype_from_name(dtypes[item.name])
-    n = item.region.numel * dtype.itemsize
-    return buf[off : off + n].view(dtype).view(item.region.sizes)

@@ -189,25 +189,30 @@ class ByteRuns:
 
 class Spans:
     """Numbers kept across syncs: per staged message (by key), where each of its items' bytes are in
-    its tensor (one run: start and end) and in the message, computed on first use; a later sync uses
-    them while each item's tensor has the layout it had then (else they are computed anew). A message
-    with an item that is not one run of its tensor is marked and goes item by item from then on. Per
-    item two ints, a split size and a shared layout reference, no view: the views are cut each sync."""
+    its tensor (start and end; for an item that is not one run, e.g. a column slice, also the id of
+    its interned byte view shape and strides) and in the message, computed on first use; a later sync
+    uses them while each item's tensor has the layout it had then (else they are computed anew). A
+    message with an item whose tensor is not contiguous in the wire dtype is marked and goes item by
+    item. Per item two ints (three if its message has a strided item), a split size and a shared
+    layout reference, no view: the views are cut each sync."""
 
     def __init__(self) -> None:
-        self._of: dict[Any, Any] = {}  # key -> (layouts, [start, end] * items, split sizes, picks) or False
+        self._of: dict[Any, Any] = {}  # key -> (layouts, [start, end] * items, split sizes, picks, shape ids) or False
         self._direct: dict[Any, tuple[Any, int]] = {}  # key -> (layout, start or -1: not one run)
+        self._shapes: dict[tuple[Any, Any], int] = {}  # (shape, strides) of a strided byte view -> its id
+        self._shape_list: list[tuple[Any, Any]] = []
 
     def __len__(self) -> int:
         return len(self._of) + len(self._direct)
 
     def nbytes(self) -> int:
         """About the host bytes kept: the arrays, a reference per item, ~200 bytes per message."""
-        n = 200 * len(self)
+        n = 200 * len(self) + 200 * len(self._shape_list)
         for got in self._of.values():
             if got:
-                lays, spans, sizes, picks = got
+                lays, spans, sizes, picks, sids = got
                 n += 8 * len(lays) + spans.itemsize * len(spans) + sizes.itemsize * len(sizes) + 8 * len(picks or ())
+                n += 0 if sids is None else sids.itemsize * len(sids)
         return n
 
     def direct(self, key: Any, flat: torch.Tensor, layout: Any, nbytes: int, find: Any) -> torch.Tensor | None:
@@ -221,26 +226,32 @@ class Spans:
         return None if got[1] < 0 else flat[got[1] : got[1] + nbytes]
 
     def pairs(self, key: Any, runs: ByteRuns, tensors: list[torch.Tensor], buf: torch.Tensor,
-              find: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
-        """(tensor side, ``buf`` side) byte views of each item, or None where an item is not one run of
-        its tensor in the wire dtype. ``find(i)``: item i's 1-D byte view of its tensor (a
-        :meth:`ByteRuns.box`) and its offset in ``buf``, or None."""
+              find: Any, flats: list[Any] | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        """(tensor side, ``buf`` side) byte views of each item, or None where an item's tensor is not
+        contiguous in the wire dtype. ``find(i)``: item i's byte view of its tensor (a
+        :meth:`ByteRuns.box`: 1-D when one run, else strided) and its offset in ``buf``, or None;
+        ``flats``: each tensor's :meth:`ByteRuns.flat`, when the caller has them."""
         got = self._of.get(key)
         if got is False:
             return None
-        flats = [runs.flat(t) for t in tensors]
+        if flats is None:
+            flats = [runs.flat(t) for t in tensors]
         if got is None or any(f[1] != lay for f, lay in zip(flats, got[0])):
             got = self._of[key] = self._find(flats, buf, find)
             if got is False:
                 return None
-        lays, spans, sizes, picks = got
-        mine = [f[0][spans[j] : spans[j + 1]] for f, j in zip(flats, range(0, len(spans), 2))]
+        lays, spans, sizes, picks, sids = got
         parts = buf.split(sizes.tolist())
-        return mine, list(parts) if picks is None else [parts[j] for j in picks]
+        theirs = list(parts) if picks is None else [parts[j] for j in picks]
+        if sids is None:
+            return [f[0][spans[j] : spans[j + 1]] for f, j in zip(flats, range(0, len(spans), 2))], theirs
+        shapes = self._shape_list
+        mine = [f[0][s:e] if k < 0 else f[0].as_strided(*shapes[k], f[0].storage_offset() + s)
+                for f, s, e, k in zip(flats, spans[0::2], spans[1::2], sids)]
+        return mine, [p if k < 0 else p.view(shapes[k][0]) for p, k in zip(theirs, sids)]
 
-    @staticmethod
-    def _find(flats: list[Any], buf: torch.Tensor, find: Any) -> Any:
-        spans, sizes, picks, at = array("q"), array("q"), [], 0
+    def _find(self, flats: list[Any], buf: torch.Tensor, find: Any) -> Any:
+        spans, sizes, sids, picks, at = array("q"), array("q"), array("q"), [], 0
         for i, (flat, _) in enumerate(flats):
             got = find(i) if flat is not None else None
             if got is None:
@@ -248,6 +259,10 @@ class Spans:
             view, off = got
             start = view.storage_offset() - flat.storage_offset()
             spans.extend((start, start + view.numel()))
+            shape = (tuple(view.shape), tuple(view.stride())) if view.dim() != 1 else None
+            sids.append(-1 if shape is None else self._shapes.setdefault(shape, len(self._shape_list)))
+            if shape is not None and sids[-1] == len(self._shape_list):
+                self._shape_list.append(shape)
             if off > at:
                 sizes.append(off - at)
             picks.append(len(sizes))
@@ -255,7 +270,8 @@ class Spans:
             at = off + view.numel()
         if at < buf.numel():
             sizes.append(buf.numel() - at)
-        return (tuple(f[1] for f in flats), spans, sizes, None if len(picks) == len(sizes) else picks)
+        return (tuple(f[1] for f in flats), spans, sizes, None if len(picks) == len(sizes) else picks,
+                None if max(sids, default=-1) < 0 else sids)
 
 
 def _byte_blocks(t: torch.Tensor, limit: int) -> Iterator[torch.Tensor]:

@@ -1,0 +1,322 @@
+"""A rank's rounds cut once into numeric arrays: the messages :func:`~.schedule.peer_messages` cuts
+and :func:`~.schedule.iter_rounds` orders, message for message, without a Python object per item.
+
+At model scale a rank exchanges millions of items (a 1T-class MoE with per-expert 2-D tensors: ~5 M
+per rank), so cutting item by item costs a minute and keeping the items as objects ~100 B each. Here
+a pair's items are made as columns from the compact plan (:class:`~.plan.PairItems`: per signature,
+its tensors x the planned copies of one of them), so an item is three numbers: its tensor, its piece
+(an interned (region, source offsets, piece index, param offsets), shared by every tensor of the
+signature) and its byte offset in its message. Packing walks whole runs of one dtype at a time
+(a cumulative sum and a ``searchsorted`` per message), so the Python work is per message, not per
+item. Pieces that are cut further (``slabs`` / ``split_item``: pieces of at least ``alone`` bytes or
+above ``cap``) are cut once per planned copy and interned like the others.
+
+:class:`CompactRounds` hands the rounds out as :class:`~.schedule.Message` s whose ``items`` are made
+when first read (:class:`LazyItems`); equal, message for message, to what the item-by-item cut gives
+(``tests/layout/test_schedule.py`` checks both on random plans). The round order is that of
+:func:`~.schedule.iter_rounds` (group ascending, then k, then peer), so the argument that rounds
+cannot deadlock holds unchanged.
+
+Pure: numpy and plain data in, arrays out; no torch import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from itertools import pairwise
+from typing import Any
+
+import numpy as np
+
+from weightsync.layout.records import TransferItem, align_up, new_item
+from weightsync.layout.schedule import ALIGN, Message, peer_group, peer_groups, slabs, split_item
+
+__all__ = ["CompactRounds", "LazyItems", "cut_rounds"]
+
+Piece = tuple[Any, tuple[int, ...], int, tuple[int, ...]]  # (region, src_offsets, piece index, param_offsets)
+
+
+class _Pieces:
+    """The interned pieces of one cut and what each planned copy (a proto) is cut into."""
+
+    def __init__(self, cap: int, alone: int) -> None:
+        self.cap, self.alone = cap, alone
+        self.rows: list[Piece] = []
+        self._of: dict[tuple[int, int], tuple[list[int], list[int]]] = {}  # (id(proto), itemsize) -> ids, bytes
+
+    def of(self, proto: Any, itemsize: int) -> tuple[list[int], list[int]]:
+        """Piece ids and bytes ``proto`` is cut into (the PairItems keep every proto alive)."""
+        key = (id(proto), itemsize)
+        got = self._of.get(key)
+        if got is None:
+            _, region, src_offsets, piece, param_offsets = proto
+            nbytes = region.numel * itemsize
+            if nbytes < self.alone and nbytes <= self.cap:
+                parts = [(region, src_offsets, piece, param_offsets)]
+            else:
+                item = new_item(0, 0, "", region, src_offsets, "", param_offsets)
+                parts = [(p.region, p.src_offsets, piece, p.param_offsets)
+                         for slab in slabs(item, itemsize, self.alone) for p in split_item(slab, itemsize, self.cap)]
+            ids = list(range(len(self.rows), len(self.rows) + len(parts)))
+            self.rows += parts
+            got = self._of[key] = (ids, [p[0].numel * itemsize for p in parts])
+        return got
+
+
+class _Probe:
+    """What ``apart`` reads of an item (its param and worker), without making the item."""
+
+    __slots__ = ("param", "dst_rank")
+
+    def __init__(self, param: str, dst_rank: int) -> None:
+        self.param, self.dst_rank = param, dst_rank
+
+
+def _columns(runs: Sequence[tuple[int, Sequence[Any]]], members: Sequence[Sequence[int]], sizes: Sequence[int],
+             pieces: _Pieces) -> tuple[np.ndarray, ...]:
+    """One pair's pieces in pair order as columns: tensor, piece id, bytes, itemsize."""
+    cols: list[list[np.ndarray]] = [[], [], [], []]
+    for sig, protos in runs:
+        size, ts = sizes[sig], np.asarray(members[sig], dtype=np.int32)
+        ids: list[int] = []
+        nbs: list[int] = []
+        for p in protos:
+            i, b = pieces.of(p, size)
+            ids += i
+            nbs += b
+        cols[0].append(np.repeat(ts, len(ids)))
+        cols[1].append(np.tile(np.asarray(ids, dtype=np.int32), len(ts)))
+        cols[2].append(np.tile(np.asarray(nbs, dtype=np.int64), len(ts)))
+        cols[3].append(np.full(len(ids) * len(ts), size, dtype=np.int64))
+    return tuple(np.concatenate(c) for c in cols)
+
+
+def _pack(nb: np.ndarray, isz: np.ndarray, cap: int) -> tuple[list[int], np.ndarray, list[int]]:
+    """Pack pieces (their bytes ``nb`` and itemsizes ``isz``, in order) as ``peer_messages`` does:
+    each at the next offset aligned to its itemsize, a new message when it would end past ``cap``.
+    Returns each message's piece count, each piece's offset in its message and each message's bytes."""
+    n = len(nb)
+    cum = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(nb, out=cum[1:])
+    offs = np.empty(n, dtype=np.int64)
+    starts: list[int] = []
+    used_of: list[int] = []
+    cur = used = 0
+    bounds = [0, *(np.flatnonzero(isz[1:] != isz[:-1]) + 1).tolist(), n] if n else []
+    for a, b in pairwise(bounds):  # runs of one itemsize: within one, pieces lie back to back
+        size, k = int(isz[a]), a
+        while k < b:
+            start = align_up(used, size)
+            if k > cur and start + int(nb[k]) > cap:
+                starts.append(cur)
+                used_of.append(used)
+                cur, start = k, 0
+            base = int(cum[k])
+            j = int(np.searchsorted(cum, base + cap - start, side="right")) - 1  # last end that fits
+            j = min(max(j, k + 1), b)
+            offs[k:j] = cum[k:j] - (base - start)
+            used, k = start + int(cum[j]) - base, j
+            if k < b:  # piece k does not fit: the message ends before it
+                starts.append(cur)
+                used_of.append(used)
+                cur, used = k, 0
+    if cur < n:
+        starts.append(cur)
+        used_of.append(used)
+    counts = np.diff(np.asarray([*starts, n], dtype=np.int64)).tolist()
+    return counts, offs, used_of
+
+
+def _cut_pair(nb: np.ndarray, isz: np.ndarray, apart: np.ndarray | None, cap: int, alone: int) -> tuple[np.ndarray, ...]:
+    """One pair's messages: (order of its pieces in message order, count per message, offset per
+    piece, bytes per message); the pieces ``apart`` marks are cut after the others, apart from them."""
+    parts = [np.arange(len(nb))] if apart is None else [np.flatnonzero(~apart), np.flatnonzero(apart)]
+    order, counts, offs, sizes = [], [], [], []
+    for idx in parts:
+        big = nb[idx] >= alone
+        alone_idx, small = idx[big], idx[~big]
+        order += [alone_idx, small]
+        counts.append(np.ones(len(alone_idx), dtype=np.int64))
+        offs.append(np.zeros(len(alone_idx), dtype=np.int64))
+        sizes.append(nb[alone_idx])
+        c, o, s = _pack(nb[small], isz[small], cap)
+        counts.append(np.asarray(c, dtype=np.int64))
+        offs.append(o)
+        sizes.append(np.asarray(s, dtype=np.int64))
+    return tuple(np.concatenate(x) for x in (order, counts, offs, sizes))
+
+
+def _apart_mask(runs: Sequence[tuple[int, Sequence[Any]]], members: Sequence[Sequence[int]], params: Sequence[Any],
+                pieces: _Pieces, tensor: np.ndarray, pid: np.ndarray, dst: int,
+                apart: Callable[[Any], bool]) -> np.ndarray:
+    """``apart`` of each piece of one pair (asked once per (tensor, piece index))."""
+    rows, seen, out = pieces.rows, {}, np.empty(len(tensor), dtype=bool)
+    for i, (t, p) in enumerate(zip(tensor.tolist(), pid.tolist())):
+        key = (t, rows[p][2])
+        got = seen.get(key)
+        if got is None:
+            got = seen[key] = bool(apart(_Probe(params[t][key[1]], dst)))
+        out[i] = got
+    return out
+
+
+def cut_rounds(*, rank: int, sender: bool, num_src: int, num_dst: int, names: Sequence[str],
+               params: Sequence[Sequence[str]], members: Sequence[Sequence[int]],
+               runs: dict[int, Sequence[tuple[int, Sequence[Any]]]], sig_itemsize: Sequence[int], cap: int,
+               alone: int, peers: int, apart: Callable[[Any], bool] | None = None) -> CompactRounds:
+    """This rank's rounds as arrays (see the module docstring); ``runs``: per peer, ascending, its
+    (signature, protos) in pair order (``PairItems``); the rest as :meth:`PairItems.rounds`."""
+    if cap < ALIGN:
+        raise ValueError(f"cap must be >= {ALIGN} bytes, got {cap}")
+    pieces = _Pieces(cap, alone)
+    small = np.int32 if cap < 1 << 31 else np.int64
+    cols: list[list[np.ndarray]] = [[] for _ in range(7)]  # tensor, pid, offset | peer, index, count, nbytes
+    for peer, prs in runs.items():
+        tensor, pid, nb, isz = _columns(prs, members, sig_itemsize, pieces)
+        mask = None
+        if apart is not None:
+            mask = _apart_mask(prs, members, params, pieces, tensor, pid, peer if sender else rank, apart)
+        order, counts, offs, sizes = _cut_pair(nb, isz, mask, cap, alone)
+        for c, v in zip(cols, (tensor[order], pid[order], offs.astype(small), np.full(len(counts), peer, dtype=np.int32),
+                               np.arange(len(counts), dtype=np.int32), counts, sizes)):
+            c.append(v)
+        del tensor, pid, nb, isz, order, offs
+    tensor, pid, offs, peer, index, count, nbytes = (
+        np.concatenate(c) if c else np.zeros(0, dtype=np.int64) for c in cols)
+    del cols
+    first = np.zeros(len(count), dtype=np.int64)  # each message's first item (items stay in pair order)
+    np.cumsum(count[:-1], out=first[1:])
+    groups = peer_groups(num_src, num_dst, peers)
+    group = (peer.astype(np.int64) + rank) % groups
+    perm = np.lexsort((peer, index, group))  # round (group, k): the k-th message of its peers, ascending
+    key = (group * (int(index.max(initial=0)) + 1) + index)[perm]
+    bounds = np.flatnonzero(key[1:] != key[:-1]) + 1
+    round_first = np.concatenate(([0], bounds, [len(perm)])).astype(np.int64) if len(perm) else np.zeros(1, np.int64)
+    return CompactRounds(rank, sender, names, params, pieces.rows, tensor.astype(np.int32), pid.astype(np.int32), offs,
+                         peer[perm], index[perm], nbytes[perm], first[perm], count[perm], round_first)
+
+
+class LazyItems(Sequence):
+    """A message's items (:class:`TransferItem`), made from the arrays when first read."""
+
+    __slots__ = ("_r", "_lo", "_hi", "_peer", "_made", "_keys")
+
+    def __init__(self, rounds: CompactRounds, lo: int, hi: int, peer: int) -> None:
+        self._r, self._lo, self._hi, self._peer, self._made, self._keys = rounds, lo, hi, peer, None, None
+
+    def __len__(self) -> int:
+        return self._hi - self._lo
+
+    def _items(self) -> tuple[TransferItem, ...]:
+        if self._made is None:
+            self._made = self._r.items_of(self._lo, self._hi, self._peer)
+        return self._made
+
+    def __getitem__(self, i: Any) -> Any:
+        if self._made is None and isinstance(i, int) and 0 <= i < self._hi - self._lo:  # just this one
+            return self._r.items_of(self._lo + i, self._lo + i + 1, self._peer)[0]
+        return self._items()[i]
+
+    def __iter__(self) -> Iterator[TransferItem]:
+        return iter(self._items())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and tuple(self) == tuple(other)
+
+    def __hash__(self) -> int:
+        return hash(self._items())
+
+    def tensors(self) -> list[int]:
+        """Each item's tensor (its index in the plan's sources), with no item made."""
+        return self._r.tensor[self._lo : self._hi].tolist()
+
+    def keys(self) -> list[int]:
+        """Per item one int; two items with one key have one tensor name and one param name (what
+        picks an item's tensor on either end). No item is made."""
+        if self._keys is None:
+            self._keys = self._r.keys(self._lo, self._hi)
+        return self._keys
+
+    def __repr__(self) -> str:
+        return repr(self._items())
+
+
+class CompactRounds:
+    """A rank's rounds as arrays (build with :func:`cut_rounds`): iterable any number of times,
+    each round a list of :class:`Message` made as it is reached; ``len`` is the number of rounds."""
+
+    def __init__(self, rank: int, sender: bool, names: Sequence[str], params: Sequence[Sequence[str]],
+                 pieces: list[Piece], tensor: np.ndarray, pid: np.ndarray, offset: np.ndarray, peer: np.ndarray,
+                 index: np.ndarray, nbytes: np.ndarray, first: np.ndarray, count: np.ndarray,
+                 round_first: np.ndarray) -> None:
+        self.rank, self.sender, self.names, self.params, self.pieces = rank, sender, names, params, pieces
+        self.tensor, self.pid, self.offset = tensor, pid, offset  # per item: pairs ascending, each in message order
+        self.peer, self.index, self.nbytes = peer, index, nbytes  # per message, in round order
+        self.first, self.count = first, count  # per message: its items are [first, first + count)
+        self.round_first = round_first  # per round: its first message (and the end)
+        self._piece_of: np.ndarray | None = None  # per piece id: its piece index (for keys)
+        self._piece_list: list[int] = []
+        self._alone: dict[int, Message] = {}  # one-item messages, made on the first pass and kept
+        self._per = 1
+
+    def __len__(self) -> int:
+        return len(self.round_first) - 1
+
+    @property
+    def num_items(self) -> int:
+        return len(self.tensor)
+
+    @property
+    def num_messages(self) -> int:
+        return len(self.peer)
+
+    def total_bytes(self) -> int:
+        return int(self.nbytes.sum())
+
+    def kept_bytes(self) -> int:
+        """About the host bytes this keeps: its arrays, ~200 bytes per interned piece and ~500 per
+        one-item message (kept whole once made)."""
+        arrays = (self.tensor, self.pid, self.offset, self.peer, self.index, self.nbytes, self.first, self.count,
+                  self.round_first)
+        return sum(a.nbytes for a in arrays) + 200 * len(self.pieces) + 500 * len(self._alone)
+
+    def __iter__(self) -> Iterator[list[Message]]:
+        rf = self.round_first.tolist()
+        peer, index, nbytes, first, count = (a.tolist() for a in (self.peer, self.index, self.nbytes, self.first,
+                                                                  self.count))
+        rank, offset, new = self.rank, self.offset, object.__new__
+        alone = self._alone
+        for lo, hi in pairwise(rf):
+            rnd = []
+            for j in range(lo, hi):
+                if (m := alone.get(j)) is not None:
+                    rnd.append(m)
+                    continue
+                src, dst = (rank, peer[j]) if self.sender else (peer[j], rank)
+                a, b = first[j], first[j] + count[j]
+                offs = (0,) if b - a == 1 else tuple(offset[a:b].tolist())  # a first item is at 0
+                m = new(Message)  # Message(...) without its frozen __init__'s per-field setattr: 3x faster
+                m.__dict__.update(src=src, dst=dst, index=index[j], items=LazyItems(self, a, b, peer[j]),
+                                  offsets=offs, nbytes=nbytes[j])
+                rnd.append(m)
+                if b - a == 1:  # a one-item message is kept whole (one per large piece: few)
+                    alone[j] = m
+            yield rnd
+
+    def keys(self, lo: int, hi: int) -> list[int]:
+        """See :meth:`LazyItems.keys`: tensor x (pieces per tensor) + piece index."""
+        if self._piece_of is None:
+            self._piece_list = [row[2] for row in self.pieces]
+            self._piece_of = np.asarray(self._piece_list, dtype=np.int64)
+            self._per = int(self._piece_of.max(initial=0)) + 1
+        if hi - lo <= 4:  # a few items: plain ints beat numpy's per-call cost
+            t, p, per, pl = self.tensor, self.pid, self._per, self._piece_list
+            return [int(t[i]) * per + pl[p[i]] for i in range(lo, hi)]
+        return (self.tensor[lo:hi].astype(np.int64) * self._per + self._piece_of[self.pid[lo:hi]]).tolist()
+
+    def items_of(self, lo: int, hi: int, peer: int) -> tuple[TransferItem, ...]:
+        """Items ``lo`` to ``hi`` (in message order), exchanged with ``peer``."""
+        src, dst = (self.rank, peer) if self.sender else (peer, self.rank)
+        names, params, rows = self.names, self.params, self.pieces
+        return tuple(new_item(src, dst, names[t], rows[p][0], rows[p][1], params[t][rows[p][2]], rows[p][3])
+                     for t, p in zip(self.tensor[lo:hi].tolist(), self.pid[lo:hi].tolist()))
