@@ -1,14 +1,28 @@
 #!/usr/bin/env bash
 # Set up, then run the test suite: the main suite in .venv, then the real-engine tier (tests/engine)
-# in .venv-engine. Fails if either fails or collects nothing.
+# in .venv-engine. Fails if either fails or collects nothing. With both tiers, .venv-engine is set up
+# in the background while the main tier runs (after .venv's install: the two never build at once).
 # Usage: scripts/test.sh [--main|--engine] [pytest args]   (default: both tiers; args go to each run)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 tiers="main engine"
 case "${1:-}" in --main) tiers=main; shift ;; --engine) tiers=engine; shift ;; esac
 status=0
+early=""
 for tier in $tiers; do
-  scripts/setup.sh "$tier" || exit 1
+  if [ "$tier" = engine ] && [ -n "$early" ]; then
+    wait "$engine_setup"; rc=$?
+    cat "$early" >&2; rm -f "$early"
+    [ "$rc" -eq 0 ] || exit 1
+  else
+    scripts/setup.sh "$tier" || exit 1
+  fi
+  if [ "$tiers" = "main engine" ] && [ "$tier" = main ]; then
+    early=$(mktemp)
+    scripts/setup.sh engine > "$early" 2>&1 &
+    engine_setup=$!
+    trap 'kill "$engine_setup" 2>/dev/null' EXIT
+  fi
   if [ "$tier" = main ]; then
     .venv/bin/python -m pytest --ignore=tests/engine "$@"
   else

@@ -18,6 +18,11 @@ HAS_VLLM_CPU = has_vllm_cpu()
 _STARTS: list[dict] = []
 
 
+SHARED_ENGINE_FIRST = ("test_engine_delta.py", "test_engine_failures.py", "test_engine_security.py")
+"""Modules on one TP2 bf16 tiny_qwen3 engine (``reuse``): run back to back, they start it once, not three times."""
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own reordering by fixture: a stable sort keeps it per module
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs vllm-cpu and ray (the .venv-engine environment; scripts/setup.sh)")
     for item in items:
@@ -25,6 +30,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.engine)
             if not HAS_VLLM_CPU:
                 item.add_marker(skip)
+    first = {name: i for i, name in enumerate(SHARED_ENGINE_FIRST)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))
 
 
 @pytest.fixture(scope="session")
