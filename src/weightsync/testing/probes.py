@@ -114,7 +114,7 @@ def send_weights_without_gathers(weight_version: str) -> dict[str, Any]:
 def m2n_staged_bytes() -> dict[str, int]:
     """An M2N trainer rank's bytes per sync that go through staging (not contiguous in its shard) and
     its total, from the live engine's plan and the source's current shards."""
-    from ..transport.m2n_rounds import _direct
+    from ..transport.m2n_views import _direct_view
 
     engine = STATE["engine"]
     shards = dict(engine.source.iter_local())
@@ -122,6 +122,6 @@ def m2n_staged_bytes() -> dict[str, int]:
     for rnd in engine.plan.rounds:
         for m in rnd:
             total += m.nbytes
-            if _direct(m, lambda m, i: shards[m.items[i].name], engine.plan.dtypes, True) is None:
+            if len(m.items) != 1 or _direct_view(m, shards[m.items[0].name], engine.plan.dtypes, True) is None:
                 staged += m.nbytes
     return {"staged": staged, "total": total}
