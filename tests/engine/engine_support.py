@@ -20,7 +20,7 @@ from weightsync.testing.vllm_cpu import ENGINE_ENV, RaySession, Trainers, config
 
 __all__ = ["ENGINE_ENV", "EngineConfig", "RaySession", "Trainers", "Case", "Outcome", "free_port", "prompts", "diff",
            "parting", "init_info", "run_cases", "run_scenario", "start_trainer_actors", "MIDDLEWARE", "Server",
-           "ServeReadback"]
+           "ServeReadback", "save_checkpoint", "last_error_line"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,26 @@ def start_engines(session: RaySession, cfg: EngineConfig, count: int = 1, *, reu
 
 def start_trainer_actors(n: int) -> list[Any]:
     return Trainers.start(n).actors
+
+
+def save_checkpoint(state_dict: dict[str, Any], model: str, path: str) -> str:
+    """``state_dict`` with ``model``'s ``config.json`` as an HF checkpoint directory (what ``vllm serve``,
+    ``load_format="auto"`` and vLLM's reload read)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    shutil.copy(os.path.join(config_dir(model), "config.json"), path)
+    save_file({n: t.contiguous() for n, t in state_dict.items()}, os.path.join(path, "model.safetensors"),
+              metadata={"format": "pt"})
+    return path
+
+
+def last_error_line(e: BaseException) -> str:
+    """The root cause's message of a (Ray-wrapped) error, without the remote traceback."""
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    return f"{type(e).__name__}: {lines[-1][:600] if lines else ''}"
 
 
 # --- one scenario: start, sync twice, read back ----------------------------------------------------

@@ -35,6 +35,7 @@ from typing import Any
 
 import pytest
 
+from engine_support import last_error_line, save_checkpoint
 from test_fp8 import quantized_checkpoint
 from weightsync.testing.vllm_cpu import Trainers, config_dir, diff, init_info, prompts
 
@@ -60,17 +61,9 @@ GAP_NOISE = 1 / 128
 
 def write_fp8_checkpoint(state_dict: dict[str, Any], path: str) -> str:
     """``state_dict`` quantized by the reference (test_fp8) as an HF FP8 checkpoint directory."""
-    from safetensors.torch import save_file
-
-    os.makedirs(path, exist_ok=True)
     with open(os.path.join(config_dir(MODEL), "config.json")) as f:
-        config = json.load(f)
-    assert config["quantization_config"]["weight_block_size"] == [128, 128]
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f)
-    save_file({n: t.contiguous() for n, t in quantized_checkpoint(state_dict).items()},
-              os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    return path
+        assert json.load(f)["quantization_config"]["weight_block_size"] == [128, 128]
+    return save_checkpoint(quantized_checkpoint(state_dict), MODEL, path)
 
 
 @dataclass
@@ -98,9 +91,7 @@ class Fp8Run:
 
     def check(self) -> None:
         if self.error is not None:
-            lines = [ln.strip() for ln in str(self.error).strip().splitlines() if ln.strip()]
-            raise AssertionError(f"tp{self.tp}, at {self.stage}: {type(self.error).__name__}: "
-                                 f"{lines[-1][:600] if lines else ''}") from self.error
+            raise AssertionError(f"tp{self.tp}, at {self.stage}: {last_error_line(self.error)}") from self.error
 
 
 def run_fp8(session: Any, trainer_actors: list[Any], tp: int, tmp: str) -> Fp8Run:

@@ -27,16 +27,15 @@ One engine start per TP: the fresh load is both the oracle and the sync target.
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 
-from weightsync.testing.vllm_cpu import NEAR_TIE, Trainers, config_dir, diff, init_info, parting, prompts
+from engine_support import last_error_line, save_checkpoint
+from weightsync.testing.vllm_cpu import NEAR_TIE, Trainers, diff, init_info, parting, prompts
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -44,17 +43,6 @@ MODEL, DTYPE, TRAINER_RANKS, MAX_TOKENS = "tiny_qwen3_moe", "bfloat16", 2, 8
 TRANSPORTS = ("m2n", "nccl")
 TPS = (1, 2)
 EXPERTS = ("w13_weight", "w2_weight")
-
-
-def write_checkpoint(state_dict: dict[str, Any], model: str, path: str) -> str:
-    """``state_dict`` as an HF checkpoint directory vLLM loads with ``load_format="auto"``."""
-    from safetensors.torch import save_file
-
-    os.makedirs(path, exist_ok=True)
-    shutil.copy(os.path.join(config_dir(model), "config.json"), path)
-    save_file({n: t.contiguous() for n, t in state_dict.items()}, os.path.join(path, "model.safetensors"),
-              metadata={"format": "pt"})
-    return path
 
 
 def _expert_names(tensors: dict[str, Any]) -> list[str]:
@@ -89,13 +77,7 @@ class MoeRun:
 
     def check(self) -> None:
         if self.error is not None:
-            raise AssertionError(f"tp{self.tp}, at {self.stage}: {_last_error_line(self.error)}") from self.error
-
-
-def _last_error_line(e: BaseException) -> str:
-    """The root cause's message of a (Ray-wrapped) error, without the remote traceback."""
-    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
-    return f"{type(e).__name__}: {lines[-1][:600] if lines else ''}"
+            raise AssertionError(f"tp{self.tp}, at {self.stage}: {last_error_line(self.error)}") from self.error
 
 
 def run_moe(session: Any, trainer_actors: list[Any], tp: int, tmp: str) -> MoeRun:
@@ -119,7 +101,7 @@ def run_moe(session: Any, trainer_actors: list[Any], tp: int, tmp: str) -> MoeRu
         trainers.setup(MODEL, DTYPE, seed=0)
         w1 = trainers.full_state_dict()
         run.hf = trainers.hf_greedy(w1, P, MAX_TOKENS)
-        ckpt = write_checkpoint(w1, MODEL, os.path.join(tmp, f"w1-tp{tp}"))
+        ckpt = save_checkpoint(w1, MODEL, os.path.join(tmp, f"w1-tp{tp}"))
         run.stage, t1 = "the fresh load (engine start)", time.perf_counter()
         handles = session.start_engines("weightsync", tp=tp, dtype=DTYPE, model=ckpt, load_format="auto",
                                         label=f"weightsync-tp{tp}-{DTYPE}-{MODEL}-from-checkpoint")
@@ -145,7 +127,7 @@ def run_moe(session: Any, trainer_actors: list[Any], tp: int, tmp: str) -> MoeRu
         try:
             ray.get(h.reload_reference.remote(w1))
         except Exception as e:  # noqa: BLE001 - recorded for the test that documents it (the engine is left broken)
-            run.vllm_reload_error = _last_error_line(e)
+            run.vllm_reload_error = last_error_line(e)
         else:
             run.vllm_reload = ray.get(h.effective.remote())
             run.stage = "weightsync's sync after vLLM's reload_weights"

@@ -37,7 +37,7 @@ from typing import Any
 
 import pytest
 
-from engine_support import Case, Server, config_dir, init_info, prompts
+from engine_support import Case, Server, config_dir, init_info, prompts, save_checkpoint
 from weightsync.testing.vllm_cpu import NEAR_TIE, parting
 
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
@@ -49,14 +49,6 @@ MODEL, DTYPE, MAX_TOKENS = "tiny_llama", "bfloat16", 8
 SERVED = "weightsync-tiny"
 
 
-def save_checkpoint(state_dict: dict[str, Any], path: str) -> str:
-    """``config.json`` + ``model.safetensors``: what ``vllm serve`` and vLLM's reload read."""
-    from safetensors.torch import save_file
-
-    os.makedirs(path, exist_ok=True)
-    shutil.copy(os.path.join(config_dir(MODEL), "config.json"), path)
-    save_file({k: v.contiguous() for k, v in state_dict.items()}, os.path.join(path, "model.safetensors"))
-    return path
 
 
 def random_checkpoint(path: str, seed: int) -> str:
@@ -65,7 +57,7 @@ def random_checkpoint(path: str, seed: int) -> str:
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir(MODEL)), dtype=getattr(torch, DTYPE))
-    return save_checkpoint(model.state_dict(), path)
+    return save_checkpoint(model.state_dict(), MODEL, path)
 
 
 def http(url: str, path: str, body: Any = None, method: str = "POST", token: str | None = None) -> tuple[int, Any]:
@@ -133,7 +125,7 @@ class Flow:
 
     def reference(self, state_dict: dict[str, Any]) -> dict[str, str]:
         """Checksums after vLLM's own in-place reload of ``state_dict`` (the server then holds it)."""
-        path = save_checkpoint(state_dict, os.path.join(os.path.dirname(self.server.model_dir), f"ref{self.step}"))
+        path = save_checkpoint(state_dict, MODEL, os.path.join(os.path.dirname(self.server.model_dir), f"ref{self.step}"))
         status, body = http(self.url, "collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}})
         assert status == 200, body
         return self.checksums()
