@@ -55,10 +55,22 @@ def reference_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantized_checkpoint(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The trainer's state dict as an FP8 checkpoint: every decoder linear weight quantized, its
-    ``weight_scale_inv`` beside it; embeddings and norms unchanged."""
+    ``weight_scale_inv`` beside it; fused experts (``experts.gate_up_proj`` [E, 2I, H],
+    ``experts.down_proj`` [E, H, I]) split per expert as Qwen3-MoE-FP8 checkpoints hold them
+    (``experts.{e}.gate_proj.weight`` ...), each quantized on its own; embeddings, norms and the
+    router (``mlp.gate``, in ``modules_to_not_convert``) unchanged."""
     out = {}
     for name, t in state_dict.items():
-        if ".layers." in name and name.endswith("_proj.weight"):
+        path, _, leaf = name.rpartition(".")
+        if leaf in ("gate_up_proj", "down_proj") and t.dim() == 3:
+            half = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                parts = ({"down_proj": t[e]} if leaf == "down_proj"
+                         else {"gate_proj": t[e, :half], "up_proj": t[e, half:]})
+                for part, w in parts.items():
+                    key = f"{path}.{e}.{part}.weight"
+                    out[key], out[key + "_scale_inv"] = reference_quantize(w)
+        elif ".layers." in name and name.endswith("_proj.weight"):
             out[name], out[name + "_scale_inv"] = reference_quantize(t)
         else:
             out[name] = t
@@ -272,6 +284,37 @@ def test_a_shard_that_cuts_a_block_is_refused_naming_the_parameter():
                                          r"at \(0, 0\) of p\) cuts vLLM's FP8 blocks of 128 x 128 \(weight_block_size\) "
                                          r"along dim 0; TP shards must hold whole blocks$"):
         check_blocks("w", (128, 256), (64, 256), (128, 128), [cut])
+
+
+def test_expert_slices_that_cut_blocks_are_refused_naming_the_parameter():
+    """Fused experts [E, 2I, H] into vLLM's w13 [E, 2 I/tp, H]: each TP slice of each expert must hold
+    whole blocks (I = 256: TP 2 gives 128 rows, TP 4 64, which vLLM's CPU FP8 MoE cannot build either)."""
+    from weightsync.worker.experts import W13, fused_expert_pieces
+    from weightsync.worker.fp8 import check_blocks
+
+    shape = (8, 512, 256)
+    for tp, ok in ((2, True), (4, False)):
+        pshape = (8, 512 // tp, 256)
+        pieces = fused_expert_pieces("e.gate_up_proj", shape, W13, "p.w13_weight", pshape,
+                                     local_of=[(e, e) for e in range(8)], tp_rank=1, tp_size=tp)
+        if ok:
+            check_blocks("e.gate_up_proj", shape, pshape, (BLOCK, BLOCK), pieces)
+            continue
+        with pytest.raises(ValueError, match=r"^parameter 'e\.gate_up_proj': this worker's shard \(rows/cols "
+                                             r"\(0, 64, 0\)\+\(8, 64, 256\) at \(0, 0, 0\) of p\.w13_weight\) cuts "
+                                             r"vLLM's FP8 blocks of 128 x 128 \(weight_block_size\) along dim 1"):
+            check_blocks("e.gate_up_proj", shape, pshape, (BLOCK, BLOCK), pieces)
+
+
+def test_the_quantizer_quantizes_each_expert_on_its_own():
+    from weightsync.worker.fp8 import quantize_blocks
+
+    scales = torch.tensor([1e-3, 1.0, 1e3])[:, None, None]  # one range per expert
+    w = torch.randn(3, 256, 200, generator=torch.Generator().manual_seed(4)) * scales
+    q, s = quantize_blocks(w, (BLOCK, BLOCK))
+    for e in range(3):
+        rq, rs = reference_quantize(w[e])
+        assert torch.equal(s[e], rs) and torch.equal(q[e].view(torch.uint8), rq.view(torch.uint8))
 
 
 def test_the_quantizer_matches_the_reference_on_edges_zeros_and_extremes():

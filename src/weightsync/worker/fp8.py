@@ -35,8 +35,16 @@ QUANTIZABLE = ("bfloat16", "float16", "float32")
 """Trainer dtypes the workers quantize (float32 holds each of them exactly)."""
 STAGING_DTYPE = torch.float32
 
-_FP8_METHODS = ("Fp8LinearMethod",)
-_WEIGHTS = {"weight": "weight_scale_inv"}
+_FP8_METHODS = ("Fp8LinearMethod", "Fp8MoEMethod")
+_WEIGHTS = {"weight": "weight_scale_inv", "w13_weight": "w13_weight_scale_inv", "w2_weight": "w2_weight_scale_inv"}
+"""Block-FP8 weights and their scales: a linear layer's, a fused-MoE layer's (``Fp8MoEMethod``: experts
+``[E, rows, cols]``, scales ``[E, rows / 128, cols / 128]``, each expert quantized on its own)."""
+
+
+def _scales(module: Any) -> list[str]:
+    """The block-scale attributes a block-FP8 ``module`` must hold."""
+    moe = type(module.quant_method).__name__ == "Fp8MoEMethod"
+    return ["w13_weight_scale_inv", "w2_weight_scale_inv"] if moe else ["weight_scale_inv"]
 
 
 def scale_name(attr: str) -> str | None:
@@ -50,16 +58,13 @@ def block_size(module: Any, param_name: str) -> tuple[int, int] | None:
     per-tensor or per-channel scales (no ``weight_block_size``), or a layer without the block scales
     (``weight_scale_inv``) in its checkpoint layout."""
     qm = getattr(module, "quant_method", None)
-    if type(qm).__name__ == "Fp8MoEMethod":
-        raise ValueError(f"parameter {param_name!r}: vLLM's fused-MoE layer is FP8 (Fp8MoEMethod); weightsync "
-                         "quantizes dense linear layers only (FP8 experts are not supported yet)")
     if qm is None or type(qm).__name__ not in _FP8_METHODS:
         return None
     block = getattr(qm, "weight_block_size", None)
     if block is None:
         raise ValueError(f"parameter {param_name!r}: vLLM's layer is FP8 with per-tensor scales (no "
                          "weight_block_size); weightsync quantizes into block-FP8 layers only")
-    if not isinstance(getattr(module, "weight_scale_inv", None), torch.Tensor):
+    if not all(isinstance(getattr(module, s, None), torch.Tensor) for s in _scales(module)):
         raise ValueError(f"parameter {param_name!r}: vLLM's block-FP8 layer has no weight_scale_inv (missing "
                          "scales; e8m0 or per-tensor scales are not supported)")
     if getattr(qm, "is_scale_e8m0", False):
@@ -147,5 +152,6 @@ def quantize_into(layer: torch.nn.Module, staged: dict[str, torch.Tensor], block
 
 
 def _block_slices(box: Any, block: tuple[int, int]) -> tuple[slice, ...]:
-    """The block scales' slices of a block-aligned ``box`` of a 2-D weight."""
-    return tuple(slice(o // b, -(-(o + s) // b)) for o, s, b in zip(box.offsets, box.sizes, block))
+    """The block scales' slices of a block-aligned ``box`` of a weight (2-D, or 3-D experts)."""
+    full = (1,) * (len(box.offsets) - len(block)) + tuple(block)  # experts: one block per expert on dim 0
+    return tuple(slice(o // b, -(-(o + s) // b)) for o, s, b in zip(box.offsets, box.sizes, full))

