@@ -37,8 +37,9 @@ _FP8 = "test_fp8:"
 
 
 def expert_blocks(state_dict: dict, tp: int, itemsize: int) -> dict[str, int]:
-    """One worker's expert blocks (every TP rank holds a slice of every expert) and the bytes mode (b)
-    saves on them: all of them come from inside one trainer shard (FSDP2 shards experts on dim 0)."""
+    """One worker's expert blocks (a TP slice of every expert, or with expert parallelism 1/tp of the
+    experts whole: the same count) and the bytes mode (b) saves on them: all of them come from inside
+    one trainer shard (FSDP2 shards experts on dim 0)."""
     blocks = numel = 0
     for name, w in state_dict.items():
         if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
@@ -54,6 +55,8 @@ LAYOUTS = {  # (trainers, tp): FSDP 1/2/3 (3: uneven dense shards cut blocks; ex
     "fsdp3-tp1-bf16": Layout(trainers=3, tp=1, dtype="bfloat16", model=MODEL, backend="weightsync_m2n"),
     "fsdp3-tp2-fp32": Layout(trainers=3, tp=2, dtype="bfloat16", trainer_dtype="float32", model=MODEL,
                              backend="weightsync_m2n"),
+    # expert parallelism: each worker holds 4 experts whole (the same number of blocks as a TP 2 slice of all 8)
+    "fsdp2-tp2-ep-bf16": Layout(trainers=2, tp=2, dtype="bfloat16", model=MODEL, backend="weightsync_m2n", ep=True),
 }
 
 
