@@ -90,3 +90,15 @@ def test_fp8_experts_are_bit_exact_to_the_reference_checkpoint_in_both_modes(clu
     assert received["b"] == {w: received["a"][w] - d["saved"] - experts["saved"] for w, d in enumerate(dense)}
     print(f"{layout}: bytes per worker (a) {received['a']}, (b) {received['b']}")
 
+
+
+def test_per_expert_tensors_into_fp8_experts_are_refused_naming_the_parameter(cluster):
+    """vLLM's loader would cast a per-expert tensor into the fp8 experts: refused at placement."""
+    from weightsync.testing.actors import RemoteError
+
+    cluster.setup(LAYOUTS["fsdp1-tp1-bf16"])
+    name = "model.layers.0.mlp.experts.3.gate_proj.weight"
+    with pytest.raises(RemoteError, match=rf"ValueError: parameter '{name}': vLLM's block-FP8 experts "
+                                          r"model\.layers\.0\.mlp\.experts\.routed_experts take fused expert tensors "
+                                          r"only"):
+        cluster.on_receivers("destinations", [(name, "bfloat16", [256, 256])])
