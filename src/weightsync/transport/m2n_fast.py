@@ -26,6 +26,10 @@ from ..layout.schedule import ALIGN
 
 __all__ = ["FAST_ITEMS", "FastRounds", "Posted", "compile_rounds"]
 
+WIDE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+"""A strided copy goes in elements of its tensor's width (its bits as integers): half the elements
+of a bf16 column slice's bytes, and about half the time where its rows are short."""
+
 FAST_ITEMS = 1 << 20
 """Most items a rank's rounds may have to be compiled (above: the general path, kept arrays only)."""
 
@@ -67,11 +71,12 @@ class Part:
     received into it; < 0: ``~vid``-th part of the staging span's ``msg_sizes`` split), the ops'
     ranks and tags, and the staged items' copies: tensor views ``item_vids``, span parts
     ``item_picks`` of its ``item_sizes`` split (``item_shapes`` for strided ones), then batches of
-    equal items evenly spaced on both sides: tensor views ``batch_vids`` (2-D) and span views
-    ``batch_at`` (shape, strides, offset)."""
+    equal items evenly spaced on both sides: tensor views ``batch_vids`` (one more dim) and span
+    views ``batch_at`` (shape, strides, offset, width); a sender's ``reps`` (copies, elements,
+    step, offset, width): a batch's one region copied from the span to the next messages'."""
 
     __slots__ = ("vids", "ranks", "index", "moved", "need", "msg_sizes", "item_vids", "item_sizes", "item_picks",
-                 "item_shapes", "batch_vids", "batch_at")
+                 "item_shapes", "batch_vids", "batch_at", "reps")
 
     def __init__(self) -> None:
         self.vids: list[int] = []
@@ -84,28 +89,36 @@ class Part:
         self.item_picks: list[int] = []
         self.item_shapes: list[Any] | None = None
         self.batch_vids: list[int] = []
-        self.batch_at: list[tuple[Any, Any, int]] = []
+        self.batch_at: list[tuple[Any, Any, int, int]] = []
+        self.reps: list[tuple[int, int, int, int, int]] = []
 
-    def cut(self, staging: torch.Tensor, start: int, views: list[torch.Tensor]) -> tuple[list[Any], list[Any], list[Any]]:
-        """Its buffers, and its copies' (tensor side, span side) views, at ``start`` of ``staging``."""
+    def cut(self, staging: torch.Tensor, start: int, views: list[torch.Tensor]) -> tuple[list[Any], ...]:
+        """Its buffers, its copies' (tensor side, span side) views, at ``start`` of ``staging``, and
+        its ``reps`` (from, to) views (after the copies)."""
         area = staging[start : start + self.need]
         mp = area.split(self.msg_sizes)
         bufs = [views[v] if v >= 0 else mp[~v] for v in self.vids]
         ip = area.split(self.item_sizes)
         theirs = [ip[j] for j in self.item_picks]
         if self.item_shapes is not None:
-            theirs = [t if s is None else t.view(s) for t, s in zip(theirs, self.item_shapes)]
+            theirs = [t if s is None else t.view(WIDE[s[1]]).view(s[0]) for t, s in zip(theirs, self.item_shapes)]
         mine = [views[v] for v in self.item_vids]
         if self.batch_vids:
+            wide = {w: area.view(WIDE[w]) for w in {b[3] for b in self.batch_at}}
             base = area.storage_offset()
             mine += [views[v] for v in self.batch_vids]
-            theirs += [area.as_strided(shape, strides, base + at) for shape, strides, at in self.batch_at]
-        return bufs, mine, theirs
+            theirs += [wide[w].as_strided(shape, strides, (base + at) // w) for shape, strides, at, w in self.batch_at]
+        reps: tuple[list[Any], list[Any]] = ([], [])
+        for k, n, step, at, w in self.reps:
+            t, o = area.view(WIDE[w]), (area.storage_offset() + at) // w
+            reps[0].append(t.as_strided((k, n), (0, 1), o))
+            reps[1].append(t.as_strided((k, n), (step, 1), o + step))
+        return bufs, mine, theirs, reps
 
     def nbytes(self) -> int:
         lists = (self.vids, self.ranks, self.index, self.msg_sizes, self.item_vids, self.item_sizes, self.item_picks,
                  self.batch_vids)
-        return 120 + 36 * sum(map(len, lists)) + 8 * len(self.item_shapes or ()) + 200 * len(self.batch_at)
+        return 120 + 36 * sum(map(len, lists)) + 8 * len(self.item_shapes or ()) + 200 * (len(self.batch_at) + len(self.reps))
 
 
 class FastRounds:
@@ -125,10 +138,10 @@ class FastRounds:
         return arrays + 200 * len(self.slots) + sum(p.nbytes() for r in self.rounds for p in r if p is not None)
 
     def views(self, tensor_of: Callable[[Any, int], torch.Tensor], runs: Any, peer_rank: Callable[[int], int],
-              whole: bool, room: int) -> list[torch.Tensor] | None:
+              whole: bool, room: int, staging_offset: int) -> list[torch.Tensor] | None:
         """This sync's views (by view id), or None when a tensor's layout, a peer's rank, the plane's
         ordering or the staging room differ from the compiled sync's."""
-        if whole != self.whole or room != self.room or any(peer_rank(p) != r for p, r in self.peers.items()):
+        if whole != self.whole or room != self.room or staging_offset % 8 or any(peer_rank(p) != r for p, r in self.peers.items()):
             return None
         flats = []
         for stub, layout in self.slots:
@@ -137,8 +150,14 @@ class FastRounds:
                 return None
             flats.append(flat)
         shapes = self.shapes
-        return [flats[k][s:e] if sid < 0 else flats[k].as_strided(*shapes[sid], flats[k].storage_offset() + s)
+        return [flats[k][s:e] if sid < 0 else _strided(flats[k], s, *shapes[sid])
                 for k, s, e, sid in zip(self.slot.tolist(), self.start.tolist(), self.end.tolist(), self.sid.tolist())]
+
+
+def _strided(flat: torch.Tensor, start: int, shape: Any, strides: Any, w: int) -> torch.Tensor:
+    if w == 1:
+        return flat.as_strided(shape, strides, flat.storage_offset() + start)
+    return flat.view(WIDE[w]).as_strided(shape, strides, (flat.storage_offset() + start) // w)
 
 
 class _Compiler:
@@ -150,7 +169,7 @@ class _Compiler:
         self.slots: list[tuple[_One, Any]] = []
         self.vid_of: dict[tuple[int, int, int, int], int] = {}
         self.peers: dict[int, int] = {}
-        self.shapes: list[Any] = list(ex.spans._shape_list)  # strided views' (shape, strides): the spans' and batches'
+        self.shapes: list[Any] = [_widen(*s) for s in ex.spans._shape_list]  # (shape, strides, width): spans', batches'
 
     def slot(self, key: int) -> int | None:
         got = self.ex.memo.get(key)
@@ -228,7 +247,7 @@ class _Compiler:
             part.item_picks.append(len(part.item_sizes))
             part.item_sizes.append(n)
             part.item_vids.append(self.vid(s, a, b, sid))
-            shapes.append(None if sid < 0 else self.ex.spans._shape_list[sid][0])
+            shapes.append(None if sid < 0 else (self.shapes[sid][0], self.shapes[sid][2]))
             at = off + n
         if at < part.need:
             part.item_sizes.append(part.need - at)
@@ -245,7 +264,7 @@ class _Compiler:
         rest = []
         for (slot, n, sid), group in by.items():
             group.sort(key=lambda c: (c[1], c[4]))
-            shape, strides = ((n,), (1,)) if sid < 0 else self.shapes[sid]
+            shape, strides, w = self.shapes[sid] if sid >= 0 else _widen((n,), (1,), self.slots[slot][1][2].itemsize)
             i = 0
             while i < len(group):
                 j, dt, da = i + 1, 0, 0
@@ -255,17 +274,35 @@ class _Compiler:
                         j += 1
                 first = group[i]
                 span = first[2] - first[1]
-                if j - i < 4 or not (dt >= span or (dt >= 0 and self.ex.sender)):
+                if j - i < 4 or not (dt > 0 or self.ex.sender):  # (items' regions are disjoint: distinct starts)
                     rest.append(first)
                     i += 1
                     continue
-                k = j - i
-                self.shapes.append(((k, *shape), (dt, *strides)))
+                k, (sh, st, w) = j - i, (shape, strides, w)
+                if dt % w or da % w or n % w:
+                    sh, st, w = ((n,), (1,), 1) if sid < 0 else (*self.ex.spans._shape_list[sid], 1)
+                if dt == 0:  # one region to k messages: copied once, then its copy k - 1 times (contiguous)
+                    part.reps.append((k - 1, n // w, da // w, first[4], w))
+                    k = 1
+                self.shapes.append(((k, *sh), (dt // w, *st), w))
                 part.batch_vids.append(self.vid(slot, first[1], first[1] + span, len(self.shapes) - 1))
-                part.batch_at.append(((k, *shape), (da, *_row_major(shape)), first[4]))
+                part.batch_at.append(((k, *sh), (da // w, *_row_major(sh)), first[4], w))
                 i = j
         rest.sort(key=lambda c: c[4])
         return rest
+
+
+def _widen(shape: tuple[int, ...], strides: tuple[int, ...], width: int | None = None) -> tuple[Any, Any, int]:
+    """A byte view's (shape, strides) in elements of ``width`` bytes (a strided box: its last dim's
+    bytes; a run: ``width``), where they divide; else as it is, width 1."""
+    if width is None:  # a strided box: (*sizes, element bytes), (*byte strides, 1)
+        w = shape[-1]
+        if w in WIDE and strides[-1] == 1 and all(st % w == 0 for st in strides[:-1]):
+            return shape[:-1], tuple(st // w for st in strides[:-1]), w
+        return shape, strides, 1
+    if width in WIDE and shape[0] % width == 0:
+        return (shape[0] // width,), (1,), width
+    return shape, strides, 1
 
 
 def _row_major(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -108,10 +108,12 @@ class _Executor(ItemViews):
             need = staged.need
             while need and (start := staging.spot(need, (p.span for p in in_flight))) is None:
                 self._complete(in_flight.popleft())
-            bufs, mine, theirs = staged.cut(staging.buf, start if need else 0, views)
+            bufs, mine, theirs, reps = staged.cut(staging.buf, start if need else 0, views)
             copies = None
             if self.sender:
                 torch._foreach_copy_(theirs, mine)
+                if reps[0]:
+                    torch._foreach_copy_(reps[1], reps[0])
             elif mine:
                 copies = (mine, theirs)
             posted = Posted(None, bufs, None, [], (start, start + need) if need else (0, 0), staged.moved, copies)
@@ -342,7 +344,8 @@ def run_rounds(comm: Communicator, plan_rounds: Iterable[list[Message]], staging
         dense = sums is None and not sparse and hasattr(plan_rounds, "fast")
         fast = plan_rounds.fast if dense else None
         if fast is not None:
-            views = fast.views(tensor_of, ex.runs, peer_rank, ex.whole_rounds, ex.staging.room)
+            views = fast.views(tensor_of, ex.runs, peer_rank, ex.whole_rounds, ex.staging.room,
+                               staging.storage_offset())
             if views is not None:
                 return ex.run_fast(fast, views)
         moved = ex.run(plan_rounds)
