@@ -320,6 +320,8 @@ def compile_rounds(ex: Any, plan_rounds: Any, peer_rank: Callable[[int], int]) -
     compact = getattr(plan_rounds, "compact", None)
     if compact is None or compact.num_items > FAST_ITEMS:
         return None
+    if any(v is False for v in ex.spans._of.values()) or any(g[1][0] is None for g in ex.memo.values()):
+        return None  # a message goes item by item (a cast, a tensor not contiguous): known without a pass
     comp = _Compiler(ex, compact.key_names)
     rounds = []
     for rnd in plan_rounds:
