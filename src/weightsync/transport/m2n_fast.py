@@ -124,18 +124,31 @@ class Part:
 class FastRounds:
     """Compiled rounds (see the module docstring): per round its early and staged :class:`Part`
     (either may be None), the tensors (a stand-in message and the layout each had) and the views'
-    byte ranges as arrays (tensor, start, end, strided shape id or -1)."""
+    byte ranges. View ids are renumbered so that each tensor's runs that do not overlap come
+    first, in order: a sync cuts them with one ``split`` per tensor (``groups``: tensor, start,
+    split sizes, the parts to keep); the other views are cut one by one from arrays (tensor,
+    start, end, strided shape id or -1)."""
 
     def __init__(self, slots: list[tuple[_One, Any]], table: list[tuple[int, int, int, int]], shapes: list[Any],
                  rounds: list[tuple[Part | None, Part | None]], peers: dict[int, int], whole: bool, room: int) -> None:
         self.slots, self.shapes, self.rounds, self.peers, self.whole, self.room = slots, shapes, rounds, peers, whole, room
-        cols = np.asarray(table, dtype=np.int64).reshape(-1, 4).T
+        order, self.groups = _grouped(table)
+        new = [0] * len(table)
+        for i, old in enumerate(order):
+            new[old] = i
+        for part in (p for r in rounds for p in r if p is not None):
+            part.vids = [new[v] if v >= 0 else v for v in part.vids]
+            part.item_vids = [new[v] for v in part.item_vids]
+            part.batch_vids = [new[v] for v in part.batch_vids]
+        rest = [table[v] for v in order[sum(len(g[2]) if g[3] is None else len(g[3]) for g in self.groups):]]
+        cols = np.asarray(rest, dtype=np.int64).reshape(-1, 4).T
         self.slot, self.start, self.end, self.sid = cols[0].astype(np.int32), cols[1], cols[2], cols[3].astype(np.int32)
 
     def nbytes(self) -> int:
         """About the host bytes kept."""
         arrays = self.slot.nbytes + self.start.nbytes + self.end.nbytes + self.sid.nbytes
-        return arrays + 200 * len(self.slots) + sum(p.nbytes() for r in self.rounds for p in r if p is not None)
+        groups = sum(100 + 36 * (len(g[2]) + len(g[3])) for g in self.groups)
+        return arrays + groups + 200 * len(self.slots) + sum(p.nbytes() for r in self.rounds for p in r if p is not None)
 
     def views(self, tensor_of: Callable[[Any, int], torch.Tensor], runs: Any, peer_rank: Callable[[int], int],
               whole: bool, room: int, staging_offset: int) -> list[torch.Tensor] | None:
@@ -149,15 +162,47 @@ class FastRounds:
             if flat is None or lay != layout:
                 return None
             flats.append(flat)
-        shapes = self.shapes
-        return [flats[k][s:e] if sid < 0 else _strided(flats[k], s, *shapes[sid])
-                for k, s, e, sid in zip(self.slot.tolist(), self.start.tolist(), self.end.tolist(), self.sid.tolist())]
+        views: list[torch.Tensor] = []
+        for k, lo, sizes, picks in self.groups:
+            parts = flats[k][lo : lo + sum(sizes)].split(sizes)
+            views += parts if picks is None else [parts[j] for j in picks]
+        shapes, wide = self.shapes, {}
+        for k, s, e, sid in zip(self.slot.tolist(), self.start.tolist(), self.end.tolist(), self.sid.tolist()):
+            if sid < 0:
+                views.append(flats[k][s:e])
+                continue
+            shape, strides, w = shapes[sid]
+            t = wide.get((k, w))
+            if t is None:
+                t = wide[k, w] = flats[k].view(WIDE[w])
+            views.append(t.as_strided(shape, strides, t.storage_offset() + s // w))
+        return views
 
 
-def _strided(flat: torch.Tensor, start: int, shape: Any, strides: Any, w: int) -> torch.Tensor:
-    if w == 1:
-        return flat.as_strided(shape, strides, flat.storage_offset() + start)
-    return flat.view(WIDE[w]).as_strided(shape, strides, (flat.storage_offset() + start) // w)
+def _grouped(table: list[tuple[int, int, int, int]]) -> tuple[list[int], list[Any]]:
+    """View ids in their new order, and per tensor its split (tensor, start, sizes, picks or None):
+    each tensor's runs (not strided) sorted by start, those that do not overlap the one before first."""
+    runs = sorted((v for v, row in enumerate(table) if row[3] < 0), key=lambda v: (table[v][0], table[v][1]))
+    first, rest, groups = [], [], []
+    at = 0
+    while at < len(runs):
+        slot, end, sizes, picks, lo, j = table[runs[at]][0], None, [], [], table[runs[at]][1], at
+        while j < len(runs) and table[runs[j]][0] == slot:
+            _, s, e, _ = table[runs[j]]
+            if end is not None and s < end:
+                rest.append(runs[j])
+            else:
+                if end is not None and s > end:
+                    sizes.append(s - end)
+                picks.append(len(sizes))
+                sizes.append(e - s)
+                first.append(runs[j])
+                end = e
+            j += 1
+        groups.append((slot, lo, sizes, None if len(picks) == len(sizes) else picks))
+        at = j
+    rest += [v for v, row in enumerate(table) if row[3] >= 0]
+    return first + rest, groups
 
 
 class _Compiler:
