@@ -30,8 +30,10 @@ WIDE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 """A strided copy goes in elements of its tensor's width (its bits as integers): half the elements
 of a bf16 column slice's bytes, and about half the time where its rows are short."""
 
-FAST_ITEMS = 1 << 20
-"""Most items a rank's rounds may have to be compiled (above: the general path, kept arrays only)."""
+FAST_ITEMS = 1 << 18
+"""Most items a rank's rounds may have to be compiled (above: the general path, kept arrays only):
+every benchmark shape's rank (DeepSeek-V3 TP worker 0: ~180 k) but a 1T-class MoE with per-expert
+tensors (k2: ~5 M, one tensor per item, where compiling would keep ~100 B per item and save little)."""
 
 
 @dataclass(slots=True)
