@@ -89,6 +89,7 @@ def test_compiled_syncs_move_what_the_general_path_moves(ordered, monkeypatch):
     monkeypatch.setattr(m2n_rounds._Executor, "run", lambda self, rounds: general.append(1) or real(self, rounds))
     first = _sync(plan, sources, params, send, recv, ordered=ordered, seed=0)
     assert len(general) == RANKS + TP * REPLICAS and all(r.fast is not None for r in send + recv)
+    assert all(r.kept_bytes() > r.compact.kept_bytes() + r.spans.nbytes() for r in send + recv)  # counted
     parts = [p for r in send for rnd in r.fast.rounds for p in rnd if p is not None]
     assert any(p.reps for p in parts) and any(p.batch_at for p in parts)  # the shapes this test is for
     assert any(b[3] > 1 for p in parts for b in p.batch_at)  # copied as integers of the element width

@@ -149,7 +149,7 @@ class FastRounds:
     def nbytes(self) -> int:
         """About the host bytes kept."""
         arrays = self.slot.nbytes + self.start.nbytes + self.end.nbytes + self.sid.nbytes
-        groups = sum(100 + 36 * (len(g[2]) + len(g[3])) for g in self.groups)
+        groups = sum(100 + 36 * (len(g[2]) + len(g[3] or ())) for g in self.groups)
         return arrays + groups + 200 * len(self.slots) + sum(p.nbytes() for r in self.rounds for p in r if p is not None)
 
     def views(self, tensor_of: Callable[[Any, int], torch.Tensor], runs: Any, peer_rank: Callable[[int], int],
