@@ -1,8 +1,9 @@
 """``m2n_fast``: a dense sync over rounds kept as arrays is compiled for the next ones, which must
-move exactly what the general path moves. 4 trainer ranks (dim-0 FSDP) -> 8 workers (TP 2 x 4
+move exactly what the general path moves. 4 trainer ranks (dim-0 FSDP) -> 16 workers (TP 8 x 2
 replicas), bf16 and fp32: norms every worker takes whole (one region to many messages: copied once,
 then within the span), row-parallel column slices (strided, copied as integers of their element
-width, batched across replicas), column-parallel rows and small pieces packed together. Several
+width, batched), column-parallel rows and small pieces packed together; a replica's message equal to
+another's is sent from the same span. Several
 syncs of new values into new tensors give the reference's values on every worker, the same ops on
 the same buffers' bytes as the general path, on planes that run ops in issue order or not; a tensor
 of another layout, a checksum sync or another peer map runs the general path."""
@@ -18,7 +19,7 @@ from weightsync.transport import m2n_rounds
 from weightsync.transport.m2n_exec import my_messages
 from weightsync.transport.m2n_rounds import run_rounds
 
-RANKS, TP, REPLICAS = 4, 2, 4
+RANKS, TP, REPLICAS = 4, 8, 2
 SHAPES = {"norm": ((64,), "bfloat16"), "o": ((32, 16), "bfloat16"), "qkv": ((16, 16), "float32"),
           "small": ((8, 3), "bfloat16"), "tail": ((5,), "float32")}
 
@@ -46,12 +47,13 @@ class Plane:
 def _plan():
     sources = [TensorSource(n, s, d, source_regions(s, (RANKS,), [Shard(0)], mesh_coordinates((RANKS,))))
                for n, (s, d) in SHAPES.items()]
+    c = 16 // TP
     per_tp = [[DestPiece("norm", Region((0,), (64,)), "norm", (0,)),
-               DestPiece("o", Region((0, 8 * t), (32, 8)), "o", (0, 0)),
-               DestPiece("qkv", Region((8 * t, 0), (8, 16)), "qkv", (0, 0)),
+               DestPiece("o", Region((0, c * t), (32, c)), "o", (0, 0)),
+               DestPiece("qkv", Region((c * t, 0), (c, 16)), "qkv", (0, 0)),
                DestPiece("small", Region((0, 0), (8, 3)), "small", (0, 0)),
                DestPiece("tail", Region((0,), (5,)), "tail", (0,))] for t in range(TP)]
-    params = {"norm": (64,), "o": (32, 8), "qkv": (8, 16), "small": (8, 3), "tail": (5,)}
+    params = {"norm": (64,), "o": (32, c), "qkv": (c, 16), "small": (8, 3), "tail": (5,)}
     return sources, build_plan(sources, [per_tp[t] for _ in range(REPLICAS) for t in range(TP)]), params
 
 
@@ -93,6 +95,7 @@ def test_compiled_syncs_move_what_the_general_path_moves(ordered, monkeypatch):
     parts = [p for r in send for rnd in r.fast.rounds for p in rnd if p is not None]
     assert any(p.reps for p in parts) and any(p.batch_at for p in parts)  # the shapes this test is for
     assert any(b[3] > 1 for p in parts for b in p.batch_at)  # copied as integers of the element width
+    assert any(len(set(v for v in p.vids if v < 0)) < sum(v < 0 for v in p.vids) for p in parts)  # a replica's
     for seed in (1, 2):
         assert _sync(plan, sources, params, send, recv, ordered=ordered, seed=seed) == first
     assert len(general) == RANKS + TP * REPLICAS  # the later syncs ran compiled
@@ -113,9 +116,10 @@ def test_a_new_layout_runs_the_general_path_and_compiles_anew():
                    peer_rank=lambda w: RANKS + w, dtypes={s.name: s.dtype for s in sources},
                    tensor_of=lambda m, i, r=r: shards[r][m.items[i].name])
     want = {p: torch.zeros(s, dtype=getattr(torch, SHAPES[p][1])) for p, s in params.items()}
-    execute_reference(plan, shards, {0: want, **{w: {p: t.clone() for p, t in want.items()} for w in range(1, 8)}})
+    others = {w: {p: t.clone() for p, t in want.items()} for w in range(1, TP * REPLICAS)}
+    execute_reference(plan, shards, {0: want, **others})
     got = {p: torch.zeros(s, dtype=want[p].dtype) for p, s in params.items()}
-    got["o"] = torch.zeros(8, 32, dtype=torch.bfloat16).t()  # another layout: not contiguous
+    got["o"] = torch.zeros(params["o"][::-1], dtype=torch.bfloat16).t()  # another layout: not contiguous
     run_rounds(Plane(0, False, wire, ordered=True), recv[0], torch.empty(1 << 12, dtype=torch.uint8), sender=False,
                peer_rank=lambda r: r, dtypes={s.name: s.dtype for s in sources},
                tensor_of=lambda m, i: got[m.items[i].param])

@@ -8,14 +8,15 @@ split of its staging span. A later dense sync asks ``tensor_of`` once per tensor
 checks that every tensor has the layout it had (shape, byte strides, dtype) and that ``peer_rank``
 gives the same ranks, cuts all views at once and posts each round from lists, with one grouped
 copy per staged round; if anything differs it runs the general path (which compiles anew).
-Decisions are the general path's own, so the ops, their order, the staging spans and the bytes
-are the same (``tests/test_m2n_rounds.py``). Nothing holding a tensor is kept across syncs.
+Decisions are the general path's own, so the ops, their order and the bytes are the same
+(``tests/test_m2n_fast.py``); a sender's staged messages that are equal within a round (the same
+items for each engine replica) are packed once and sent from one span, so it stages and copies
+less. Nothing holding a tensor is kept across syncs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -24,7 +25,7 @@ import torch
 from ..layout.records import align_up
 from ..layout.schedule import ALIGN
 
-__all__ = ["FAST_ITEMS", "FastRounds", "Posted", "compile_rounds"]
+__all__ = ["FAST_ITEMS", "FastRounds", "compile_rounds"]
 
 WIDE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 """A strided copy goes in elements of its tensor's width (its bits as integers): half the elements
@@ -34,20 +35,6 @@ FAST_ITEMS = 1 << 18
 """Most items a rank's rounds may have to be compiled (above: the general path, kept arrays only):
 every benchmark shape's rank (DeepSeek-V3 TP worker 0: ~180 k) but a 1T-class MoE with per-expert
 tensors (k2: ~5 M, one tensor per item, where compiling would keep ~100 B per item and save little)."""
-
-
-@dataclass(slots=True)
-class Posted:
-    """A round's messages (or its early part) with their buffers, their ops' works and its span; a
-    compiled part has no messages (``rnd`` None), its byte count and, at a receiver, its copies."""
-
-    rnd: Any
-    bufs: list[torch.Tensor]
-    kinds: Any
-    works: list[Any]
-    span: tuple[int, int] = (0, 0)  # staging bytes [start, end) it holds; empty for an early part
-    moved: int = 0
-    copies: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
 
 
 class _Probe:
@@ -120,7 +107,8 @@ class Part:
     def nbytes(self) -> int:
         lists = (self.vids, self.ranks, self.index, self.msg_sizes, self.item_vids, self.item_sizes, self.item_picks,
                  self.batch_vids)
-        return 120 + 36 * sum(map(len, lists)) + 8 * len(self.item_shapes or ()) + 200 * (len(self.batch_at) + len(self.reps))
+        extra = 8 * len(self.item_shapes or ()) + 200 * (len(self.batch_at) + len(self.reps))
+        return 120 + 36 * sum(map(len, lists)) + extra
 
 
 class FastRounds:
@@ -133,7 +121,8 @@ class FastRounds:
 
     def __init__(self, slots: list[tuple[_One, Any]], table: list[tuple[int, int, int, int]], shapes: list[Any],
                  rounds: list[tuple[Part | None, Part | None]], peers: dict[int, int], whole: bool, room: int) -> None:
-        self.slots, self.shapes, self.rounds, self.peers, self.whole, self.room = slots, shapes, rounds, peers, whole, room
+        self.slots, self.shapes, self.rounds, self.peers = slots, shapes, rounds, peers
+        self.whole, self.room = whole, room
         order, self.groups = _grouped(table)
         new = [0] * len(table)
         for i, old in enumerate(order):
@@ -150,13 +139,16 @@ class FastRounds:
         """About the host bytes kept."""
         arrays = self.slot.nbytes + self.start.nbytes + self.end.nbytes + self.sid.nbytes
         groups = sum(100 + 36 * (len(g[2]) + len(g[3] or ())) for g in self.groups)
-        return arrays + groups + 200 * len(self.slots) + sum(p.nbytes() for r in self.rounds for p in r if p is not None)
+        parts = sum(p.nbytes() for r in self.rounds for p in r if p is not None)
+        return arrays + groups + 200 * len(self.slots) + parts
 
     def views(self, tensor_of: Callable[[Any, int], torch.Tensor], runs: Any, peer_rank: Callable[[int], int],
               whole: bool, room: int, staging_offset: int) -> list[torch.Tensor] | None:
         """This sync's views (by view id), or None when a tensor's layout, a peer's rank, the plane's
         ordering or the staging room differ from the compiled sync's."""
-        if whole != self.whole or room != self.room or staging_offset % 8 or any(peer_rank(p) != r for p, r in self.peers.items()):
+        if whole != self.whole or room != self.room or staging_offset % 8:
+            return None
+        if any(peer_rank(p) != r for p, r in self.peers.items()):
             return None
         flats = []
         for stub, layout in self.slots:
@@ -261,7 +253,9 @@ class _Compiler:
         return peer, m.index, m.nbytes, -1, items
 
     def part(self, msgs: list[Any], peer_rank: Callable[[int], int]) -> Part:
-        part, copies = Part(), []
+        """A posting of ``msgs``; a sender's staged message equal to one before it in the posting
+        (its items at the same offsets: a replica's) is sent from that one's span."""
+        part, copies, same = Part(), [], {}
         for peer, index, nbytes, vid, items in msgs:
             rank = self.peers.setdefault(peer, peer_rank(peer))
             part.ranks.append(rank)
@@ -270,6 +264,12 @@ class _Compiler:
             if vid >= 0:
                 part.vids.append(vid)
                 continue
+            if self.ex.sender:
+                key = (nbytes, tuple(items))
+                if key in same:
+                    part.vids.append(same[key])
+                    continue
+                same[key] = ~len(part.msg_sizes)
             base = part.need
             part.vids.append(~len(part.msg_sizes))  # its part of the msg_sizes split
             part.msg_sizes += [nbytes, align_up(nbytes, ALIGN) - nbytes]
@@ -282,7 +282,8 @@ class _Compiler:
         merged: list[list[int]] = []
         for s, a, b, sid, off, n in copies:
             last = merged[-1] if merged else None
-            if last is not None and sid < 0 and last[3] < 0 and last[0] == s and last[2] == a and last[4] + last[5] == off:
+            if last is not None and sid < 0 and last[3] < 0 and last[0] == s and last[2] == a \
+                    and last[4] + last[5] == off:
                 last[2], last[5] = b, last[5] + n
             else:
                 merged.append([s, a, b, sid, off, n])
@@ -317,7 +318,8 @@ class _Compiler:
                 j, dt, da = i + 1, 0, 0
                 if j < len(group):
                     dt, da = group[j][1] - group[i][1], group[j][4] - group[i][4]
-                    while j < len(group) and group[j][1] - group[j - 1][1] == dt and group[j][4] - group[j - 1][4] == da:
+                    while j < len(group) and group[j][1] - group[j - 1][1] == dt \
+                            and group[j][4] - group[j - 1][4] == da:
                         j += 1
                 first = group[i]
                 span = first[2] - first[1]

@@ -9,6 +9,7 @@ import enum
 import gc
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,7 +19,7 @@ from ..layout.regions import box_slices
 from ..layout.schedule import Message
 from ..protocol import dtype_from_name
 from .delta import decode, patch, sparse_nbytes
-from .m2n_fast import FastRounds, Posted, compile_rounds
+from .m2n_fast import FastRounds, compile_rounds
 from .m2n_views import ItemViews, TensorOf, item_view, itemsize_of_message, numels
 from .packing import ByteRuns, Spans, Staging, fold_checksum, fold_value  # Staging: re-exported
 
@@ -33,6 +34,20 @@ class SlotKind(enum.Enum):
     DIRECT = "direct"  # this rank's own tensor (the shard / the parameter): no copy
     SPARSE = "sparse"  # a delta: the sender's ready payload, the receiver's slot in staging
     STAGED = "staged"  # a span of staging, packed from / applied to the tensors item by item
+
+
+@dataclass(slots=True)
+class Posted:
+    """A round's messages (or its early part) with their buffers, their ops' works and its span; a
+    compiled part has no messages (``rnd`` None), its byte count and, at a receiver, its copies."""
+
+    rnd: Any
+    bufs: list[torch.Tensor]
+    kinds: Any
+    works: list[Any]
+    span: tuple[int, int] = (0, 0)  # staging bytes [start, end) it holds; empty for an early part
+    moved: int = 0
+    copies: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
 
 
 class _Executor(ItemViews):
