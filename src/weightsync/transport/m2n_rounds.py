@@ -349,7 +349,10 @@ def run_rounds(comm: Communicator, plan_rounds: Iterable[list[Message]], staging
     :mod:`~weightsync.transport.delta` encodes them, in their dense slot's place.
     With ``ready``, nothing is posted before ``ready()`` returned; the rounds go on as without it
     (packed, their ops held back) until one would have to be waited for, or they end: a sender
-    packs that much of its staging while ``ready()`` is still to be called (the engines start)."""
+    packs that much of its staging while ``ready()`` is still to be called (the engines start).
+    A dense sync (no ``sums``, no ``sparse``) over rounds kept as arrays (``m2n_exec.Rounds``) is
+    compiled for the next ones, which run from lists while every tensor keeps its layout
+    (:mod:`.m2n_fast`): the same ops in the same order and the same bytes."""
     end = _Sender if sender else _Receiver
     paused = gc.isenabled()  # a sync's views are freed by their counts: no cyclic GC pass over the plan's objects
     gc.disable()
