@@ -314,6 +314,11 @@ class CompactRounds:
             return [int(t[i]) * per + pl[p[i]] for i in range(lo, hi)]
         return (self.tensor[lo:hi].astype(np.int64) * self._per + self._piece_of[self.pid[lo:hi]]).tolist()
 
+    def key_names(self, key: int) -> tuple[str, str]:
+        """The tensor name and param of a :meth:`keys` key."""
+        t, piece = divmod(key, self._per)
+        return self.names[t], self.params[t][piece]
+
     def items_of(self, lo: int, hi: int, peer: int) -> tuple[TransferItem, ...]:
         """Items ``lo`` to ``hi`` (in message order), exchanged with ``peer``."""
         src, dst = (self.rank, peer) if self.sender else (peer, self.rank)

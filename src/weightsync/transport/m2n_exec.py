@@ -17,6 +17,7 @@ from ..layout.records import DestPiece, TensorSource, dtype_itemsize
 from ..layout.regions import Region
 from ..layout.schedule import ALONE, PEERS, Message
 from .m2n_rounds import DEPTH, run_rounds  # re-exported: the executor's callers import it from here
+from .m2n_fast import FastRounds
 from .packing import Spans
 
 __all__ = ["FALLBACK", "sources_to_wire", "sources_from_wire", "sources_digest", "source_name", "show_source",
@@ -118,6 +119,7 @@ class Rounds:
         self.items = pairs.count()  # the plan's items (the pieces a large one is cut into: compact.num_items)
         self.spans = Spans()  # the staged messages' byte spans, found on the first sync (the executor's)
         self.nbytes = self.compact.total_bytes()  # what this rank sends or receives dense
+        self.fast: FastRounds | None = None  # compiled by a dense sync for the next ones (the executor's)
 
     def __iter__(self) -> Iterator[list[Message]]:
         return iter(self.compact)
@@ -126,8 +128,8 @@ class Rounds:
         return len(self.compact)
 
     def kept_bytes(self) -> int:
-        """About the host bytes kept across syncs: the rounds' arrays and the spans found."""
-        return self.compact.kept_bytes() + self.spans.nbytes()
+        """About the host bytes kept across syncs: the rounds' arrays, the spans found and the compiled rounds."""
+        return self.compact.kept_bytes() + self.spans.nbytes() + (0 if self.fast is None else self.fast.nbytes())
 
 
 def my_messages(plan: TransferPlan, sources: list[TensorSource], *, rank: int, sender: bool, cap: int,

@@ -19,6 +19,7 @@ from ..layout.regions import box_slices
 from ..layout.schedule import Message
 from ..protocol import dtype_from_name
 from .delta import decode, patch, sparse_nbytes
+from .m2n_fast import FastRounds, compile_rounds
 from .m2n_views import ItemViews, TensorOf, item_view, itemsize_of_message, numels
 from .packing import ByteRuns, Spans, Staging, fold_checksum, fold_value  # Staging: re-exported
 
@@ -36,14 +37,17 @@ class SlotKind(enum.Enum):
 
 
 @dataclass(slots=True)
-class _Posted:
-    """A round's messages (or its early part) with their buffers, their ops' works and its span."""
+class Posted:
+    """A round's messages (or its early part) with their buffers, their ops' works and its span; a
+    compiled part has no messages (``rnd`` None), its byte count and, at a receiver, its copies."""
 
-    rnd: list[Message]
+    rnd: Any
     bufs: list[torch.Tensor]
-    kinds: list[SlotKind]
+    kinds: Any
     works: list[Any]
     span: tuple[int, int] = (0, 0)  # staging bytes [start, end) it holds; empty for an early part
+    moved: int = 0
+    copies: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
 
 
 class _Executor(ItemViews):
@@ -68,8 +72,8 @@ class _Executor(ItemViews):
         self.folded: dict[tuple[int, int], int] = {}  # (peer, message index) -> that message's checksum
         self.moved = 0
         self.held: list[tuple[list[Any], list[Any]]] | None = None if ready is None else []  # ops, works
-        self.in_flight: deque[_Posted] = deque()  # staged rounds, oldest first
-        self.early: list[_Posted] = []  # messages in this rank's own memory, waited for at the end
+        self.in_flight: deque[Posted] = deque()  # staged rounds, oldest first
+        self.early: list[Posted] = []  # messages in this rank's own memory, waited for at the end
 
     def peer(self, m: Message) -> int:
         raise NotImplementedError
@@ -83,13 +87,13 @@ class _Executor(ItemViews):
     def _post_ops(self, ops: list[Any]) -> list[Any]:
         raise NotImplementedError
 
-    def _prepare(self, posted: _Posted) -> None:
+    def _prepare(self, posted: Posted) -> None:
         """Before ``posted`` is posted (its buffers placed)."""
 
-    def _finish(self, posted: _Posted) -> None:
+    def _finish(self, posted: Posted) -> None:
         """After ``posted`` was waited for."""
 
-    def _drain_order(self) -> list[_Posted]:
+    def _drain_order(self) -> list[Posted]:
         raise NotImplementedError
 
     def key(self, m: Message) -> tuple[int, int]:
@@ -106,6 +110,36 @@ class _Executor(ItemViews):
                 self.sums[peer] = fold_value(self.sums.get(peer, 0), value)
         return self.moved
 
+    def run_fast(self, fast: FastRounds, views: list[torch.Tensor]) -> int:
+        """:meth:`run` of compiled rounds (``m2n_fast``): the same ops, order and spans, from lists."""
+        staging, in_flight = self.staging, self.in_flight
+        for early, staged in fast.rounds:
+            if early is not None:
+                bufs = [views[v] for v in early.vids]
+                self.early.append(self._post(Posted(None, bufs, None, [], moved=early.moved),
+                                             list(zip(bufs, early.ranks, early.index))))
+            if staged is None:
+                continue
+            need = staged.need
+            while need and (start := staging.spot(need, (p.span for p in in_flight))) is None:
+                self._complete(in_flight.popleft())
+            bufs, mine, theirs, reps = staged.cut(staging.buf, start if need else 0, views)
+            copies = None
+            if self.sender:
+                torch._foreach_copy_(theirs, mine)
+                if reps[0]:
+                    torch._foreach_copy_(reps[1], reps[0])
+            elif mine:
+                copies = (mine, theirs)
+            posted = Posted(None, bufs, None, [], (start, start + need) if need else (0, 0), staged.moved, copies)
+            in_flight.append(self._post(posted, list(zip(bufs, staged.ranks, staged.index))))
+            if len(in_flight) == DEPTH:
+                self._complete(in_flight.popleft())
+        self._release()
+        for posted in self._drain_order():
+            self._complete(posted)
+        return self.moved
+
     def _round(self, rnd: list[Message]) -> None:
         """Post one round: what needs no staging early (all of it, or on an ordered plane only a round
         with no staged message), the rest in a span of staging, waiting for the oldest rounds first
@@ -114,7 +148,7 @@ class _Executor(ItemViews):
         own = [self._own(kind) for kind in kinds]
         if all(own) or (any(own) and not self.whole_rounds):
             e_rnd, e_bufs, e_kinds = ([x[i] for i, o in enumerate(own) if o] for x in (rnd, slots, kinds))
-            self.early.append(self._post(_Posted(e_rnd, e_bufs, e_kinds, [])))
+            self.early.append(self._post(Posted(e_rnd, e_bufs, e_kinds, [])))
             if all(own):
                 return
             rnd, slots, kinds = ([x[i] for i, o in enumerate(own) if not o] for x in (rnd, slots, kinds))
@@ -123,7 +157,7 @@ class _Executor(ItemViews):
         while need and (start := self.staging.spot(need, (p.span for p in self.in_flight))) is None:
             self._complete(self.in_flight.popleft())  # the oldest round frees its span first
         bufs = self.staging.place(slots, start, need)
-        self.in_flight.append(self._post(_Posted(rnd, bufs, kinds, [], (start, start + need))))
+        self.in_flight.append(self._post(Posted(rnd, bufs, kinds, [], (start, start + need))))
         if len(self.in_flight) == DEPTH:
             self._complete(self.in_flight.popleft())
 
@@ -143,11 +177,12 @@ class _Executor(ItemViews):
                 bufs.append(m.nbytes)
         return bufs, kinds
 
-    def _post(self, posted: _Posted) -> _Posted:
-        """Prepare and post ``posted``'s ops; with ``ready`` still to call, hold them back instead
-        (its works are filled in by :meth:`_release`)."""
-        self._prepare(posted)
-        ops = [(buf, self.peer_rank(self.peer(m)), m.index) for m, buf in zip(posted.rnd, posted.bufs)]
+    def _post(self, posted: Posted, ops: list[Any] | None = None) -> Posted:
+        """Prepare and post ``posted``'s ops (a compiled part's: ``ops``); with ``ready`` still to
+        call, hold them back instead (its works are filled in by :meth:`_release`)."""
+        if ops is None:
+            self._prepare(posted)
+            ops = [(buf, self.peer_rank(self.peer(m)), m.index) for m, buf in zip(posted.rnd, posted.bufs)]
         if self.held is not None:
             self.held.append((ops, posted.works))
         else:
@@ -162,9 +197,14 @@ class _Executor(ItemViews):
                 works.extend(self._post_ops(ops))
             self.held = None
 
-    def _complete(self, posted: _Posted) -> None:
+    def _complete(self, posted: Posted) -> None:
         self._release()
         self.comm.wait_all(posted.works[::-1], "M2N round")  # the last posted first: the others are done by then
+        if posted.rnd is None:  # a compiled part: at a receiver, its staged items' copies
+            self.moved += posted.moved
+            if posted.copies is not None:
+                torch._foreach_copy_(*posted.copies)
+            return
         self.moved += sum(b.numel() for b in posted.bufs)  # what the data plane filled, padding included
         self._finish(posted)
 
@@ -193,10 +233,10 @@ class _Sender(_Executor):
     def _post_ops(self, ops: list[Any]) -> list[Any]:
         return self.comm.post(ops, [])
 
-    def _drain_order(self) -> list[_Posted]:
+    def _drain_order(self) -> list[Posted]:
         return [*reversed(self.in_flight), *reversed(self.early)]  # the earlier ones are done by then
 
-    def _prepare(self, posted: _Posted) -> None:
+    def _prepare(self, posted: Posted) -> None:
         for m, buf, kind in zip(posted.rnd, posted.bufs, posted.kinds):
             if kind is SlotKind.STAGED or self.sums is not None:  # else: the shard's own bytes / a ready payload
                 self._pack(m, buf, kind)
@@ -241,10 +281,10 @@ class _Receiver(_Executor):
     def _post_ops(self, ops: list[Any]) -> list[Any]:
         return self.comm.post([], ops)
 
-    def _drain_order(self) -> list[_Posted]:
+    def _drain_order(self) -> list[Posted]:
         return [*self.in_flight, *reversed(self.early)]  # staged rounds applied in order
 
-    def _finish(self, posted: _Posted) -> None:
+    def _finish(self, posted: Posted) -> None:
         for m, buf, kind in zip(posted.rnd, posted.bufs, posted.kinds):
             if kind is not SlotKind.DIRECT or self.sums is not None:  # else: it arrived in place
                 self._apply(m, buf, kind)
@@ -309,13 +349,27 @@ def run_rounds(comm: Communicator, plan_rounds: Iterable[list[Message]], staging
     :mod:`~weightsync.transport.delta` encodes them, in their dense slot's place.
     With ``ready``, nothing is posted before ``ready()`` returned; the rounds go on as without it
     (packed, their ops held back) until one would have to be waited for, or they end: a sender
-    packs that much of its staging while ``ready()`` is still to be called (the engines start)."""
+    packs that much of its staging while ``ready()`` is still to be called (the engines start).
+    A dense sync (no ``sums``, no ``sparse``) over rounds kept as arrays (``m2n_exec.Rounds``) is
+    compiled for the next ones, which run from lists while every tensor keeps its layout
+    (:mod:`.m2n_fast`): the same ops in the same order and the same bytes."""
     end = _Sender if sender else _Receiver
     paused = gc.isenabled()  # a sync's views are freed by their counts: no cyclic GC pass over the plan's objects
     gc.disable()
     try:
-        return end(comm, staging, peer_rank=peer_rank, dtypes=dtypes, tensor_of=tensor_of, sums=sums,
-                   sparse=sparse, ready=ready, spans=getattr(plan_rounds, "spans", None)).run(plan_rounds)
+        ex = end(comm, staging, peer_rank=peer_rank, dtypes=dtypes, tensor_of=tensor_of, sums=sums,
+                 sparse=sparse, ready=ready, spans=getattr(plan_rounds, "spans", None))
+        dense = sums is None and not sparse and hasattr(plan_rounds, "fast")
+        fast = plan_rounds.fast if dense else None
+        if fast is not None:
+            views = fast.views(tensor_of, ex.runs, peer_rank, ex.whole_rounds, ex.staging.room,
+                               staging.storage_offset())
+            if views is not None:
+                return ex.run_fast(fast, views)
+        moved = ex.run(plan_rounds)
+        if dense:  # compiled from what this sync found, for the next ones
+            plan_rounds.fast = compile_rounds(ex, plan_rounds, peer_rank)
+        return moved
     finally:
         if paused:
             gc.enable()
