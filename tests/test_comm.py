@@ -104,6 +104,26 @@ def test_store_reads_raise_a_reported_failure_at_once_and_name_the_key_on_timeou
     host.shutdown()
 
 
+def test_read_all_waits_for_every_key_and_raises_a_failure_or_names_the_keys_not_set():
+    host = Communicator.connect("127.0.0.1", 0, name="trainer rank 0", timeout_s=TIMEOUT_S, host_store=True)
+    peer = Communicator.connect("127.0.0.1", host.port, name="trainer rank 1", timeout_s=TIMEOUT_S)
+    host.publish("sync1/preflight/0", "")
+    threading.Timer(0.3, host.publish, ("sync1/preflight/2", {"rank": 2, "error": "x"})).start()
+    t0 = time.monotonic()
+    assert peer.read_all(["sync1/preflight/0", "sync1/preflight/2"]) == ["", {"rank": 2, "error": "x"}]
+    assert 0.25 < time.monotonic() - t0 < TIMEOUT_S / 2  # it waited for the last key
+    with pytest.raises(DataPlaneError, match=r"timed out after 0.2s on trainer rank 1 waiting for 'sync1/sent/2' "
+                       r"\(and 1 more\)"):
+        peer.read_all(["sync1/preflight/0", "sync1/sent/2", "sync1/sent/3"], timeout_s=0.2)
+    threading.Timer(0.3, host.fail, ("RuntimeError: boom",)).start()
+    t0 = time.monotonic()
+    with pytest.raises(DataPlaneError, match="a party failed: trainer rank 0: RuntimeError: boom$"):
+        peer.read_all(["sync1/preflight/0", "sync1/sent/2"])
+    assert time.monotonic() - t0 < TIMEOUT_S / 2
+    peer.shutdown()
+    host.shutdown()
+
+
 def test_await_key_wakes_when_the_key_is_set_or_a_party_marks_it_failed():
     host = Communicator.connect("127.0.0.1", 0, name="trainer rank 0", timeout_s=TIMEOUT_S, host_store=True)
     peer = Communicator.connect("127.0.0.1", host.port, name="trainer rank 1", timeout_s=TIMEOUT_S)

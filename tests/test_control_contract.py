@@ -22,7 +22,7 @@ from weightsync.testing.cluster import Layout
 from weightsync.testing.faults import BAD_NAME
 
 SRC = Path(weightsync.__file__).parent
-KEY_METHODS = {"publish", "read", "peek", "await_key", "await_keys", "wait_for", "fail_keys", "delete"}
+KEY_METHODS = {"publish", "read", "read_all", "peek", "await_key", "await_keys", "wait_for", "fail_keys", "delete"}
 """The Communicator's methods that take store keys first."""
 
 

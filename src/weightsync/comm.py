@@ -3,8 +3,8 @@
 Trainer rank 0 hosts the store; every party (trainer ranks, vLLM workers) connects with
 :meth:`Communicator.connect`. The store carries small JSON values only (agreement, verdicts, byte
 counts, checksums, the first failure: ``fail`` wakes every waiting party), never weights. Waits
-poll with a backoff (``read``); the keys every failure path sets (``fail_keys``) are awaited with
-one blocking request (``await_key``).
+poll with a backoff (``read``; ``read_all``: one request per look for many keys); the keys every
+failure path sets (``fail_keys``) are awaited with one blocking request (``await_key``).
 
 Parties that move data then :meth:`~Communicator.join` a process group built on that store and
 independent of the trainer's and vLLM's own groups: gloo on CPU, NCCL on CUDA; their rendezvous goes
@@ -64,6 +64,10 @@ _HOSTED: "weakref.WeakValueDictionary[int, Communicator]" = weakref.WeakValueDic
 when a new group is hosted on its port."""
 
 
+def _named(keys: list[str]) -> str:  # how a wait names its keys in errors
+    return repr(keys[0]) if len(keys) == 1 else f"{keys[0]!r} (and {len(keys) - 1} more)"
+
+
 def describe(error: BaseException) -> str:
     """``"TypeName: message"``: how failures are reported to the other parties."""
     return f"{type(error).__name__}: {error}"
@@ -80,8 +84,7 @@ def _nccl_group(store: Any, rank: int, world_size: int, timeout: timedelta) -> A
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timeout
     saved = {k: os.environ.get(k) for k in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_BLOCKING_WAIT")}
-    os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"  # read when the group is built: this group only
-    os.environ["TORCH_NCCL_BLOCKING_WAIT"] = "0"
+    os.environ.update(dict.fromkeys(saved, "0"))  # read when the group is built: this group only
     try:
         return dist.ProcessGroupNCCL(store, rank, world_size, opts)
     finally:
@@ -93,10 +96,8 @@ def _nccl_group(store: Any, rank: int, world_size: int, timeout: timedelta) -> A
 
 
 class Communicator:
-    """One party's view of a sync group: the control channel, and the data plane once joined.
-
-    Every method that moves data must be called by the matching peers (collective rule).
-    """
+    """One party's view of a sync group: the control channel, and the data plane once joined. Every
+    method that moves data must be called by the matching peers (collective rule)."""
 
     def __init__(self, store: Any, *, name: str, timeout_s: float, secret: Any = None) -> None:
         self.store = store
@@ -175,21 +176,19 @@ class Communicator:
         self.barrier()  # everyone joined before any data moves
 
     def _agree_to_join(self, world_size: int) -> None:
-        """Every member of the data plane takes the same decision: build the group, or raise. The
-        first member to decide sets it for all (``compare_set``): "ok" once it saw every member
-        announced, "failed" when a failure was reported (or the time ran out) before. Without it, a
-        member that saw a failure while a peer's announcement was still missing left, while the
-        others, who saw every announcement, waited out ``timeout_s`` building the group with it."""
+        """Every member of the data plane takes the same decision: build the group, or raise. The first member
+        to decide sets it for all (``compare_set``): "ok" once it saw every member announced, "failed" when a
+        failure was reported (or the time ran out) before. Without it, a member that saw a failure while a peer's
+        announcement was still missing left, while the others waited out ``timeout_s`` building the group with it."""
         seen: DataPlaneError | None = None
         try:
-            for r in range(world_size):
-                self.read(join_key(r))
+            self.read_all([join_key(r) for r in range(world_size)])
         except DataPlaneError as e:
             seen = e
         try:
             decision = self.store.compare_set(JOIN_DECISION, "", _FAILED if seen else _OK).decode()
         except Exception as e:  # noqa: BLE001 - the store's host is gone
-            raise self._unreachable(JOIN_DECISION, e) from None
+            raise self._unreachable(_named([JOIN_DECISION]), e) from None
         if decision != _OK:
             raise seen or DataPlaneError(f"a party failed while {self.name} joined the data plane: "
                                          f"{self.peer_error() or 'unknown'}")
@@ -241,22 +240,27 @@ class Communicator:
             return f"the sync group's store is unreachable ({str(e).splitlines()[0][:200]})"
 
     def read(self, key: str, timeout_s: float | None = None) -> Any:
-        """Wait (up to the timeout) for ``key`` and return its JSON value; ``DataPlaneError`` at once
-        when a party reported a failure."""
-        limit = timeout_s or self.timeout_s
-        deadline = time.monotonic() + limit
+        """Wait (up to the timeout) for ``key``'s JSON value; ``DataPlaneError`` at once when a party failed."""
+        return self.read_all([key], timeout_s)[0]
+
+    def read_all(self, keys: list[str], timeout_s: float | None = None) -> list[Any]:
+        """``read`` for several keys: their values, once every one is set. A look at the store costs
+        one request however many keys (``check``, then one ``multi_get``), and one for the failure key."""
+        deadline = time.monotonic() + (limit := timeout_s or self.timeout_s)
         for pause in _pauses():
             try:
-                if (raw := _get_if_set(self.store, key)) is not None:
-                    return json.loads(raw)
+                if len(keys) == 1 and (raw := _get_if_set(self.store, keys[0])) is not None:
+                    return [json.loads(raw)]
+                if len(keys) > 1 and self.store.check(keys):
+                    return [json.loads(raw) for raw in self.store.multi_get(keys)]
             except ForgedValueError:
                 raise
             except Exception as e:  # noqa: BLE001 - the store's host is gone
-                raise self._unreachable(key, e) from None
+                raise self._unreachable(_named(keys), e) from None
             if (err := self.peer_error()) is not None:
                 raise DataPlaneError(f"a party failed: {err}")
-            if time.monotonic() > deadline:
-                raise self._timed_out(key, limit)
+            if time.monotonic() > deadline:  # (named: the keys still not set)
+                raise self._timed_out(_named([k for k in keys if not self.store.check([k])] or keys), limit)
             time.sleep(pause)
 
     def await_key(self, key: str) -> Any:
@@ -273,7 +277,7 @@ class Communicator:
         except ForgedValueError:
             raise
         except Exception as e:  # noqa: BLE001 - timed out, or the store's host (trainer rank 0) is gone
-            what = keys[0] if len(keys) == 1 else f"{keys[0]} (and {len(keys) - 1} more)"
+            what = _named(keys)
             if isinstance(e, dist.DistStoreError) and "timeout" in str(e):
                 raise self._timed_out(what, self.timeout_s) from None
             raise self._unreachable(what, e) from None
@@ -281,11 +285,11 @@ class Communicator:
             raise DataPlaneError(f"a party failed: {self.peer_error() or 'unknown'}")
         return [json.loads(raw) for raw in raws]
 
-    def _timed_out(self, key: str, limit: float) -> DataPlaneError:
-        return DataPlaneError(f"timed out after {limit}s on {self.name} waiting for {key!r}")
+    def _timed_out(self, what: str, limit: float) -> DataPlaneError:
+        return DataPlaneError(f"timed out after {limit}s on {self.name} waiting for {what}")
 
-    def _unreachable(self, key: str, error: BaseException) -> DataPlaneError:
-        return DataPlaneError(f"{self.name}: the sync group's store is unreachable while waiting for {key!r} "
+    def _unreachable(self, what: str, error: BaseException) -> DataPlaneError:
+        return DataPlaneError(f"{self.name}: the sync group's store is unreachable while waiting for {what} "
                               f"({str(error).splitlines()[0][:200]})")
 
     def fail_keys(self, keys: list[str]) -> None:
@@ -318,15 +322,13 @@ class Communicator:
 
     def peek(self, key: str) -> Any | None:
         """The JSON value under ``key`` if set, else None (never blocks)."""
-        raw = _get_if_set(self.store, key)
-        return None if raw is None else json.loads(raw)
+        return None if (raw := _get_if_set(self.store, key)) is None else json.loads(raw)
 
     # ---- data plane -------------------------------------------------------------------
     def wait(self, work: Any, what: str = "operation") -> None:
-        """Wait for a data-plane work. NCCL: poll it and the store, so a reported failure or the
-        deadline aborts this party's communicator and raises ``DataPlaneError``. gloo: a blocking
-        wait (its send/recv works complete only inside ``wait``); a failing peer closes its
-        connections, which raises here at once."""
+        """Wait for a data-plane work. NCCL: poll it and the store, so a reported failure or the deadline
+        aborts this party's communicator and raises ``DataPlaneError``. gloo: a blocking wait (its send/recv
+        works complete only inside ``wait``); a failing peer closes its connections, which raises here at once."""
         try:
             if self.device.type == "cuda":
                 self._poll(work, what)
@@ -356,13 +358,11 @@ class Communicator:
 
     def broadcast(self, tensor: torch.Tensor, src: int, *, async_op: bool = False) -> Any:
         opts = dist.BroadcastOptions()
-        opts.rootRank = src
-        opts.rootTensor = 0
+        opts.rootRank, opts.rootTensor = src, 0
         work = self._live().broadcast([tensor], opts)
-        if async_op:
-            return work
-        self.wait(work, "broadcast")
-        return None
+        if not async_op:
+            self.wait(work, "broadcast")
+        return work if async_op else None
 
     def exchange(self, sends: list[tuple[torch.Tensor, int, int]], recvs: list[tuple[torch.Tensor, int, int]],
                  what: str = "point-to-point round") -> None:
@@ -371,8 +371,8 @@ class Communicator:
         self.wait_all(self.post(sends, recvs), what)
 
     def post(self, sends: list[tuple[torch.Tensor, int, int]], recvs: list[tuple[torch.Tensor, int, int]]) -> list[Any]:
-        """``exchange`` without the wait: the works to pass to ``wait_all``. Every pair of peers must
-        post its groups in the same order (several may be in flight)."""
+        """``exchange`` without the wait: the works to pass to ``wait_all``. Every pair of peers must post its
+        groups in the same order (several may be in flight)."""
         pg = self._live()
         cuda = self.device.type == "cuda"
         if cuda:

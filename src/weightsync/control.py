@@ -31,6 +31,8 @@ class Channel(Protocol):
 
     def read(self, key: str, timeout_s: float | None = None) -> Any: ...
 
+    def read_all(self, keys: list[str], timeout_s: float | None = None) -> list[Any]: ...
+
 __all__ = ["JOIN_DECISION", "join_key", "INIT_DONE", "trainer_left", "SyncKeys", "Listing", "agree", "gather", "init_ack", "model_metas", "model_digest",
            "m2n_sources", "m2n_sources_digest", "m2n_dest", "m2n_plan_digest", "nccl_loader", "membership_change",
            "replica_dropped"]
@@ -181,10 +183,13 @@ class SyncKeys:
 
 # ---- agreement ----------------------------------------------------------------------------
 def gather(comm: Channel, key: Callable[[int], str], value: Any, *, rank: int, ranks: int) -> list[Any]:
-    """Publish this party's ``value`` under ``key(rank)`` and read every other party's (in rank order)."""
-    if ranks > 1:
-        comm.publish(key(rank), value)
-    return [value if r == rank else comm.read(key(r)) for r in range(ranks)]
+    """Publish this party's ``value`` under ``key(rank)`` and read every other party's (in rank order), all
+    in one wait (``read_all``: a look at the store is one request however many ranks)."""
+    if ranks == 1:
+        return [value]
+    comm.publish(key(rank), value)
+    others = iter(comm.read_all([key(r) for r in range(ranks) if r != rank]))
+    return [value if r == rank else next(others) for r in range(ranks)]
 
 
 @dataclass(frozen=True)

@@ -319,8 +319,8 @@ class TrainerEngine:
                     self.comm.publish(self.keys.sent(self.rank), _OK)
                 else:
                     received = self._applied()
-                    for r in range(1, self.init_info.num_trainer_ranks):
-                        self.comm.read(self.keys.sent(r))
+                    if self.init_info.num_trainer_ranks > 1:  # one wait for every rank's
+                        self.comm.read_all([self.keys.sent(r) for r in range(1, self.init_info.num_trainer_ranks)])
             stats.phases["start"] += waited[0]  # what was left to wait for is the start's, not the transfer's
             stats.phases["transfer"] -= waited[0]
             if self.is_sender:
@@ -337,7 +337,7 @@ class TrainerEngine:
                 stats.lower_bound_per_worker = self._lower_bound()
                 workers = sorted(stats.lower_bound_per_worker)
                 if received is None:
-                    received = [self.comm.read(self.keys.recv(w)) for w in workers]
+                    received = self.comm.read_all([self.keys.recv(w) for w in workers]) if workers else []
                 stats.bytes_received_per_worker = dict(zip(workers, map(int, received)))
                 stats.worker_phases = {w: p for w in workers
                                        if (p := self.comm.peek(self.keys.phases(w))) is not None}

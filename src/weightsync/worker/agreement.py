@@ -168,7 +168,8 @@ def fingerprint(model: torch.nn.Module) -> Fingerprint:
         flat = t.detach().reshape(-1)
         ids.append((name, id(t), t.data_ptr()))
         by_dtype.setdefault(t.dtype, []).extend((flat[:: max(1, flat.numel() // _SAMPLES)][:_SAMPLES], flat[-1:]))
-    return ids, [torch.cat(parts).contiguous().view(torch.uint8) for _, parts in sorted(by_dtype.items(), key=str)]
+    # sorted by the dtype's name only: ``key=str`` on the items formatted every sampled tensor (~10 ms a call)
+    return ids, [torch.cat(by_dtype[d]).contiguous().view(torch.uint8) for d in sorted(by_dtype, key=str)]
 
 
 def weights_changed(before: Fingerprint | None, model: torch.nn.Module) -> bool:
