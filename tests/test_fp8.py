@@ -213,6 +213,12 @@ def test_both_modes_are_bit_exact_to_the_reference_checkpoint_with_the_bytes_eac
 def test_delta_syncs_into_fp8_targets_are_bit_exact(cluster, mode):
     """FP8 modules go through the loader path, so their pieces always go dense; the rest as deltas."""
     layout = Layout(trainers=2 if mode == "a" else 3, tp=2, dtype="bfloat16", model=MODEL, backend="weightsync_m2n")
+    check_delta_syncs(cluster, layout, mode, _ME)
+
+
+def check_delta_syncs(cluster, layout: Layout, mode: str, probes: str) -> None:
+    """A dense sync, then two delta syncs after training steps, each bit-exact against the reference
+    quantization (``probes``: the module holding ``fp8_differences``, as the receivers import it)."""
     cluster.setup(layout)
     cluster.make_engines(init_info(layout.backend, layout, delta=True, fp8_wire=mode == "b"))
     cluster.sync("v0")
@@ -222,7 +228,7 @@ def test_delta_syncs_into_fp8_targets_are_bit_exact(cluster, mode):
         assert stats["verified"] and stats["delta"]["workers"] == list(range(layout.num_workers))
         assert 0 < stats["delta"]["changed"] < stats["delta"]["compared"]
         full = cluster.on_trainers("full_state_dict")[0]
-        got = cluster.on_receivers(_ME + "fp8_differences", full)
+        got = cluster.on_receivers(probes + "fp8_differences", full)
         assert [g["bad"] for g in got] == [[]] * layout.num_workers, f"delta sync v{step + 1}"
 
 

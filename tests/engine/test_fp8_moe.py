@@ -25,7 +25,7 @@ import pytest
 
 from helpers import init_info
 from test_engine_fp8 import _has_amx
-from test_fp8 import BLOCK, expected_blocks
+from test_fp8 import BLOCK, check_delta_syncs, expected_blocks
 from weightsync.testing.cluster import Layout
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900),
@@ -95,23 +95,12 @@ def test_fp8_experts_are_bit_exact_to_the_reference_checkpoint_in_both_modes(clu
     print(f"{layout}: bytes per worker (a) {received['a']}, (b) {received['b']}")
 
 
-
 @pytest.mark.parametrize("mode", ["a", "b"])
 def test_delta_syncs_into_fp8_experts_are_bit_exact(cluster, mode):
     """The FP8 modules (experts included) go through the loader path, dense; the rest as deltas. On the
     grid's last layout (its receivers kept), FSDP 3 -> TP 4."""
-    layout = LAYOUTS["fsdp3-tp4-bf16"]
-    cluster.setup(layout)
-    cluster.make_engines(init_info(layout.backend, layout, delta=True, fp8_wire=mode == "b"))
-    cluster.sync("v0")
-    for step in range(2):
-        cluster.train_step(31 + step, lr=1e-3)
-        stats = cluster.sync(f"v{step + 1}", verify=True)
-        assert stats["verified"] and stats["delta"]["workers"] == list(range(layout.num_workers))
-        assert 0 < stats["delta"]["changed"] < stats["delta"]["compared"]
-        full = cluster.on_trainers("full_state_dict")[0]
-        got = cluster.on_receivers(_FP8 + "fp8_differences", full)
-        assert [g["bad"] for g in got] == [[]] * layout.num_workers, f"delta sync v{step + 1}"
+    check_delta_syncs(cluster, LAYOUTS["fsdp3-tp4-bf16"], mode, _FP8)
+
 
 def test_per_expert_tensors_into_fp8_experts_are_refused_naming_the_parameter(cluster):
     """vLLM's loader would cast a per-expert tensor into the fp8 experts: refused at placement."""
