@@ -54,6 +54,8 @@ class Layout:
     """The trainer's dtype when it differs from the receivers' (to test mismatches)."""
     ep: bool = False
     """vLLM's ``enable_expert_parallel``: each worker holds a subset of a MoE layer's experts whole."""
+    per_expert: bool = False
+    """The trainer's routed experts are per-expert modules (``testing.per_expert``), not fused 3-D."""
 
     @property
     def num_workers(self) -> int:
@@ -113,7 +115,8 @@ class LocalCluster:
         model_dir = model_config_dir(layout.model)
         trainer_dir = model_config_dir(layout.trainer_model or layout.model)
         tdtype = layout.trainer_dtype or layout.dtype
-        tkey = (layout.trainers, tdtype, trainer_dir, layout.seed, layout.fsdp, layout.tp_aligned)
+        tkey = (layout.trainers, tdtype, trainer_dir, layout.seed, layout.fsdp, layout.tp_aligned,
+                layout.per_expert)
         rkey = (layout.tp, layout.replicas, layout.dtype, model_dir, layout.backend, layout.device, layout.ep)
         old = self._keys
         self._keys, self.layout = None, None
@@ -122,7 +125,8 @@ class LocalCluster:
             futs += [a.submit(_T + "teardown") for a in self.trainers]
             tport = free_port()
             futs += [a.submit(_T + "setup", trainer_dir, world=layout.trainers, rank=r, port=tport,
-                              dtype=tdtype, seed=layout.seed, fsdp=layout.fsdp, tp_aligned=layout.tp_aligned)
+                              dtype=tdtype, seed=layout.seed, fsdp=layout.fsdp, tp_aligned=layout.tp_aligned,
+                              per_expert=layout.per_expert)
                      for r, a in enumerate(self.trainers[: layout.trainers])]
         if fresh or old is None or old[1] != rkey:
             gather([a.submit(_R + "teardown") for a in self.receivers])
@@ -168,15 +172,17 @@ class LocalCluster:
 
     def make_engines(self, init_info: Any, *, source: str | None = None, fault: str | None = None,
                      bucket_bytes: int | None = None, client: Any = None, factory: str = "weightsync",
-                     wire_dtype: str | None = None) -> None:
-        """``trainer.make_engine`` on every trainer rank (see there for ``source``, ``fault``, ``wire_dtype``); the
+                     wire_dtype: str | None = None, fuse_experts: bool = False) -> None:
+        """``trainer.make_engine`` on every trainer rank (see there for ``source``, ``fault``, ``wire_dtype``,
+        ``fuse_experts``); the
         source kind defaults to the one the init info's transport reads (``Transport.source``)."""
         if source is None:
             from ..registry import transport
 
             source = transport(type(init_info).backend).source
         self.on_trainers("make_engine", init_info, client or self.client(), source=source, fault=fault,
-                         bucket_bytes=bucket_bytes, factory=factory, wire_dtype=wire_dtype)
+                         bucket_bytes=bucket_bytes, factory=factory, wire_dtype=wire_dtype,
+                         fuse_experts=fuse_experts)
 
     def sync(self, weight_version: str | None = None, *, verify: bool = False) -> dict[str, Any]:
         """``send_weights`` on every trainer rank; returns rank 0's stats."""

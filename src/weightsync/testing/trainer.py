@@ -21,11 +21,11 @@ __all__ = ["setup", "teardown", "train_step", "full_state_dict", "make_engine", 
 
 
 def setup(model_dir: str, *, world: int, rank: int, port: int, dtype: str, seed: int = 0, fsdp: bool = True,
-          tp_aligned: bool = False) -> None:
+          tp_aligned: bool = False, per_expert: bool = False) -> None:
     """Init the trainer's own default group (gloo), build the model from ``model_dir/config.json``
     with seeded random weights (same on every rank), shard it the way ``FSDP2Trainer`` does
-    (``weightsync.integrations.fsdp2.model.apply_fsdp``; ``tp_aligned``: ``ModelConfig.tp_aligned_shards``),
-    make AdamW."""
+    (``weightsync.integrations.fsdp2.model.apply_fsdp``; ``tp_aligned``: ``ModelConfig.tp_aligned_shards``;
+    ``per_expert``: routed experts as per-expert modules, ``testing.per_expert``), make AdamW."""
     teardown()
     torch.set_num_threads(1)
     from transformers import AutoModelForCausalLM
@@ -38,6 +38,10 @@ def setup(model_dir: str, *, world: int, rank: int, port: int, dtype: str, seed:
     cfg = load_hf_config(model_dir)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
+    if per_expert:
+        from .per_expert import split_experts
+
+        split_experts(model)
     if fsdp:
         apply_fsdp(model, ModelConfig(path=model_dir, tp_aligned_shards=tp_aligned), mesh=None)
     STATE.update(model=model, optim=torch.optim.AdamW(model.parameters(), lr=1e-2), rank=rank, world=world,
@@ -74,21 +78,23 @@ def full_state_dict() -> dict[str, torch.Tensor] | None:
     return gather(STATE["model"])
 
 
-def local_shards() -> tuple[list[Any], dict[str, torch.Tensor]]:
+def local_shards(fuse_experts: bool = False) -> tuple[list[Any], dict[str, torch.Tensor]]:
     """This rank's ``DTensorModuleSource`` view: planner sources (same on every rank) and local shards."""
     from ..trainer.sources import DTensorModuleSource, tensor_sources
 
-    src = DTensorModuleSource(STATE["model"], STATE["world"])
+    src = DTensorModuleSource(STATE["model"], STATE["world"], fuse_experts=fuse_experts)
     return tensor_sources(src.metadata), {n: t.clone() for n, t in src.iter_local()}
 
 
 def make_engine(init_info: Any, client: Any, *, source: str = "full", fault: str | None = None,
-                bucket_bytes: int | None = None, factory: str = "weightsync", wire_dtype: str | None = None) -> None:
+                bucket_bytes: int | None = None, factory: str = "weightsync", wire_dtype: str | None = None,
+                fuse_experts: bool = False) -> None:
     """Build the source (``"full"``: ``FullTensorSource``, gathering ``bucket_bytes`` at a time;
     ``"local"``: ``DTensorModuleSource``), wrap it in ``weightsync.testing.faults.faulty(source, fault)``
     when ``fault`` is given, and ``trainer_init`` the engine (every rank, collective).
     ``factory="vllm"`` dispatches through vLLM's own ``WeightTransferTrainerFactory`` (after loading
-    vLLM's plugins). ``wire_dtype`` (e.g. ``"bfloat16"``): the sources' ``dtype=``."""
+    vLLM's plugins). ``wire_dtype`` (e.g. ``"bfloat16"``): the sources' ``dtype=``; ``fuse_experts``:
+    ``DTensorModuleSource``'s."""
     from .. import DTensorModuleSource, FullTensorSource, WeightTransferTrainerFactory
 
     if source not in ("full", "local"):
@@ -107,7 +113,7 @@ def make_engine(init_info: Any, client: Any, *, source: str = "full", fault: str
     if source == "full":
         src = FullTensorSource(model, dtype=dtype, **({"bucket_bytes": bucket_bytes} if bucket_bytes else {}))
     else:
-        src = DTensorModuleSource(model, STATE["world"], dtype=dtype)
+        src = DTensorModuleSource(model, STATE["world"], dtype=dtype, fuse_experts=fuse_experts)
     if fault is not None:
         from .faults import faulty
 

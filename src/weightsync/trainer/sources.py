@@ -18,6 +18,7 @@ import torch
 from ..layout.records import TensorSource
 from ..layout.regions import Replicate, Shard, placements_from_torch, source_regions
 from ..protocol import ParamMeta, WeightSource, check_metadata, dtype_name
+from .fused_experts import fuse_expert_metas
 
 __all__ = ["FullTensorSource", "DTensorModuleSource", "tensor_sources"]
 
@@ -53,7 +54,8 @@ class FullTensorSource(WeightSource):
     """
 
     def __init__(self, module: torch.nn.Module, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 name_map: Callable[[str], str | None] | None = None, dtype: torch.dtype | None = None) -> None:
+                 name_map: Callable[[str], str | None] | None = None, dtype: torch.dtype | None = None,
+                 fuse_experts: bool = False) -> None:
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
@@ -96,15 +98,23 @@ class DTensorModuleSource(WeightSource):
         dtype: optional wire dtype for floating-point tensors (e.g. ``torch.bfloat16`` from an fp32
             master copy): the metadata says ``dtype`` and each piece is cast as it is packed (no
             cast copy of the shard); the local shards keep their own dtype.
+        fuse_experts: send per-expert weights (``...experts.{e}.gate_proj.weight``) as fused 3-D
+            tensors (``...experts.gate_proj`` [E, ...]), stacked from the local shards on each sync
+            (:mod:`weightsync.trainer.fused_experts`): a few plan items per layer instead of per
+            expert, for one extra copy of the rank's expert shards while a sync runs.
     """
 
     def __init__(self, module: torch.nn.Module, num_trainer_ranks: int, *,
-                 name_map: Callable[[str], str | None] | None = None, dtype: torch.dtype | None = None) -> None:
+                 name_map: Callable[[str], str | None] | None = None, dtype: torch.dtype | None = None,
+                 fuse_experts: bool = False) -> None:
         if not isinstance(num_trainer_ranks, int) or num_trainer_ranks < 1:
             raise ValueError(f"num_trainer_ranks must be an int >= 1, got {num_trainer_ranks!r}")
         if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
             raise ValueError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")
+        if not isinstance(fuse_experts, bool):
+            raise ValueError(f"fuse_experts must be a bool, got {fuse_experts!r}")
         self.module, self.num_trainer_ranks, self.name_map, self.dtype = module, num_trainer_ranks, name_map, dtype
+        self.fuse_experts = fuse_experts
 
     def wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """What a tensor of ``dtype`` is sent as."""
@@ -112,6 +122,12 @@ class DTensorModuleSource(WeightSource):
 
     @cached_property
     def metadata(self) -> list[ParamMeta]:
+        metas, self._members = self._metas(), {}
+        if self.fuse_experts:
+            metas, self._members = fuse_expert_metas(metas)
+        return metas
+
+    def _metas(self) -> list[ParamMeta]:
         metas = []
         for name, p in _named(self.module, self.name_map):
             if not _is_dtensor(p):
@@ -137,9 +153,20 @@ class DTensorModuleSource(WeightSource):
         return metas
 
     def iter_local(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """This rank's shard of every tensor, in metadata order (no collectives)."""
-        for name, p in _named(self.module, self.name_map):
-            yield name, _local(p).detach()
+        """This rank's shard of every tensor, in metadata order (no collectives); a fused expert
+        tensor's is its members' stacked."""
+        metas = self.metadata  # (sets self._members)
+        named = _named(self.module, self.name_map)
+        if not self._members:
+            yield from ((name, _local(p).detach()) for name, p in named)
+            return
+        members, local = self._members, dict(named)
+        for m in metas:
+            group = members.get(m.name)
+            if group is None:
+                yield m.name, _local(local[m.name]).detach()
+            else:
+                yield m.name, torch.stack([_local(local[n]).detach() for n in group])
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:

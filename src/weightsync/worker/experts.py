@@ -42,6 +42,9 @@ W13 = "w13"
 """``gate_up_proj`` [E, 2I, H] -> ``w13_weight``: two TP slices (gate, up) of dim 1."""
 W2 = "w2"
 """``down_proj`` [E, H, I] -> ``w2_weight``: one TP slice of dim 2."""
+W1, W3 = "w1", "w3"
+"""A fused gate (W1) or up (W3) alone, [E, I, H] (``DTensorModuleSource(fuse_experts=True)``'s
+``experts.gate_proj`` / ``experts.up_proj``) -> the gate or up half of ``w13_weight``."""
 
 
 def expert_runs(local_of: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
@@ -60,6 +63,8 @@ def fused_expert_shape(kind: str, *, num_experts: int, param_shape: Sequence[int
     """The trainer tensor's global shape that a ``kind`` parameter of ``param_shape`` (one TP rank's,
     checkpoint layout) implies."""
     _, a, b = (int(n) for n in param_shape)
+    if kind in (W1, W3):
+        return num_experts, a // 2 * tp_size, b
     return (num_experts, a * tp_size, b) if kind == W13 else (num_experts, a, b * tp_size)
 
 
@@ -69,8 +74,8 @@ def fused_expert_pieces(name: str, shape: Sequence[int], kind: str, param: str, 
 
     ``local_of``: ``(global expert id, local slot)`` of every expert this worker holds. Raises
     ``ValueError`` naming ``name`` when the shapes do not fit (never truncates)."""
-    if kind not in (W13, W2):
-        raise ValueError(f"kind must be {W13!r} or {W2!r}, got {kind!r}")
+    if kind not in (W13, W2, W1, W3):
+        raise ValueError(f"kind must be one of {W13!r}, {W2!r}, {W1!r}, {W3!r}, got {kind!r}")
     shape, pshape = tuple(int(n) for n in shape), tuple(int(n) for n in param_shape)
     if len(shape) != 3 or len(pshape) != 3:
         raise ValueError(f"parameter {name!r}: fused experts are 3-D [experts, rows, cols]; the trainer's "
@@ -84,7 +89,11 @@ def fused_expert_pieces(name: str, shape: Sequence[int], kind: str, param: str, 
                          f"vLLM's model expects {expected}")
     pieces = []
     for g, l, n in expert_runs(local_of):
-        if kind == W13:
+        if kind in (W1, W3):  # a gate or an up alone: its half of w13
+            half = pshape[1] // 2
+            region = Region((g, tp_rank * half, 0), (n, half, shape[2]))
+            pieces.append(DestPiece(name, region, param, (l, 0 if kind == W1 else half, 0)))
+        elif kind == W13:
             half = pshape[1] // 2
             for k in range(2):  # gate rows, then up rows
                 region = Region((g, k * shape[1] // 2 + tp_rank * half, 0), (n, half, shape[2]))
@@ -96,6 +105,7 @@ def fused_expert_pieces(name: str, shape: Sequence[int], kind: str, param: str, 
 
 
 _KINDS = {"w1": W13, "w3": W13, "w2": W2}
+_SHARDS = {("w1",): W1, ("w3",): W3, ("w2",): W2, ("w1", "w3"): W13}
 
 
 def is_fused_moe(module: Any) -> bool:
@@ -123,31 +133,48 @@ class ExpertLayers:
         if hit is not None:
             return place_fused_experts(name, shape, hit[0], hit[1], layout_of)
         owner = next((p for p in self._by_prefix if name.startswith(p + ".")), None)
-        return None if owner is None else place_per_expert(name, *self._by_prefix[owner])
+        return None if owner is None else place_per_expert(name, owner, *self._by_prefix[owner])
 
 
-def place_per_expert(name: str, path: str, module: Any = None) -> Unplaced:
-    """A per-expert tensor (``...experts.3.gate_proj.weight``) of a fused-MoE layer: through its loader
-    (refused for a block-FP8 layer: its loader would cast, not quantize)."""
-    if module is not None and block_size(module, name) is not None:
+def place_per_expert(name: str, prefix: str, path: str, module: Any) -> Unplaced:
+    """A per-expert tensor (``<prefix>.3.gate_proj.weight``) of the fused-MoE layer at ``path``: through
+    its loader into the parameter its expert mapping names (refused for a block-FP8 layer: its loader would
+    cast, not quantize)."""
+    if block_size(module, name) is not None:
         raise ValueError(f"parameter {name!r}: vLLM's block-FP8 experts {path} take fused expert tensors "
                          "only ([experts, rows, cols], e.g. experts.gate_up_proj); a per-expert tensor would "
                          "go through vLLM's loader, which casts instead of quantizing")
-    return Unplaced("a per-expert tensor (not fused [experts, rows, cols])", f"{path}.w13_weight")
+    tail = name[len(prefix) + 1:].removesuffix("weight")  # e.g. "3.gate_proj."
+    attr = next((p.rpartition(".")[2] for p, w, _, _ in module.get_expert_mapping(include_fused=True)
+                 if w == f"experts.{tail}"), "w13_")
+    return Unplaced("a per-expert tensor (not fused [experts, rows, cols])",
+                    f"{path}.{attr if attr.endswith('weight') else attr + 'weight'}")
+
+
+def _fused_kind(mapping: Sequence[tuple[str, str, int, str]], experts: str, leaf: str) -> tuple[str, str] | None:
+    """(kind, parameter attribute) of fused tensor ``<experts>.<leaf>`` from the layer's expert
+    mapping: its fused checkpoint entry (``experts.gate_up_proj``), else its per-expert entries'
+    shard ids (``experts.0.gate_proj.``: w1), a per-expert weight fused by the trainer."""
+    kinds = {(_KINDS.get(shard), p.rpartition(".")[2]) for p, w, _, shard in mapping if w == f"{experts}.{leaf}"}
+    if not kinds:
+        one = [(shard, p.rpartition(".")[2]) for p, w, _, shard in mapping if w == f"{experts}.0.{leaf}."]
+        kind = _SHARDS.get(tuple(sorted(s for s, _ in one)))
+        kinds = {(kind, a if a.endswith("weight") else a + "weight") for _, a in one}
+    if len(kinds) != 1 or None in next(iter(kinds)):
+        return None
+    return next(iter(kinds))
 
 
 def place_fused_experts(name: str, shape: tuple[int, ...], path: str, module: Any,
                         layout_of: Callable[[Any], dict[str, torch.Tensor]]) -> Placement | None:
-    """A fused expert tensor (``experts.gate_up_proj`` / ``experts.down_proj``) into the layer at
-    ``path``: the runs of experts this worker holds, its TP slice of each (None: the layer does not
-    take this tensor as a fused one)."""
+    """A fused expert tensor (``experts.gate_up_proj`` / ``experts.down_proj``, or a per-expert
+    weight the trainer fused: ``experts.gate_proj``) into the layer at ``path``: the runs of experts
+    this worker holds, its TP slice of each (None: the layer does not take this tensor as a fused one)."""
     prefix, _, leaf = name.rpartition(".")
-    leaf_name = f"{prefix.rpartition('.')[2]}.{leaf}"  # e.g. "experts.gate_up_proj"
-    kinds = {(_KINDS.get(shard), p.rpartition(".")[2]) for p, w, _, shard in
-             module.get_expert_mapping(include_fused=True) if w == leaf_name}
-    if len(kinds) != 1 or None in next(iter(kinds), (None,)):
+    found = _fused_kind(module.get_expert_mapping(include_fused=True), prefix.rpartition(".")[2], leaf)
+    if found is None:
         return None
-    kind, attr = next(iter(kinds))
+    kind, attr = found
     pname = f"{path}.{attr}"
     param = layout_of(module).get(attr)
     if not isinstance(param, torch.Tensor):
