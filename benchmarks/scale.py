@@ -2,31 +2,31 @@
 
 Launch (CPU, one core; no GPU needed)::
 
-    PYTHONPATH=src python benchmarks/scale.py --quick   # a few minutes: 1/8 of the layers, extrapolated
-    PYTHONPATH=src python benchmarks/scale.py           # every layer (k2: tens of minutes)
+    PYTHONPATH=src python benchmarks/scale.py --quick   # ~1 minute: 1/8 of the layers, extrapolated
+    PYTHONPATH=src python benchmarks/scale.py           # every layer (a few minutes)
     PYTHONPATH=src python benchmarks/scale.py --shape qwen3-tp   # one shape (see SHAPES)
 
 Each shape is the real structure (true tensor names, shapes' row structure, FSDP ranks, TP / EP
 layout), so the plan has its true item count; the bytes are scaled down by ``S``: every tensor of
-2 or more dims has its last dim divided by ``S`` (no FSDP or TP cut runs along it), and the staging
-buffer (so the message cap) and ``ALONE`` are divided by ``S`` too, so the messages are cut as at
-full size (1-D tensors, norms and biases, keep their size: their few bytes pack a little looser).
+2 or more dims has its last dim divided by ``S`` (row-parallel TP slices run along it: their rows
+are S times shorter than at full size), and the staging buffer (so the message cap) and ``ALONE``
+too, so the messages are cut as at full size. k2's per-expert tensors are fused at the source
+(``DTensorModuleSource(fuse_experts=True)``: one [E, ...] tensor per layer and projection, into
+vLLM's fused ``w13_weight`` / ``w2_weight``); its trainer's timed sync includes the stacking.
 One process per shape builds the plan, then runs trainer rank 0's and worker 0's executor
 (:func:`~weightsync.transport.m2n_rounds.run_rounds`) against a data plane that completes at once
 (``ordered``, as NCCL): every byte the executor copies is still copied (staged packs and applies),
 nothing else moves. Tensors are ``torch.empty`` (pages a sync never writes stay unbacked).
 
-Per shape and rank: items, messages, rounds, median and smallest message (true bytes: an item's
-bytes times ``S`` unless 1-D), host CPU s per sync (``process_time`` of one sync after a warm-up
-sync, one torch thread), init s and MiB (plan + this rank's listing, peak RSS above the RSS
-before), kept MiB (what a rank keeps across syncs: its rounds' arrays and the spans the first sync
-finds, ``Rounds.kept_bytes``, about).
-Rounds hold at most ``PEERS`` peers each (``message_cap`` and the rounds alike), so the cap does not
-shrink with the peer count. Beside them the wire lower bound from the plan's true bytes (the busiest rank's) at NVLink
-450 GB/s and IB 50 GB/s, and the anchors' published seconds. ``--quick`` runs 1/8 of the layers and
-multiplies items, messages, rounds, seconds, MiB and bytes by the layer ratio (marked ``~``).
-The last line: ``scale targets: K/N met`` (issue 36's Acceptance: host CPU per rank <= the NVLink
-bound; median message >= 1 MiB; k2 init < 5 s and < 1 GiB per rank).
+Per shape and rank: items, messages, rounds, median and smallest message (true bytes), host CPU s
+per sync (``process_time`` of one sync after a warm-up, one torch thread), the same without copies
+(``torch._foreach_copy_`` skipped: the executor's own work; on a GPU the copies are device kernels),
+init s and MiB (plan + this rank's listing, peak RSS above the RSS before), kept MiB (its rounds'
+arrays and spans, ``Rounds.kept_bytes``). Rounds hold at most ``PEERS`` peers each. Beside them the
+wire lower bound from the plan's true bytes (the busiest rank's) at NVLink 450 GB/s and IB 50 GB/s,
+and the anchors' published seconds. ``--quick`` multiplies counts, seconds, MiB and bytes by the
+layer ratio (marked ``~``). The last line: ``scale targets: K/N met`` (host CPU per rank <= the
+NVLink bound; median message >= 1 MiB; k2 init < 5 s and < 1 GiB per rank).
 """
 
 from __future__ import annotations
@@ -38,16 +38,20 @@ import os
 import subprocess
 import sys
 import time
+from functools import cache
 from statistics import median
 
 import torch
 
 from plan_scale import (_dsv3_model, _fsdp, _linear_experts, _model, _region, _reset_peak, _rss_mib)
-from weightsync.layout import DestPiece, TensorSource, build_plan
+from weightsync.layout import DestPiece, Shard, TensorSource, build_plan
+from weightsync.layout.regions import mesh_coordinates, source_regions
 from weightsync.layout.schedule import ALONE, message_cap
+from weightsync.protocol import ParamMeta
+from weightsync.trainer.sources import fuse_expert_metas
 from weightsync.transport.m2n_exec import my_messages
 from weightsync.transport.m2n_rounds import run_rounds
-from weightsync.worker.experts import W2, W13, fused_expert_pieces
+from weightsync.worker.experts import W1, W2, W3, W13, fused_expert_pieces
 
 S = 64
 """Byte scale: the last dim of every tensor of >= 2 dims is divided by it (divides every shape here)."""
@@ -104,7 +108,7 @@ SHAPES = {
 }
 LABELS = {"qwen3-tp": "Qwen3-235B-A22B FSDP 64 -> TP 8 x 8", "qwen3-ep": "Qwen3-235B-A22B FSDP 64 -> EP 8 x 8",
           "dsv3-tp": "DeepSeek-V3 FSDP 256 -> TP 8 x 16", "dsv3-ep": "DeepSeek-V3 FSDP 256 -> EP 8 x 16",
-          "k2-tp": "k2 (per-expert) FSDP 256 -> TP 16 x 16", "dense70b-tp": "dense 70B FSDP 64 -> TP 8 x 8"}
+          "k2-tp": "k2 (per-expert, fused) FSDP 256 -> TP 16 x 16", "dense70b-tp": "dense 70B FSDP 64 -> TP 8 x 8"}
 
 
 def _scaled(model: Model) -> Model:
@@ -116,6 +120,26 @@ def _scaled(model: Model) -> Model:
             s = (*s[:-1], s[-1] // S)
         out.append((n, s, kind, param))
     return out
+
+
+_FUSED = {"gate": (W1, "w13_weight"), "up": (W3, "w13_weight"), "row": (W2, "w2_weight")}
+
+
+def _fused(model: Model) -> tuple[Model, dict[str, list[str]]]:
+    """``model`` as ``DTensorModuleSource(fuse_experts=True)`` sends it (k2's per-expert weights one
+    [E, ...] tensor per layer and projection, into vLLM's fused experts), and the fused ones' members."""
+    fused, members = fuse_expert_metas([ParamMeta(n, torch.bfloat16, s, mesh_shape=(1,), placements=(Shard(0),),
+                                                  rank_coordinates=((0,),)) for n, s, _, _ in model])
+    params = {n: (k, p) for n, _, k, p in model}
+    kinds = {f: _FUSED[params[ms[0]][0]] for f, ms in members.items()}
+    return [(m.name, m.shape, *params[m.name]) if m.name not in kinds else
+            (m.name, m.shape, kinds[m.name][0], f"{m.name.rpartition('.')[0]}.{kinds[m.name][1]}") for m in fused], members
+
+
+@cache
+def _fsdp_rows(shape: tuple[int, ...], ranks: int) -> tuple:
+    """A fused tensor's regions: its members' FSDP rows (``Shard(0)`` of each: dim 1 of the fused)."""
+    return source_regions(shape, (ranks,), [Shard(1)], mesh_coordinates((ranks,)))
 
 
 def _piece(kind: str, shape: tuple[int, ...], tp: int, t: int, heads: tuple[int, int, int]):
@@ -144,11 +168,12 @@ def _piece(kind: str, shape: tuple[int, ...], tp: int, t: int, heads: tuple[int,
 def _worker_pieces(model: Model, tp: int, t: int, ep: bool, heads: tuple[int, int, int]) -> list[DestPiece]:
     pieces: list[DestPiece] = []
     for n, s, kind, param in model:
-        if kind in (W13, W2):
+        if kind in (W13, W2, W1, W3):
             experts, rows, cols = s
             local_of = _linear_experts(experts, tp, t) if ep else [(e, e) for e in range(experts)]
             mt = 1 if ep else tp
-            pshape = (len(local_of), rows // mt, cols) if kind == W13 else (len(local_of), rows, cols // mt)
+            rows *= 2 if kind in (W1, W3) else 1  # a gate or an up alone: half of w13
+            pshape = (len(local_of), rows, cols // mt) if kind == W2 else (len(local_of), rows // mt, cols)
             pieces += fused_expert_pieces(n, s, kind, param, pshape, local_of=local_of,
                                           tp_rank=0 if ep else t, tp_size=mt)
         else:
@@ -179,8 +204,10 @@ def _true_nbytes(m, size: dict[str, int]) -> int:
     return sum(it.region.numel * size[it.name] * (S if len(it.region.sizes) > 1 else 1) for it in m.items)
 
 
-def _side(plan, sources: list[TensorSource], pieces: list[DestPiece], *, sender: bool, cap: int) -> dict:
-    """One rank's listing, stats pass, warm-up sync and timed sync."""
+def _side(plan, sources: list[TensorSource], pieces: list[DestPiece], *, sender: bool, cap: int,
+          members: dict[str, list[str]]) -> dict:
+    """One rank's listing, stats pass, warm-up sync and timed sync (a sender's includes stacking
+    its fused tensors' ``members``, as ``DTensorModuleSource(fuse_experts=True)`` does per sync)."""
     size = {s.name: 2 for s in sources}
     rss0, _ = _rss_mib()
     _reset_peak()
@@ -190,7 +217,9 @@ def _side(plan, sources: list[TensorSource], pieces: list[DestPiece], *, sender:
     _, peak = _rss_mib()
     dt = {s.name: getattr(torch, s.dtype) for s in sources}
     if sender:
-        tensors = {s.name: torch.empty(s.regions[0].sizes, dtype=dt[s.name]) for s in sources}
+        tensors = {s.name: torch.empty(s.regions[0].sizes, dtype=dt[s.name]) for s in sources if s.name not in members}
+        local = {s.name: [torch.empty(s.regions[0].sizes[1:], dtype=dt[s.name]) for _ in members[s.name]]
+                 for s in sources if s.name in members}
         tensor_of = lambda m, i: tensors[m.items[i].name]  # noqa: E731
     else:
         ends: dict[str, list[int]] = {}
@@ -207,25 +236,37 @@ def _side(plan, sources: list[TensorSource], pieces: list[DestPiece], *, sender:
     staging = torch.empty(STAGING // S, dtype=torch.uint8)
     log: list = []
     kw = dict(sender=sender, peer_rank=int, dtypes={s.name: s.dtype for s in sources}, tensor_of=tensor_of)
+
+    def stack() -> None:
+        if sender:
+            tensors.update((n, torch.stack(ts)) for n, ts in local.items())
+
+    stack()
     run_rounds(Instant(log), rounds, staging, **kw)  # warm-up
     lo, hi = staging.data_ptr(), staging.data_ptr() + staging.numel()
     staged = sum(1 for b in log if lo <= b.data_ptr() < hi)
     del log
     c0, w0 = time.process_time(), time.perf_counter()
+    stack()
     run_rounds(Instant(), rounds, staging, **kw)
     cpu, wall = time.process_time() - c0, time.perf_counter() - w0
+    copy, torch._foreach_copy_ = torch._foreach_copy_, lambda *a: None  # (device kernels on a GPU)
+    c0 = time.process_time()
+    run_rounds(Instant(), rounds, staging, **kw)
+    work, torch._foreach_copy_ = time.process_time() - c0, copy
     return {"items": rounds.items, "messages": len(nbytes), "staged_messages": staged, "rounds": n_rounds,
             "kept_mib": rounds.kept_bytes() / 2**20,
             "median_msg": median(nbytes) if nbytes else 0, "min_msg": min(nbytes, default=0),
-            "host_cpu_s": cpu, "host_wall_s": wall, "list_s": list_s, "list_peak_mib": peak - rss0}
+            "host_cpu_s": cpu, "host_wall_s": wall, "host_work_s": work, "list_s": list_s, "list_peak_mib": peak - rss0}
 
 
 def measure(shape: str, quick: bool) -> dict:
     build, full, heads, ranks, tp, replicas, ep, anchored = SHAPES[shape]
     layers = -(-full // 8) if quick else full
-    model = _scaled(build(layers))
-    sources = [TensorSource(n, s, "bfloat16" if len(s) > 1 else "float16", _fsdp(s, ranks, 1))
-               for n, s, _, _ in model]
+    per_expert = _scaled(build(layers))
+    model, members = _fused(per_expert)
+    sources = [TensorSource(n, s, "bfloat16" if len(s) > 1 else "float16",
+                            _fsdp_rows(s, ranks) if n in members else _fsdp(s, ranks, 1)) for n, s, _, _ in model]
     per_tp = [_worker_pieces(model, tp, t, ep, heads) for t in range(tp)]
     dests = [per_tp[t] for _ in range(replicas) for t in range(tp)]
     rss0, _ = _rss_mib()
@@ -238,10 +279,10 @@ def measure(shape: str, quick: bool) -> dict:
     busiest = max(max(cov.recv_bytes), max(cov.send_bytes))
     cap = message_cap(STAGING // S, plan.num_src_ranks, plan.num_dst_ranks, buffers=2)
     torch.set_num_threads(1)
-    trainer = _side(plan, sources, dests[0], sender=True, cap=cap)
-    worker = _side(plan, sources, dests[0], sender=False, cap=cap)
+    trainer = _side(plan, sources, dests[0], sender=True, cap=cap, members=members)
+    worker = _side(plan, sources, dests[0], sender=False, cap=cap, members=members)
     return {"shape": shape, "label": LABELS[shape], "layers": layers, "full_layers": full,
-            "extrapolate": full / layers, "S": S, "cap_true": cap * S, "items_plan": plan.num_items,
+            "extrapolate": full / layers, "S": S, "tensors": len(per_expert), "fused_tensors": len(members), "cap_true": cap * S, "items_plan": plan.num_items,
             "plan_s": plan_s, "plan_mib": plan_peak - rss0, "busiest_bytes": busiest,
             "src0_bytes": cov.send_bytes[0], "dst0_bytes": cov.recv_bytes[0],
             "wire_nvlink_s": busiest / NVLINK, "wire_ib_s": busiest / IB,
@@ -269,8 +310,8 @@ def targets(rows: list[dict]) -> list[tuple[str, bool]]:
 
 def table(rows: list[dict]) -> str:
     lines = ["| shape | rank | items | messages | staged msgs | rounds | median msg KiB | min msg B "
-             "| host CPU s/sync | init s | init MiB | kept MiB | wire s NVLink 450 | wire s IB 50 | anchors s |",
-             "|---|---|" + "---:|" * 12 + "---|"]
+             "| host CPU s/sync | without copies | init s | init MiB | kept MiB | wire s NVLink 450 | wire s IB 50 | anchors s |",
+             "|---|---|" + "---:|" * 13 + "---|"]
     for r in rows:
         q = "~" if r["extrapolate"] != 1 else ""
         for side in ("trainer", "worker"):
@@ -279,7 +320,8 @@ def table(rows: list[dict]) -> str:
             lines.append(
                 f"| {r['label']} | {side} 0 | {q}{_x(r, s['items']):,.0f} | {q}{_x(r, s['messages']):,.0f} "
                 f"| {q}{_x(r, s['staged_messages']):,.0f} | {q}{_x(r, s['rounds']):,.0f} | {s['median_msg'] / 1024:,.0f} "
-                f"| {s['min_msg']:,} | {q}{_x(r, s['host_cpu_s']):.3f} | {q}{_x(r, r['plan_s'] + s['list_s']):.2f} "
+                f"| {s['min_msg']:,} | {q}{_x(r, s['host_cpu_s']):.3f} | {q}{_x(r, s.get('host_work_s', 0)):.3f} "
+                f"| {q}{_x(r, r['plan_s'] + s['list_s']):.2f} "
                 f"| {q}{_x(r, r['plan_mib'] + s['list_peak_mib']):.0f} | {q}{_x(r, s.get('kept_mib', 0)):.0f} "
                 f"| {q}{_x(r, r['wire_nvlink_s']):.3f} "
                 f"| {q}{_x(r, r['wire_ib_s']):.3f} | {anchors} |")

@@ -11,7 +11,7 @@ from helpers import init_info, mismatches
 from weightsync.layout import Replicate, Shard
 from weightsync.protocol import ParamMeta
 from weightsync.testing.cluster import Layout
-from weightsync.trainer.fused_experts import fuse_expert_metas
+from weightsync.trainer.sources import fuse_expert_metas
 
 _EXPERTS = "model.layers.0.mlp.experts"
 _W13 = f"{_EXPERTS}.routed_experts.w13_weight"

@@ -7,8 +7,8 @@ The oracle is a fresh load: each engine starts from the trainer's own weights ``
 as an HF checkpoint (config.json + model.safetensors, ``load_format="auto"``), so what it holds then
 went through vLLM's first-load processing (for the fused-MoE layers on CPU: intermediate padding
 where TP splits it below the kernel's alignment, VNNI prepack). Reading it back gives the oracle
-(every live tensor and greedy tokens). Then, per transport (M2N, and nccl, a full-tensor transport
-that goes through vLLM's loader), the trainer moves the engine away from ``W1`` (another seed plus an
+(every live tensor and greedy tokens). Then, per transport (M2N; M2N from a trainer with per-expert
+modules, fused at the source; and nccl, a full-tensor transport that goes through vLLM's loader), the trainer moves the engine away from ``W1`` (another seed plus an
 optimizer step: checked against HF transformers' greedy tokens) and back to ``W1``; the tests check:
 
 * every tensor the engine computes with (parameters, the prepacked expert weights, the linear
@@ -40,7 +40,9 @@ from weightsync.testing.vllm_cpu import NEAR_TIE, Trainers, diff, init_info, par
 pytestmark = pytest.mark.timeout(900)
 
 MODEL, DTYPE, TRAINER_RANKS, MAX_TOKENS = "tiny_qwen3_moe", "bfloat16", 2, 8
-TRANSPORTS = ("m2n", "nccl")
+TRANSPORTS = ("m2n", "m2n-per-expert", "nccl")
+"""``m2n-per-expert``: the trainer holds per-expert modules (``experts.{e}.gate_proj.weight``, as
+remote model code does), its source fuses them (``fuse_experts=True``) into vLLM's fused experts."""
 TPS = (1, 2)
 EXPERTS = ("w13_weight", "w2_weight")
 
@@ -92,9 +94,10 @@ def run_moe(session: Any, trainer_actors: list[Any], tp: int, tmp: str) -> MoeRu
     def read(h: Any) -> tuple[list[dict[str, Any]], Any]:
         return tuple(ray.get([h.effective.remote(), h.greedy.remote(P, MAX_TOKENS)]))
 
-    def sync(backend: str, version: str) -> dict[str, Any]:
+    def sync(t: str, version: str) -> dict[str, Any]:
+        backend = f"weightsync_{t.partition('-')[0]}"
         trainers.make_engines(init_info(backend, trainers=TRAINER_RANKS, tp=tp, buffer_bytes=64 << 10),
-                              handles, transport(backend).source)
+                              handles, transport(backend).source, fuse_experts=t == "m2n-per-expert")
         return trainers.send_weights(version)[0]
 
     try:
@@ -112,14 +115,14 @@ def run_moe(session: Any, trainer_actors: list[Any], tp: int, tmp: str) -> MoeRu
             s = run.syncs[t] = Sync()
             t1 = time.perf_counter()
             run.stage = f"{t}: the sync away from W1"
-            trainers.setup(MODEL, DTYPE, seed=1)
+            trainers.setup(MODEL, DTYPE, seed=1, per_expert=t == "m2n-per-expert")
             trainers.train_step(1)
-            s.stats.append(sync(f"weightsync_{t}", f"{t}-away"))
+            s.stats.append(sync(t, f"{t}-away"))
             s.away, s.away_tokens = read(h)
             s.away_hf = trainers.hf_greedy(trainers.full_state_dict(), P, MAX_TOKENS)
             run.stage = f"{t}: the sync back to W1"
-            trainers.setup(MODEL, DTYPE, seed=0)
-            s.stats.append(sync(f"weightsync_{t}", f"{t}-v1"))
+            trainers.setup(MODEL, DTYPE, seed=0, per_expert=t == "m2n-per-expert")
+            s.stats.append(sync(t, f"{t}-v1"))
             s.back, s.back_tokens = read(h)
             run.seconds[t] = time.perf_counter() - t1
         # vLLM's own reload of W1 over the W1 weightsync left, then weightsync's sync of W1 again
@@ -189,15 +192,16 @@ def test_greedy_tokens_equal_the_fresh_load_and_hf(moe):
 
 
 @pytest.mark.parametrize("moe", ENGINES, indirect=True, scope="module")
-def test_m2n_workers_receive_exactly_their_shard_bytes(moe):
+@pytest.mark.parametrize("t", ["m2n", "m2n-per-expert"])
+def test_m2n_workers_receive_exactly_their_shard_bytes(moe, t):
     moe.check()
-    for step, s in zip(("away", "back"), moe.syncs["m2n"].stats, strict=True):
+    for step, s in zip(("away", "back"), moe.syncs[t].stats, strict=True):
         received = s["bytes_received_per_worker"]
         assert len(received) == moe.tp
         assert received == s["lower_bound_per_worker"], step
         assert s["fallbacks_per_worker"] == {w: 0 for w in received}, step
         assert all(n > 0 for n in s["via_loader_per_worker"].values()), "the fused-MoE layers go via vLLM's loader"
-        print(f"tp{moe.tp} m2n {step}: received {received} == shard bytes; via-loader {s['via_loader_per_worker']}")
+        print(f"tp{moe.tp} {t} {step}: received {received} == shard bytes; via-loader {s['via_loader_per_worker']}")
 
 
 @pytest.mark.parametrize("moe", ENGINES, indirect=True, scope="module")

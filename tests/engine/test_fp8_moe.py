@@ -112,3 +112,23 @@ def test_per_expert_tensors_into_fp8_experts_are_refused_naming_the_parameter(cl
                                           r"model\.layers\.0\.mlp\.experts\.routed_experts take fused expert tensors "
                                           r"only"):
         cluster.on_receivers("destinations", [(name, "bfloat16", [512, 256])])
+
+
+@pytest.mark.parametrize("mode", ["a", "b"])
+def test_per_expert_trainer_fused_at_the_source_into_fp8_experts(cluster, mode):
+    """A trainer with per-expert modules, its source fusing them (``fuse_experts=True``): the fused
+    gate and up land in their halves of the fp8 ``w13_weight`` (whole blocks), bit-exact in both modes."""
+    layout = _layout(2, 2, per_expert=True)
+    cluster.setup(layout)
+    cluster.make_engines(init_info(layout.backend, layout, fp8_wire=mode == "b"), fuse_experts=True)
+    for step in range(2):
+        cluster.train_step(41 + step)
+        stats = cluster.sync(f"{mode}{step}")
+        assert stats["bytes_received_per_worker"] == stats["lower_bound_per_worker"]
+        assert stats["fallbacks_per_worker"] == {w: 0 for w in range(layout.num_workers)}
+        got = cluster.on_receivers(_FP8 + "fp8_differences", cluster.on_trainers("full_state_dict")[0])
+        assert [g["bad"] for g in got] == [[]] * layout.num_workers, f"mode ({mode}) sync {step}"
+        assert all(len(g["fp8"]) == 8 for g in got), got[0]["fp8"]
+    blocks = stats["fp8_blocks_per_worker"]  # mode (b): every block quantized by the trainer ranks
+    assert all((d["trainer"] > 0, d["worker"]) == ((True, 0) if mode == "b" else (False, d["worker"]))
+               for d in blocks.values()), blocks

@@ -55,7 +55,7 @@ class Layout:
     ep: bool = False
     """vLLM's ``enable_expert_parallel``: each worker holds a subset of a MoE layer's experts whole."""
     per_expert: bool = False
-    """The trainer's routed experts are per-expert modules (``testing.per_expert``), not fused 3-D."""
+    """The trainer's routed experts are per-expert modules (``testing.trainer.split_experts``), not fused 3-D."""
 
     @property
     def num_workers(self) -> int:

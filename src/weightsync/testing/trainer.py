@@ -1,6 +1,11 @@
 """What runs inside a harness trainer process: a tiny HF causal LM under FSDP2 over gloo (built and
 sharded by ``weightsync.integrations.fsdp2.model``), an optimizer step, and a weightsync trainer engine.
 Called through ``weightsync.testing.actors``.
+
+A trainer whose routed experts are per-expert modules, as remote model code (DeepSeek-V3, Kimi-K2)
+and transformers 4 build them (``...mlp.experts.{e}.gate_proj.weight`` [I, H], ``up_proj``,
+``down_proj`` [H, I]; transformers 5 holds one fused ``gate_up_proj`` / ``down_proj`` per layer):
+:func:`split_experts` (``setup(per_expert=True)``), same weights and forward.
 """
 
 from __future__ import annotations
@@ -13,11 +18,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from .actors import STATE
 
 __all__ = ["setup", "teardown", "train_step", "full_state_dict", "make_engine", "send_weights", "shutdown_engine",
-           "add_engines", "remove_engines"]
+           "add_engines", "remove_engines", "PerExpertExperts", "split_experts", "fused_state_dict"]
 
 
 def setup(model_dir: str, *, world: int, rank: int, port: int, dtype: str, seed: int = 0, fsdp: bool = True,
@@ -25,7 +31,7 @@ def setup(model_dir: str, *, world: int, rank: int, port: int, dtype: str, seed:
     """Init the trainer's own default group (gloo), build the model from ``model_dir/config.json``
     with seeded random weights (same on every rank), shard it the way ``FSDP2Trainer`` does
     (``weightsync.integrations.fsdp2.model.apply_fsdp``; ``tp_aligned``: ``ModelConfig.tp_aligned_shards``;
-    ``per_expert``: routed experts as per-expert modules, ``testing.per_expert``), make AdamW."""
+    ``per_expert``: routed experts as per-expert modules, :func:`split_experts`), make AdamW."""
     teardown()
     torch.set_num_threads(1)
     from transformers import AutoModelForCausalLM
@@ -39,8 +45,6 @@ def setup(model_dir: str, *, world: int, rank: int, port: int, dtype: str, seed:
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
     if per_expert:
-        from .per_expert import split_experts
-
         split_experts(model)
     if fsdp:
         apply_fsdp(model, ModelConfig(path=model_dir, tp_aligned_shards=tp_aligned), mesh=None)
@@ -161,3 +165,70 @@ def shutdown_engine() -> None:
 
 def pid() -> int:
     return os.getpid()
+
+
+class _Expert(nn.Module):
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(gate.shape[1], gate.shape[0], bias=False, dtype=gate.dtype)
+        self.up_proj = nn.Linear(up.shape[1], up.shape[0], bias=False, dtype=up.dtype)
+        self.down_proj = nn.Linear(down.shape[1], down.shape[0], bias=False, dtype=down.dtype)
+        with torch.no_grad():
+            for lin, w in ((self.gate_proj, gate), (self.up_proj, up), (self.down_proj, down)):
+                lin.weight.copy_(w)
+
+
+class PerExpertExperts(nn.Module):
+    """transformers 5's fused experts module (``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I],
+    ``act_fn``) as a list of per-expert MLPs; ``forward(hidden, top_k_index, top_k_weights)`` as the
+    fused one's, running every expert (one no token picked on zero rows) so that every rank's
+    backward reduces the same FSDP2 gradients."""
+
+    def __init__(self, fused: Any) -> None:
+        super().__init__()
+        inter = fused.gate_up_proj.shape[1] // 2
+        self.experts = [_Expert(gu[:inter], gu[inter:], d) for gu, d in zip(fused.gate_up_proj.detach(),
+                                                                           fused.down_proj.detach())]
+        for e, expert in enumerate(self.experts):
+            self.add_module(str(e), expert)  # experts.{e}.gate_proj.weight
+        self.act_fn = fused.act_fn
+
+    def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden)
+        for e, expert in enumerate(self.experts):
+            pos, tok = torch.where(top_k_index.T == e)  # (rank among the token's top k, token)
+            x = hidden[tok]
+            y = expert.down_proj(self.act_fn(expert.gate_proj(x)) * expert.up_proj(x))
+            out.index_add_(0, tok, (y * top_k_weights[tok, pos, None]).to(out.dtype))
+        return out
+
+
+def split_experts(model: nn.Module) -> int:
+    """Swap every fused experts module (one with ``gate_up_proj`` and ``down_proj`` 3-D parameters)
+    of ``model`` for :class:`PerExpertExperts`, in place; returns how many."""
+    fused = [(n, m) for n, m in model.named_modules()
+             if isinstance(getattr(m, "gate_up_proj", None), nn.Parameter) and m.gate_up_proj.dim() == 3
+             and isinstance(getattr(m, "down_proj", None), nn.Parameter)]
+    for name, m in fused:
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, PerExpertExperts(m))
+    return len(fused)
+
+
+def fused_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with per-expert weights (``<layer>.experts.{e}.gate_proj.weight``, ``up_proj``,
+    ``down_proj``) stacked into transformers 5's ``<layer>.experts.gate_up_proj`` / ``down_proj``."""
+    from ..trainer.sources import PER_EXPERT
+
+    out, groups = {}, {}
+    for name, t in state.items():
+        hit = PER_EXPERT.match(name)
+        if hit is None:
+            out[name] = t
+        else:
+            groups.setdefault(hit["layer"], {}).setdefault(hit["leaf"], {})[int(hit["id"])] = t
+    for layer, leaves in groups.items():
+        stack = {leaf: torch.stack([by_id[e] for e in sorted(by_id)]) for leaf, by_id in leaves.items()}
+        out[f"{layer}.gate_up_proj"] = torch.cat([stack["gate_proj"], stack["up_proj"]], dim=1)
+        out[f"{layer}.down_proj"] = stack["down_proj"]
+    return out

@@ -176,15 +176,16 @@ class TrainerActor:
         module, _, attr = fn.rpartition(":")
         return getattr(importlib.import_module(module), attr)(*args, **kwargs)
 
-    def make_engine(self, init_info: Any, handles: list[Any], source: str, fault: str | None = None) -> None:
+    def make_engine(self, init_info: Any, handles: list[Any], source: str, fault: str | None = None,
+                    fuse_experts: bool = False) -> None:
         """``WeightTransferTrainerFactory.trainer_init(init_info, client=RayVLLMWeightSyncClient(handles),
         source=DTensorModuleSource(...) | FullTensorSource(...))`` on this rank (``fault``: the source
-        wrapped in ``weightsync.testing.faults.faulty``)."""
+        wrapped in ``weightsync.testing.faults.faulty``; ``fuse_experts``: ``DTensorModuleSource``'s)."""
         from weightsync import RayVLLMWeightSyncClient
         from weightsync.testing import trainer
 
         trainer.make_engine(init_info, RayVLLMWeightSyncClient(handles if len(handles) > 1 else handles[0]),
-                            source=source, fault=fault)
+                            source=source, fault=fault, fuse_experts=fuse_experts)
 
     def hf_greedy(self, *args: Any) -> list[list[int]]:
         return hf_greedy(*args)
@@ -192,12 +193,15 @@ class TrainerActor:
 
 def hf_greedy(state_dict: dict[str, Any], model_dir: str, dtype: str, token_prompts: list[list[int]],
               max_tokens: int) -> list[list[int]]:
-    """HF transformers' greedy tokens from ``state_dict`` (the trainer's full weights)."""
+    """HF transformers' greedy tokens from ``state_dict`` (the trainer's full weights; per-expert
+    weights are fused as transformers 5 holds them)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from .trainer import fused_state_dict
+
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=getattr(torch, dtype))
-    missing, unexpected = model.load_state_dict(state_dict, strict=False)
+    missing, unexpected = model.load_state_dict(fused_state_dict(state_dict), strict=False)
     assert not unexpected and all("lm_head" in m for m in missing), (missing, unexpected)
     model.eval()
     out = []
@@ -234,10 +238,11 @@ class Trainers:
         return ray.get([a.call.remote(fn, *args, **({"rank": r} if per_rank else {}), **kwargs)
                         for r, a in enumerate(self.actors)], timeout=600)
 
-    def setup(self, model: str, dtype: str, seed: int = 0) -> None:
-        """The model from ``config_dir(model)`` with seeded random weights, FSDP2-sharded over the ranks."""
+    def setup(self, model: str, dtype: str, seed: int = 0, per_expert: bool = False) -> None:
+        """The model from ``config_dir(model)`` with seeded random weights, FSDP2-sharded over the ranks
+        (``per_expert``: its routed experts as per-expert modules, ``testing.trainer.split_experts``)."""
         self._all("weightsync.testing.trainer:setup", config_dir(model), world=self.n, port=free_port(), dtype=dtype,
-                  seed=seed, per_rank=True)
+                  seed=seed, per_expert=per_expert, per_rank=True)
         self.model, self.dtype = model, dtype
 
     def train_step(self, seed: int, lr: float | None = None) -> None:
@@ -246,11 +251,12 @@ class Trainers:
     def full_state_dict(self) -> dict[str, Any]:
         return self._all("weightsync.testing.trainer:full_state_dict")[0]
 
-    def make_engines(self, init_info: Any, handles: list[Any], source: str, fault: str | None = None) -> None:
+    def make_engines(self, init_info: Any, handles: list[Any], source: str, fault: str | None = None,
+                     fuse_experts: bool = False) -> None:
         """Every rank's weightsync trainer engine (``init_info`` with its rank), rank 0 driving ``handles``."""
         import ray
 
-        ray.get([a.make_engine.remote(replace(init_info, rank=r), handles, source, fault)
+        ray.get([a.make_engine.remote(replace(init_info, rank=r), handles, source, fault, fuse_experts)
                  for r, a in enumerate(self.actors)], timeout=600)
 
     def send_weights_outcomes(self, version: str) -> list[dict[str, Any] | BaseException]:

@@ -4,13 +4,28 @@
   ``full_tensor()`` one bucket at a time (collective on every trainer rank).
 * ``DTensorModuleSource`` yields each rank's local shard plus its layout; it never gathers.
 
+Per-expert weights fused (``DTensorModuleSource(fuse_experts=True)``): trainers built from remote
+model code (DeepSeek-V3, Kimi-K2) or transformers 4 hold each routed expert as its own modules,
+``...mlp.experts.{e}.gate_proj.weight`` [I, H], ``up_proj``, ``down_proj`` [H, I], FSDP2 sharding
+each on its rows: at 1T scale ~70 k tensors per rank and millions of (tensor, worker) items per sync.
+Fused, one layer's E experts of one projection are one tensor ``...mlp.experts.gate_proj``
+[E, I, H] (``.weight`` dropped, as in transformers 5's ``experts.gate_up_proj``), laid out as its
+members with every sharded dim moved up one: a rank's rows of every expert are one region, so the
+plan has a few items per layer and worker, and a TP slice of all E experts moves as one strided
+copy; the worker places them in vLLM's fused-MoE ``w13_weight`` / ``w2_weight`` directly. The cost:
+each sync stacks the rank's local shards of every group (one copy of its expert bytes, held while
+the sync runs). A group fuses only when its ids are exactly 0..E-1 (E >= 2), its name is free and
+every member has the same shape, dtype and layout; the others stay per-expert.
+
 Both iterate ``module.named_parameters()`` order (tied parameters once), which is the same on
 every trainer rank; that order is the metadata order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import re
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from functools import cached_property
 
 import torch
@@ -18,9 +33,8 @@ import torch
 from ..layout.records import TensorSource
 from ..layout.regions import Replicate, Shard, placements_from_torch, source_regions
 from ..protocol import ParamMeta, WeightSource, check_metadata, dtype_name
-from .fused_experts import fuse_expert_metas
 
-__all__ = ["FullTensorSource", "DTensorModuleSource", "tensor_sources"]
+__all__ = ["FullTensorSource", "DTensorModuleSource", "tensor_sources", "PER_EXPERT", "fuse_expert_metas"]
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 
@@ -100,7 +114,7 @@ class DTensorModuleSource(WeightSource):
             cast copy of the shard); the local shards keep their own dtype.
         fuse_experts: send per-expert weights (``...experts.{e}.gate_proj.weight``) as fused 3-D
             tensors (``...experts.gate_proj`` [E, ...]), stacked from the local shards on each sync
-            (:mod:`weightsync.trainer.fused_experts`): a few plan items per layer instead of per
+            (see the module doc): a few plan items per layer instead of per
             expert, for one extra copy of the rank's expert shards while a sync runs.
     """
 
@@ -188,3 +202,47 @@ def tensor_sources(metas: list[ParamMeta]) -> list[TensorSource]:
         regions = source_regions(m.shape, m.mesh_shape, m.placements, m.rank_coordinates)
         out.append(TensorSource(m.name, m.shape, dtype_name(m.dtype), regions))
     return out
+
+
+PER_EXPERT = re.compile(r"^(?P<layer>.+\.experts)\.(?P<id>\d+)\.(?P<leaf>[A-Za-z_]\w*)\.weight$")
+"""A per-expert weight's HF name: ``<layer>.experts.<id>.<leaf>.weight``."""
+
+
+def _layout(m: ParamMeta) -> tuple:
+    return m.dtype, m.shape, m.mesh_shape, m.placements, m.rank_coordinates
+
+
+def _fused(first: ParamMeta, name: str, experts: int) -> ParamMeta:
+    placements = None if first.placements is None else tuple(
+        Shard(p.dim + 1) if isinstance(p, Shard) and p.dim >= 0 else p for p in first.placements)
+    return replace(first, name=name, shape=(experts, *first.shape), placements=placements)
+
+
+def fuse_expert_metas(metas: Sequence[ParamMeta]) -> tuple[list[ParamMeta], dict[str, list[str]]]:
+    """``metas`` with every fusable per-expert group replaced, at its first member's place, by one
+    fused tensor; and each fused name's members in expert order."""
+    groups: dict[str, dict[int, ParamMeta]] = {}
+    for m in metas:
+        hit = PER_EXPERT.match(m.name)
+        if hit is not None:
+            groups.setdefault(f"{hit['layer']}.{hit['leaf']}", {})[int(hit["id"])] = m
+    members: dict[str, list[str]] = {}
+    fused_of: dict[str, str] = {}
+    taken = {m.name for m in metas}
+    for name, by_id in groups.items():
+        ids = sorted(by_id)
+        first = by_id[ids[0]]
+        if len(ids) < 2 or ids != list(range(len(ids))) or name in taken or any(
+                _layout(m) != _layout(first) for m in by_id.values()):
+            continue
+        members[name] = [by_id[e].name for e in ids]
+        fused_of.update((by_id[e].name, name) for e in ids)
+    out: list[ParamMeta] = []
+    by_name = {m.name: m for m in metas}
+    for m in metas:
+        name = fused_of.get(m.name)
+        if name is None:
+            out.append(m)
+        elif members[name][0] == m.name:
+            out.append(_fused(by_name[m.name], name, len(members[name])))
+    return out, members

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ..layout.records import align_up
-from ..layout.schedule import ALIGN
+from ..layout.schedule import ALIGN, PEERS
 
 __all__ = ["FAST_ITEMS", "FastRounds", "compile_rounds"]
 
@@ -362,6 +362,12 @@ def _row_major(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
+def _fits(msgs: list[Any], room: int) -> bool:
+    """Consecutive rounds' messages post as one: at most ``PEERS`` messages and half the staging
+    (each end keeps its order per peer; on an ordered plane the round's direct messages go with it)."""
+    return len(msgs) <= PEERS and sum(align_up(x[2], ALIGN) for x in msgs if x[3] < 0) <= room // 2
+
+
 def compile_rounds(ex: Any, plan_rounds: Any, peer_rank: Callable[[int], int]) -> FastRounds | None:
     """``plan_rounds`` (``m2n_exec.Rounds``) compiled from what executor ``ex`` found in the dense
     sync it just ran, or None where a message was not found as numbers (a dtype cast, a tensor
@@ -372,18 +378,22 @@ def compile_rounds(ex: Any, plan_rounds: Any, peer_rank: Callable[[int], int]) -
     if any(v is False for v in ex.spans._of.values()) or any(g[1][0] is None for g in ex.memo.values()):
         return None  # a message goes item by item (a cast, a tensor not contiguous): known without a pass
     comp = _Compiler(ex, compact.key_names)
-    rounds = []
-    for rnd in plan_rounds:
-        msgs = [comp.message(m) for m in rnd]
+    rounds, pending = [], []
+    for rnd in [*plan_rounds, None]:
+        msgs = [] if rnd is None else [comp.message(m) for m in rnd]
         if None in msgs:
             return None
-        own = [x[3] >= 0 for x in msgs]
-        early = staged = None
-        if all(own) or (any(own) and not ex.whole_rounds):
-            early = comp.part([x for x, o in zip(msgs, own) if o], peer_rank)
-            msgs = [x for x, o in zip(msgs, own) if not o]
-        if msgs:
-            staged = comp.part(msgs, peer_rank)
-        rounds.append((early, staged))
+        if rnd is not None and _fits(pending + msgs, ex.staging.room):
+            pending += msgs  # thin rounds merge (one peer's stream, peers' last messages): fewer posts
+            continue
+        own, early, staged = [x[3] >= 0 for x in pending], None, None
+        if pending and all(own) or (any(own) and not ex.whole_rounds):
+            early = comp.part([x for x, o in zip(pending, own) if o], peer_rank)
+            pending = [x for x, o in zip(pending, own) if not o]
+        if pending:
+            staged = comp.part(pending, peer_rank)
+        if early or staged:
+            rounds.append((early, staged))
+        pending = msgs
     table = sorted(comp.vid_of, key=comp.vid_of.__getitem__)
     return FastRounds(comp.slots, table, comp.shapes, rounds, comp.peers, ex.whole_rounds, ex.staging.room)
