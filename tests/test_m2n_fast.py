@@ -1,6 +1,7 @@
 """``m2n_fast``: a dense sync over rounds kept as arrays is compiled for the next ones, which must
 move exactly what the general path moves. 4 trainer ranks (dim-0 FSDP) -> 16 workers (TP 8 x 2
-replicas), bf16 and fp32: norms every worker takes whole (one region to many messages: copied once,
+replicas), bf16 and fp32: column slices whose start is not a multiple of their 4 bytes (``odd``, dim-1
+FSDP: cols 7-8 of the shard at col 6, into cols 1-2 of the param), norms every worker takes whole (one region to many messages: copied once,
 then within the span), row-parallel column slices (strided, copied as integers of their element
 width, batched), column-parallel rows and small pieces packed together; a replica's message equal to
 another's is sent from the same span. Several
@@ -22,7 +23,7 @@ from weightsync.transport.m2n_rounds import run_rounds
 
 RANKS, TP, REPLICAS = 4, 8, 2
 SHAPES = {"norm": ((64,), "bfloat16"), "o": ((32, 16), "bfloat16"), "qkv": ((16, 16), "float32"),
-          "small": ((8, 3), "bfloat16"), "tail": ((5,), "float32")}
+          "small": ((8, 3), "bfloat16"), "tail": ((5,), "float32"), "odd": ((8, 24), "bfloat16")}
 
 
 class Plane:
@@ -46,15 +47,18 @@ class Plane:
 
 
 def _plan():
-    sources = [TensorSource(n, s, d, source_regions(s, (RANKS,), [Shard(0)], mesh_coordinates((RANKS,))))
+    sources = [TensorSource(n, s, d, source_regions(s, (RANKS,), [Shard(int(n == "odd"))], mesh_coordinates((RANKS,))))
                for n, (s, d) in SHAPES.items()]
     c = 16 // TP
     per_tp = [[DestPiece("norm", Region((0,), (64,)), "norm", (0,)),
                DestPiece("o", Region((0, c * t), (32, c)), "o", (0, 0)),
                DestPiece("qkv", Region((c * t, 0), (c, 16)), "qkv", (0, 0)),
                DestPiece("small", Region((0, 0), (8, 3)), "small", (0, 0)),
-               DestPiece("tail", Region((0,), (5,)), "tail", (0,))] for t in range(TP)]
-    params = {"norm": (64,), "o": (32, c), "qkv": (c, 16), "small": (8, 3), "tail": (5,)}
+               DestPiece("tail", Region((0,), (5,)), "tail", (0,)),
+               DestPiece("odd", Region((0, 0), (8, 1)), "odd", (0, 0)),
+               DestPiece("odd", Region((0, 7 + t % 2), (8, 2)), "odd", (0, 1)),
+               DestPiece("odd", Region((0, 20), (8, 1)), "odd", (0, 3))] for t in range(TP)]
+    params = {"norm": (64,), "o": (32, c), "qkv": (c, 16), "small": (8, 3), "tail": (5,), "odd": (8, 4)}
     return sources, build_plan(sources, [per_tp[t] for _ in range(REPLICAS) for t in range(TP)]), params
 
 
