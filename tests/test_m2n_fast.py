@@ -1,7 +1,7 @@
 """``m2n_fast``: a dense sync over rounds kept as arrays is compiled for the next ones, which must
 move exactly what the general path moves. 4 trainer ranks (dim-0 FSDP) -> 16 workers (TP 8 x 2
-replicas), bf16 and fp32: column slices whose start is not a multiple of their 4 bytes (``odd``, dim-1
-FSDP: cols 7-8 of the shard at col 6, into cols 1-2 of the param), norms every worker takes whole (one region to many messages: copied once,
+replicas), bf16 and fp32: dim-1 FSDP column slices at odd columns on both ends (``odd``: cols 7-8 of the
+shard at col 6, into cols 1-2 of the param), norms every worker takes whole (one region to many messages: copied once,
 then within the span), row-parallel column slices (strided, copied as integers of their element
 width, batched), column-parallel rows and small pieces packed together; a replica's message equal to
 another's is sent from the same span. Several

@@ -24,9 +24,12 @@ import torch
 
 from ..layout.records import align_up
 from ..layout.schedule import ALIGN, PEERS
-from .m2n_views import WIDE, row_major, widen
 
 __all__ = ["FAST_ITEMS", "FastRounds", "compile_rounds"]
+
+WIDE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+"""A strided copy goes in elements of its tensor's width (its bits as integers): half the elements
+of a bf16 column slice's bytes, and about half the time where its rows are short."""
 
 FAST_ITEMS = 1 << 18
 """Most items a rank's rounds may have to be compiled (above: the general path, kept arrays only):
@@ -165,10 +168,7 @@ class FastRounds:
             shape, strides, w = shapes[sid]
             t = wide.get((k, w))
             if t is None:
-                f = flats[k]
-                if f.storage_offset() % w:
-                    return None  # this tensor starts off its elements' width: the general path
-                t = wide[k, w] = f[: f.numel() // w * w].view(WIDE[w])
+                t = wide[k, w] = flats[k].view(WIDE[w])
             views.append(t.as_strided(shape, strides, t.storage_offset() + s // w))
         return views
 
@@ -208,20 +208,7 @@ class _Compiler:
         self.slots: list[tuple[_One, Any]] = []
         self.vid_of: dict[tuple[int, int, int, int], int] = {}
         self.peers: dict[int, int] = {}
-        self.shapes: list[Any] = [widen(*s) for s in ex.spans._shape_list]  # (shape, strides, width): spans', batches'
-        self.raw = list(range(len(self.shapes)))  # each entry's spans' shape id (-1: a batch's)
-        self.narrow: dict[tuple[int, int], int] = {}
-
-    def aligned(self, sid: int, *at: int) -> int:
-        """Shape entry ``sid``, or one of narrower elements where its width does not divide ``at``."""
-        if sid < 0 or not any(a % self.shapes[sid][2] for a in at):
-            return sid
-        entry = widen(*self.ex.spans._shape_list[self.raw[sid]], also=at)
-        got = self.narrow.setdefault((self.raw[sid], entry[2]), len(self.shapes))
-        if got == len(self.shapes):
-            self.shapes.append(entry)
-            self.raw.append(self.raw[sid])
-        return got
+        self.shapes: list[Any] = [_widen(*s) for s in ex.spans._shape_list]  # (shape, strides, width): spans', batches'
 
     def slot(self, key: int) -> int | None:
         got = self.ex.memo.get(key)
@@ -262,8 +249,7 @@ class _Compiler:
         items = []
         for j, s in enumerate(slots):
             p = j if picks is None else picks[j]
-            sid = -1 if sids is None else self.aligned(sids[j], spans[2 * j], starts[p])
-            items.append((s, spans[2 * j], spans[2 * j + 1], sid, starts[p], sizes[p]))
+            items.append((s, spans[2 * j], spans[2 * j + 1], -1 if sids is None else sids[j], starts[p], sizes[p]))
         return peer, m.index, m.nbytes, -1, items
 
     def part(self, msgs: list[Any], peer_rank: Callable[[int], int]) -> Part:
@@ -326,7 +312,7 @@ class _Compiler:
         rest = []
         for (slot, n, sid), group in by.items():
             group.sort(key=lambda c: (c[1], c[4]))
-            shape, strides, w = self.shapes[sid] if sid >= 0 else widen((n,), (1,), self.slots[slot][1][2].itemsize)
+            shape, strides, w = self.shapes[sid] if sid >= 0 else _widen((n,), (1,), self.slots[slot][1][2].itemsize)
             i = 0
             while i < len(group):
                 j, dt, da = i + 1, 0, 0
@@ -343,17 +329,37 @@ class _Compiler:
                     continue
                 k, (sh, st, w) = j - i, (shape, strides, w)
                 if dt % w or da % w or n % w:
-                    sh, st, w = ((n,), (1,), 1) if sid < 0 else self.shapes[self.aligned(sid, dt, da, n)]
+                    sh, st, w = ((n,), (1,), 1) if sid < 0 else (*self.ex.spans._shape_list[sid], 1)
                 if dt == 0:  # one region to k messages: copied once, then its copy k - 1 times (contiguous)
                     part.reps.append((k - 1, n // w, da // w, first[4], w))
                     k = 1
                 self.shapes.append(((k, *sh), (dt // w, *st), w))
-                self.raw.append(-1)
                 part.batch_vids.append(self.vid(slot, first[1], first[1] + span, len(self.shapes) - 1))
-                part.batch_at.append(((k, *sh), (da // w, *row_major(sh)), first[4], w))
+                part.batch_at.append(((k, *sh), (da // w, *_row_major(sh)), first[4], w))
                 i = j
         rest.sort(key=lambda c: c[4])
         return rest
+
+
+def _widen(shape: tuple[int, ...], strides: tuple[int, ...], width: int | None = None) -> tuple[Any, Any, int]:
+    """A byte view's (shape, strides) in elements of ``width`` bytes (a strided box: its last dim's
+    bytes; a run: ``width``), where they divide; else as it is, width 1."""
+    if width is None:  # a strided box: (*sizes, element bytes), (*byte strides, 1)
+        w = shape[-1]
+        if w in WIDE and strides[-1] == 1 and all(st % w == 0 for st in strides[:-1]):
+            return shape[:-1], tuple(st // w for st in strides[:-1]), w
+        return shape, strides, 1
+    if width in WIDE and shape[0] % width == 0:
+        return (shape[0] // width,), (1,), width
+    return shape, strides, 1
+
+
+def _row_major(shape: tuple[int, ...]) -> tuple[int, ...]:
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= n
+    return tuple(reversed(out))
 
 
 def _fits(msgs: list[Any], room: int) -> bool:

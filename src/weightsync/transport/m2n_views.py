@@ -22,13 +22,9 @@ from ..layout.schedule import Message
 from ..protocol import dtype_from_name
 from .packing import ByteRuns, Spans
 
-__all__ = ["ItemViews", "TensorOf", "WIDE", "item_view", "itemsize_of_message", "numels", "row_major", "widen"]
+__all__ = ["ItemViews", "TensorOf", "item_view", "itemsize_of_message", "numels"]
 
 TensorOf = Callable[[Message, int], torch.Tensor]
-
-WIDE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-"""A strided copy goes in the widest integer elements that divide its rows and steps (:func:`widen`):
-a bf16 box of 224-byte rows as 28 int64 per row, 8x fewer elements than as bytes."""
 
 
 class ItemViews:
@@ -139,39 +135,3 @@ def item_view(buf: torch.Tensor, off: int, item: Any, dtypes: Mapping[str, str])
     dtype = dtype_from_name(dtypes[item.name])
     n = item.region.numel * dtype.itemsize
     return buf[off : off + n].view(dtype).view(item.region.sizes)
-
-
-def widen(shape: tuple[int, ...], strides: tuple[int, ...], width: int | None = None,
-           also: tuple[int, ...] = ()) -> tuple[Any, Any, int]:
-    """A byte view's (shape, strides) in elements of the widest width (8, 4 or 2 bytes) that divides
-    its strides, its rows' bytes and ``also`` (its starts, steps), its dims that are one run merged
-    (a strided box: ``(*sizes, element bytes)``, ``(*byte strides, 1)``); a run's in ``width``."""
-    if width is None:
-        shape, strides = _merged(shape, strides)
-        for w in (8, 4, 2):
-            if strides[-1] == 1 and shape[-1] % w == 0 and all(v % w == 0 for v in (*strides[:-1], *also)):
-                return (*shape[:-1], shape[-1] // w), (*(st // w for st in strides[:-1]), 1), w
-        return shape, strides, 1
-    if width in WIDE and shape[0] % width == 0:
-        return (shape[0] // width,), (1,), width
-    return shape, strides, 1
-
-
-def _merged(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """``shape`` / ``strides`` with each dim that continues the one inside it as one run folded in."""
-    sizes, steps = [shape[-1]], [strides[-1]]
-    for n, st in zip(reversed(shape[:-1]), reversed(strides[:-1])):
-        if st == sizes[0] * steps[0]:
-            sizes[0] *= n
-        else:
-            sizes.insert(0, n)
-            steps.insert(0, st)
-    return tuple(sizes), tuple(steps)
-
-
-def row_major(shape: tuple[int, ...]) -> tuple[int, ...]:
-    out, acc = [], 1
-    for n in reversed(shape):
-        out.append(acc)
-        acc *= n
-    return tuple(reversed(out))
