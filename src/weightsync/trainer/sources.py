@@ -68,8 +68,7 @@ class FullTensorSource(WeightSource):
     """
 
     def __init__(self, module: torch.nn.Module, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 name_map: Callable[[str], str | None] | None = None, dtype: torch.dtype | None = None,
-                 fuse_experts: bool = False) -> None:
+                 name_map: Callable[[str], str | None] | None = None, dtype: torch.dtype | None = None) -> None:
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
@@ -114,8 +113,8 @@ class DTensorModuleSource(WeightSource):
             cast copy of the shard); the local shards keep their own dtype.
         fuse_experts: send per-expert weights (``...experts.{e}.gate_proj.weight``) as fused 3-D
             tensors (``...experts.gate_proj`` [E, ...]), stacked from the local shards on each sync
-            (see the module doc): a few plan items per layer instead of per
-            expert, for one extra copy of the rank's expert shards while a sync runs.
+            (see the module doc): a few plan items per layer instead of per expert, for one extra
+            copy of the rank's expert shards while a sync runs.
     """
 
     def __init__(self, module: torch.nn.Module, num_trainer_ranks: int, *,
@@ -238,11 +237,10 @@ def fuse_expert_metas(metas: Sequence[ParamMeta]) -> tuple[list[ParamMeta], dict
         members[name] = [by_id[e].name for e in ids]
         fused_of.update((by_id[e].name, name) for e in ids)
     out: list[ParamMeta] = []
-    by_name = {m.name: m for m in metas}
     for m in metas:
         name = fused_of.get(m.name)
         if name is None:
             out.append(m)
         elif members[name][0] == m.name:
-            out.append(_fused(by_name[m.name], name, len(members[name])))
+            out.append(_fused(m, name, len(members[name])))
     return out, members

@@ -387,7 +387,7 @@ def compile_rounds(ex: Any, plan_rounds: Any, peer_rank: Callable[[int], int]) -
             pending += msgs  # thin rounds merge (one peer's stream, peers' last messages): fewer posts
             continue
         own, early, staged = [x[3] >= 0 for x in pending], None, None
-        if pending and all(own) or (any(own) and not ex.whole_rounds):
+        if (pending and all(own)) or (any(own) and not ex.whole_rounds):
             early = comp.part([x for x, o in zip(pending, own) if o], peer_rank)
             pending = [x for x, o in zip(pending, own) if not o]
         if pending:

@@ -145,10 +145,15 @@ def place_per_expert(name: str, prefix: str, path: str, module: Any) -> Unplaced
                          "only ([experts, rows, cols], e.g. experts.gate_up_proj); a per-expert tensor would "
                          "go through vLLM's loader, which casts instead of quantizing")
     tail = name[len(prefix) + 1:].removesuffix("weight")  # e.g. "3.gate_proj."
-    attr = next((p.rpartition(".")[2] for p, w, _, _ in module.get_expert_mapping(include_fused=True)
-                 if w == f"experts.{tail}"), "w13_")
-    return Unplaced("a per-expert tensor (not fused [experts, rows, cols])",
-                    f"{path}.{attr if attr.endswith('weight') else attr + 'weight'}")
+    attr = next((_attr(p) for p, w, _, _ in module.get_expert_mapping(include_fused=True) if w == f"experts.{tail}"),
+                "w13_weight")
+    return Unplaced("a per-expert tensor (not fused [experts, rows, cols])", f"{path}.{attr}")
+
+
+def _attr(param_name: str) -> str:
+    """The layer attribute an expert mapping's parameter name means (per-expert entries say ``w13_``)."""
+    attr = param_name.rpartition(".")[2]
+    return attr if attr.endswith("weight") else attr + "weight"
 
 
 def _fused_kind(mapping: Sequence[tuple[str, str, int, str]], experts: str, leaf: str) -> tuple[str, str] | None:
@@ -157,9 +162,9 @@ def _fused_kind(mapping: Sequence[tuple[str, str, int, str]], experts: str, leaf
     shard ids (``experts.0.gate_proj.``: w1), a per-expert weight fused by the trainer."""
     kinds = {(_KINDS.get(shard), p.rpartition(".")[2]) for p, w, _, shard in mapping if w == f"{experts}.{leaf}"}
     if not kinds:
-        one = [(shard, p.rpartition(".")[2]) for p, w, _, shard in mapping if w == f"{experts}.0.{leaf}."]
+        one = [(shard, _attr(p)) for p, w, _, shard in mapping if w == f"{experts}.0.{leaf}."]
         kind = _SHARDS.get(tuple(sorted(s for s, _ in one)))
-        kinds = {(kind, a if a.endswith("weight") else a + "weight") for _, a in one}
+        kinds = {(kind, a) for _, a in one}
     if len(kinds) != 1 or None in next(iter(kinds)):
         return None
     return next(iter(kinds))
