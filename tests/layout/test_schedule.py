@@ -293,7 +293,14 @@ def test_message_cap_and_peer_groups_bound_the_peers_of_a_round():
     assert peer_groups(256, 128, 16) == 16 and peer_groups(3, 5, 16) == 1 and peer_groups(3, 5, 2) == 3
     with pytest.raises(ValueError, match="peers must be >= 1"):
         peer_groups(3, 5, 0)
-    assert all(peer_group(r, w, 3) == peer_group(w, r, 3) for r in range(4) for w in range(5))
+    # 40 trainers -> 24 workers, 16 peers: 3 groups; a trainer's workers in a group are every 3rd, a
+    # worker's trainers one block of 14 consecutive ones (the last block 12)
+    groups = peer_groups(40, 24, 16)
+    of = {(r, w): peer_group(r, w, groups, 40) for r in range(40) for w in range(24)}
+    assert groups == 3 and all(sorted(w for w in range(24) if of[0, w] == g) == list(range(g, 24, 3))
+                               for g in range(3))
+    assert [sorted(r for r in range(40) if of[r, 5] == g) for g in range(3)] == [
+        list(range(14, 28)), list(range(28, 40)), list(range(0, 14))]
 
 
 @pytest.mark.parametrize("peers", [1, 2, 3])
@@ -311,7 +318,7 @@ def test_rounds_by_peer_group_hold_at_most_peers_and_follow_one_order_on_every_r
         for rank in range(n):
             keys = []
             for rnd in plan.pairs(rank, sender=sender).rounds(cap=128, itemsize_of=size, alone=64, peers=peers):
-                key = {(peer_group(m.src, m.dst, groups), m.index) for m in rnd}
+                key = {(peer_group(m.src, m.dst, groups, plan.num_src_ranks), m.index) for m in rnd}
                 assert len(key) == 1 and len(rnd) <= peers
                 assert len({m.dst if sender else m.src for m in rnd}) == len(rnd)
                 keys += key

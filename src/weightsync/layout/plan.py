@@ -248,7 +248,9 @@ class PairItems:
         they are consumed; at most ``peers`` peers a round (the peers' groups one after another:
         :func:`~weightsync.layout.schedule.peer_groups`)."""
         groups = peer_groups(self._c.num_src, self._c.num_dst, peers)
-        group = None if groups == 1 else partial(peer_group, self.rank, groups=groups)
+        n = self._c.num_src
+        group = None if groups == 1 else (lambda p: peer_group(*((self.rank, p) if self.sender else (p, self.rank)),
+                                                                groups, n))
         return iter_rounds({p: peer_messages(partial(self.items, p), cap=cap, itemsize_of=itemsize_of, apart=apart,
                                              alone=alone) for p in self.peers}, group)
 

@@ -175,16 +175,18 @@ def message_cap(staging_bytes: int, num_src: int, num_dst: int, *, buffers: int 
 
 def peer_groups(num_src: int, num_dst: int, peers: int = PEERS) -> int:
     """Number of peer groups such that no rank has more than ``peers`` peers in one group: pair
-    (trainer r, worker w) is in group ``(r + w) % groups`` (:func:`peer_group`), so each group holds at
-    most ``ceil(num_dst / groups)`` workers of a trainer and ``ceil(num_src / groups)`` trainers of a worker."""
+    (trainer r, worker w) is in group ``(r // b + w) % groups`` with ``b = ceil(num_src / groups)``
+    (:func:`peer_group`), so each group holds ``ceil(num_dst / groups)`` workers of a trainer (every
+    ``groups``-th: an engine replica's TP rank r // b of each replica) and one block of ``b``
+    consecutive trainers of a worker (adjacent FSDP shards: their pieces land side by side)."""
     if peers < 1:
         raise ValueError(f"peers must be >= 1, got {peers}")
     return max(1, -(-max(num_src, num_dst) // peers))
 
 
-def peer_group(src: int, dst: int, groups: int) -> int:
-    """The group of pair (trainer ``src``, worker ``dst``): equal on both ends."""
-    return (src + dst) % groups
+def peer_group(src: int, dst: int, groups: int, num_src: int) -> int:
+    """The group of pair (trainer ``src``, worker ``dst``) of ``num_src`` trainers: equal on both ends."""
+    return (src // -(-num_src // groups) + dst) % groups
 
 
 def iter_rounds(messages: Mapping[int, Iterable[Message]],
