@@ -6,6 +6,7 @@ bit-exact against vLLM's own ``load_weights`` of the trainer's per-expert state 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from helpers import init_info, mismatches
 from weightsync.layout import Replicate, Shard
@@ -18,15 +19,11 @@ _W13 = f"{_EXPERTS}.routed_experts.w13_weight"
 
 
 def _meta(name: str, shape=(8, 4), placements=(Shard(0),), dtype=None) -> ParamMeta:
-    import torch
-
     return ParamMeta(name, dtype or torch.bfloat16, shape, mesh_shape=(2,), placements=placements,
                      rank_coordinates=((0,), (1,)))
 
 
 def test_fuse_expert_metas_stacks_groups_of_ids_0_to_e_and_leaves_the_rest():
-    import torch
-
     p = "model.layers.1.mlp.experts"
     metas = [_meta("model.norm.weight", (4,), (Replicate(),))]
     metas += [_meta(f"{p}.{e}.{leaf}.weight", (8, 4) if leaf != "down_proj" else (4, 8), (Shard(0),))
