@@ -50,6 +50,32 @@ def test_a_fused_name_that_exists_already_is_not_made_twice():
     assert members == {} and out == taken
 
 
+def _per_expert_module(experts: int = 3):
+    layer = torch.nn.Module()
+    layer.experts = torch.nn.ModuleList(torch.nn.ModuleDict(
+        {k: torch.nn.Linear(4, 6, bias=False) if k != "down_proj" else torch.nn.Linear(6, 4, bias=False)
+         for k in ("gate_proj", "up_proj", "down_proj")}) for _ in range(experts))
+    root = torch.nn.Module()
+    root.mlp = layer
+    return root
+
+
+def test_the_source_stacks_local_experts_and_suggests_fusing_when_off(caplog):
+    from weightsync.trainer.sources import DTensorModuleSource
+
+    module = _per_expert_module()
+    fused = DTensorModuleSource(module, 1, fuse_experts=True)
+    assert [m.name for m in fused.metadata] == ["mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj"]
+    local = dict(fused.iter_local())
+    assert torch.equal(local["mlp.experts.down_proj"], torch.stack([e["down_proj"].weight for e in module.mlp.experts]))
+    with caplog.at_level("WARNING", logger="weightsync.trainer.sources"):
+        plain = DTensorModuleSource(module, 1).metadata
+    assert len(plain) == 9 and "9 per-expert weights (e.g. 'mlp.experts.0.gate_proj.weight') could go as 3 fused" \
+        in caplog.text and "fuse_experts=True" in caplog.text
+    with pytest.raises(ValueError, match="fuse_experts must be a bool, got 'yes'"):
+        DTensorModuleSource(module, 1, fuse_experts="yes")
+
+
 def check_per_expert_sync(cluster, layout: Layout, seed: int, *, fuse: bool = True) -> list:
     cluster.setup(layout)
     metas = [(s.name, s.dtype, list(s.shape)) for s in cluster.on_trainers("local_shards", fuse)[0][0]]

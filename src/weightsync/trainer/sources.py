@@ -23,6 +23,7 @@ every trainer rank; that order is the metadata order.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
@@ -37,6 +38,7 @@ from ..protocol import ParamMeta, WeightSource, check_metadata, dtype_name
 __all__ = ["FullTensorSource", "DTensorModuleSource", "tensor_sources", "PER_EXPERT", "fuse_expert_metas"]
 
 DEFAULT_BUCKET_BYTES = 256 << 20
+_log = logging.getLogger(__name__)
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -136,8 +138,13 @@ class DTensorModuleSource(WeightSource):
     @cached_property
     def metadata(self) -> list[ParamMeta]:
         metas, self._members = self._metas(), {}
+        fused, members = fuse_expert_metas(metas)
         if self.fuse_experts:
-            metas, self._members = fuse_expert_metas(metas)
+            metas, self._members = fused, members
+        elif members:
+            _log.warning("%d per-expert weights (e.g. %r) could go as %d fused expert tensors, a few plan items "
+                         "per layer instead of per expert: DTensorModuleSource(..., fuse_experts=True)",
+                         sum(map(len, members.values())), next(iter(members.values()))[0], len(members))
         return metas
 
     def _metas(self) -> list[ParamMeta]:
