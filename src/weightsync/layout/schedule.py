@@ -185,7 +185,8 @@ def peer_groups(num_src: int, num_dst: int, peers: int = PEERS) -> int:
 
 
 def peer_group(src: int, dst: int, groups: int, num_src: int) -> int:
-    """The group of pair (trainer ``src``, worker ``dst``) of ``num_src`` trainers: equal on both ends."""
+    """The group of pair (trainer ``src``, worker ``dst``) of ``num_src`` trainers: equal on both ends
+    (either rank may be a numpy array of ranks)."""
     return (src // -(-num_src // groups) + dst) % groups
 
 

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from weightsync.layout.records import TransferItem, align_up, new_item
-from weightsync.layout.schedule import ALIGN, Message, peer_groups, slabs, split_item
+from weightsync.layout.schedule import ALIGN, Message, peer_group, peer_groups, slabs, split_item
 
 __all__ = ["CompactRounds", "LazyItems", "cut_rounds"]
 
@@ -187,8 +187,8 @@ def cut_rounds(*, rank: int, sender: bool, num_src: int, num_dst: int, names: Se
     first = np.zeros(len(count), dtype=np.int64)  # each message's first item (items stay in pair order)
     np.cumsum(count[:-1], out=first[1:])
     groups = peer_groups(num_src, num_dst, peers)
-    block = -(-num_src // groups)  # peer_group's, on arrays
-    group = ((rank // block + peer.astype(np.int64)) if sender else (peer.astype(np.int64) // block + rank)) % groups
+    peers64 = peer.astype(np.int64)
+    group = peer_group(rank, peers64, groups, num_src) if sender else peer_group(peers64, rank, groups, num_src)
     perm = np.lexsort((peer, index, group))  # round (group, k): the k-th message of its peers, ascending
     key = (group * (int(index.max(initial=0)) + 1) + index)[perm]
     bounds = np.flatnonzero(key[1:] != key[:-1]) + 1

@@ -17,6 +17,7 @@ less. Nothing holding a tensor is kept across syncs.
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -379,7 +380,7 @@ def compile_rounds(ex: Any, plan_rounds: Any, peer_rank: Callable[[int], int]) -
         return None  # a message goes item by item (a cast, a tensor not contiguous): known without a pass
     comp = _Compiler(ex, compact.key_names)
     rounds, pending = [], []
-    for rnd in [*plan_rounds, None]:
+    for rnd in chain(plan_rounds, [None]):  # (None: flush the last)
         msgs = [] if rnd is None else [comp.message(m) for m in rnd]
         if None in msgs:
             return None

@@ -88,16 +88,13 @@ def fused_expert_pieces(name: str, shape: Sequence[int], kind: str, param: str, 
                          f"{pshape} on this TP rank ({tp_rank} of {tp_size}, experts {sorted(local_of)}): "
                          f"vLLM's model expects {expected}")
     pieces = []
+    halves = {W13: (0, 1), W1: (0,), W3: (1,)}.get(kind)  # of w13: gate rows, then up rows
     for g, l, n in expert_runs(local_of):
-        if kind in (W1, W3):  # a gate or an up alone: its half of w13
+        if halves is not None:
             half = pshape[1] // 2
-            region = Region((g, tp_rank * half, 0), (n, half, shape[2]))
-            pieces.append(DestPiece(name, region, param, (l, 0 if kind == W1 else half, 0)))
-        elif kind == W13:
-            half = pshape[1] // 2
-            for k in range(2):  # gate rows, then up rows
-                region = Region((g, k * shape[1] // 2 + tp_rank * half, 0), (n, half, shape[2]))
-                pieces.append(DestPiece(name, region, param, (l, k * half, 0)))
+            for k in halves:  # row k * I of a gate_up_proj; a gate or an up alone starts at its own row 0
+                at = (k * shape[1] // 2 if kind == W13 else 0) + tp_rank * half
+                pieces.append(DestPiece(name, Region((g, at, 0), (n, half, shape[2])), param, (l, k * half, 0)))
         else:
             cols = pshape[2]
             pieces.append(DestPiece(name, Region((g, 0, tp_rank * cols), (n, shape[1], cols)), param, (l, 0, 0)))
