@@ -1,6 +1,6 @@
 """Package structure: no import cycle in src/ (function-level imports count), no module over 400 lines
 (the package's, and the tests', benchmarks', examples' and scripts' files) and no function in src/ with
-a body over 80 lines."""
+a body over 80 lines; no torch object collective (they pickle) in src/."""
 
 from __future__ import annotations
 
@@ -127,3 +127,12 @@ def test_layout_is_pure():
             if isinstance(n, ast.ImportFrom) and not n.level:
                 names = [n.module or ""]
             assert not any(x == "torch" or x.startswith(("torch.", "vllm")) for x in names), f"{m} imports {names}"
+
+
+def test_no_object_collectives_in_src():
+    """torch's ``*_object*`` collectives unpickle what a peer sends; ranks share JSON (``share_json``)."""
+    pickling = {"broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list",
+                "send_object_list", "recv_object_list"}
+    used = {f"{f.relative_to(ROOT)}:{n.lineno} {n.attr}" for f in SRC.rglob("*.py")
+            for n in ast.walk(ast.parse(f.read_text())) if isinstance(n, ast.Attribute) and n.attr in pickling}
+    assert not used, used

@@ -6,7 +6,9 @@
   local shards (views, no gather), cover every element of every requested block exactly once and
   equal the full tensors;
 * ``_blocks`` reads vLLM's TP slicing (as applied to an index tensor) back as block copies;
-* bad input is refused naming the field.
+* bad input is refused naming the field;
+* what trainer rank 0 learns at init (the workers' plans, or the error) reaches the other ranks as JSON
+  in tensors (``share_json``), never pickled; a value JSON cannot hold raises on every rank.
 """
 
 from __future__ import annotations
@@ -152,3 +154,27 @@ def test_fsdp2_source_parts_cover_each_block_once_from_local_shards():
         assert torch.all(counts == 1), f"{name} {block}: elements sent {counts.unique().tolist()} times"
     straddling = len(metas)
     assert all(len(out[r]["parts"][straddling]) == 1 for r in (0, 1))  # each rank one row of it
+
+
+def share(values: list) -> dict:
+    """Run in each rank process: rank r offers ``values[r]``; what ``share_json`` gives it, or its error."""
+    import torch.distributed as dist
+
+    from weightsync.trainer.session import share_json
+
+    try:
+        return {"value": share_json(values[dist.get_rank()])}
+    except TypeError as e:
+        return {"error": str(e)}
+
+
+def test_trainer_ranks_share_rank0s_value_as_json_not_pickle():
+    from helpers import ranks
+
+    procs = ranks()
+    procs.init(2)
+    plans = [[{"rank": 1, "blocks": [["q.lora_A.weight", [0, 0], [4, 64]]]}], {"error": "LoRA init: \u00e9"}]
+    assert procs.run("test_lora:share", [plans, "rank 1's own"]) == [{"value": plans}] * 2
+    out = procs.run("test_lora:share", [{"a set"}, None])  # JSON has no sets
+    assert all(o.get("error", "").startswith("share_json: trainer rank 0's value is not JSON: ") for o in out), out
+    assert len(out) == 2

@@ -5,11 +5,14 @@ worker's init info and in every abort: a worker bound to one session refuses ano
 asks ``take_over`` (:meth:`weightsync.worker.engine.WorkerEngine.fence`), and ignores another session's
 abort. A session whose update a take-over aborted does not abort the engines again (they are the new
 session's): :func:`taken_over`. A rank > 0 re-initializing on a fixed ``master_port`` connects to the new
-init's store, never to the previous one rank 0 is still closing: :func:`connect_fresh`.
+init's store, never to the previous one rank 0 is still closing: :func:`connect_fresh`. What one trainer
+rank learned (a plan, a port, a verdict) reaches the others as JSON in tensors (:func:`share_json`), never
+pickled: torch's object collectives would unpickle whatever a peer on the trainer's network sent.
 """
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
 from collections.abc import Callable
@@ -20,7 +23,7 @@ from ..errors import DataPlaneError, SyncFailed
 from ..infos import TAKEN_OVER
 from ..protocol import WeightSource
 
-__all__ = ["new_session", "taken_over", "check_finished", "check_source", "connect_fresh", "leave"]
+__all__ = ["new_session", "taken_over", "check_finished", "check_source", "connect_fresh", "leave", "share_json"]
 
 
 def new_session() -> str:
@@ -72,3 +75,29 @@ def connect_fresh(connect: Callable[[], Any], rank: int, timeout_s: float) -> An
         if time.monotonic() > deadline:
             raise DataPlaneError(f"trainer rank {rank}: the previous init's store on this master_port was not "
                                  f"closed within timeout_s={timeout_s}: shut the engine down on trainer rank 0 too")
+
+
+def share_json(value: Any, *, src: int = 0, group: Any = None) -> Any:
+    """Trainer rank ``src``'s ``value`` (JSON: dicts, lists, str, numbers, None; tuples come back as
+    lists) on every rank of ``group`` (default: the default process group); the others' ``value`` is
+    ignored. Collective. A value JSON cannot hold raises ``TypeError`` on every rank."""
+    import torch
+    import torch.distributed as dist
+
+    backend = str(dist.get_backend(group))
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    data = b""
+    if dist.get_rank() == src:
+        try:
+            data = json.dumps({"value": value}).encode()
+        except (TypeError, ValueError) as e:
+            data = json.dumps({"error": f"share_json: trainer rank {src}'s value is not JSON: {e}"}).encode()
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=src, group=group)
+    buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if data
+           else torch.empty(int(size), dtype=torch.uint8, device=device))
+    dist.broadcast(buf, src=src, group=group)
+    shared = json.loads(buf.cpu().numpy().tobytes())
+    if "error" in shared:
+        raise TypeError(shared["error"])
+    return shared["value"]

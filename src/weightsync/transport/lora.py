@@ -35,6 +35,7 @@ from ..comm import Communicator, describe
 from ..layout.regions import Region, Replicate, Shard
 from ..protocol import ParamMeta, dtype_from_name, dtype_name
 from ..trainer.lora import LoRASource, sender_regions
+from ..trainer.session import share_json
 from ..worker.lora import lora_slots
 
 __all__ = ["LoRASync", "pair_cuts", "worker_plan", "worker_receive", "worker_commit", "worker_discard",
@@ -185,21 +186,15 @@ class LoRASync:
                 plans = [_checked(_rpc(e, worker_plan, (adapter_id, source.config, wire)), "LoRA init")
                          for e in self.engines]
             except ValueError as e:
-                plans = e
+                plans = {"error": str(e)}
         plans = self._share(plans)
-        if isinstance(plans, BaseException):
-            raise plans
+        if isinstance(plans, dict):
+            raise ValueError(plans["error"])
         self.plans: list[list[Blocks]] = [[[(n, Region(o, s)) for n, o, s in w["blocks"]]
                                            for w in sorted(ws, key=lambda w: w["rank"])] for ws in plans]
 
     def _share(self, value: Any) -> Any:
-        if self.source.num_trainer_ranks == 1:
-            return value
-        import torch.distributed as dist
-
-        box = [value]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+        return value if self.source.num_trainer_ranks == 1 else share_json(value)
 
     @property
     def workers(self) -> int:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ...trainer.session import share_json
 from .config import ModelConfig
 
 __all__ = ["build_model", "load_hf_config", "apply_fsdp", "load_checkpoint_weights", "decoder_layers",
@@ -138,10 +139,8 @@ def load_checkpoint_weights(model: torch.nn.Module, path: str) -> None:
                              f"the model expects {expected[bad[0]]}")
         except Exception as e:  # noqa: BLE001 - every rank must learn of it, not only rank 0
             error = f"rank 0 could not read checkpoint {path!r}: {type(e).__name__}: {e}"
-    verdict = [error]
-    dist.broadcast_object_list(verdict, src=0)
-    if verdict[0] is not None:
-        raise ValueError(verdict[0])
+    if (error := share_json(error)) is not None:
+        raise ValueError(error)
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     with torch.no_grad():
         for name, buf in model.named_buffers():

@@ -134,10 +134,7 @@ class FSDP2Trainer:
         Collective: each rank computes its share of the packed rows, then they are all-gathered."""
         self._check_awake("compute_log_probs")
         samples = self._validate(samples)
-        local = {i: t.cpu() for i, t in self._log_probs(samples, self.schedule(samples)).items()}
-        parts: list[dict[int, torch.Tensor] | None] = [None] * self.world
-        dist.all_gather_object(parts, local)
-        merged = {i: t for part in parts for i, t in (part or {}).items()}
+        merged = _all_gather_rows(self._log_probs(samples, self.schedule(samples)), self.world, self.device)
         return [merged[i] for i in range(len(samples))]
 
     # --- one step -----------------------------------------------------------------------------
@@ -323,3 +320,25 @@ class FSDP2Trainer:
     def local_shards(self) -> dict[str, torch.Tensor]:
         """This rank's shard of every parameter (aliases; for checks). No collectives."""
         return {n: local_tensor(p) for n, p in self.model.named_parameters()}
+
+
+def _all_gather_rows(local: dict[int, torch.Tensor], world: int, device: torch.device) -> dict[int, torch.Tensor]:
+    """Every rank's ``{sample index: 1-D tensor}``, merged, as float32 on the host of every rank. As
+    tensors (indices and lengths, then the values, padded to the longest rank's), never pickled."""
+    keys = sorted(local)
+    head = torch.tensor([[i, local[i].numel()] for i in keys], dtype=torch.int64, device=device).reshape(-1, 2)
+    flat = torch.cat([local[i].reshape(-1).float() for i in keys]) if keys else torch.empty(0, device=device)
+    sizes = [torch.zeros(2, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([len(keys), flat.numel()], dtype=torch.int64, device=device))
+    counts = [(int(n), int(m)) for n, m in (s.tolist() for s in sizes)]
+    rows, cols = max(1, *(n for n, _ in counts)), max(1, *(m for _, m in counts))
+    heads = [torch.empty(rows, 2, dtype=torch.int64, device=device) for _ in range(world)]
+    flats = [torch.empty(cols, dtype=torch.float32, device=device) for _ in range(world)]
+    dist.all_gather(heads, torch.cat([head, head.new_zeros(rows - len(keys), 2)]))
+    dist.all_gather(flats, torch.cat([flat.to(device), flat.new_zeros(cols - flat.numel(), device=device)]))
+    merged = {}
+    for (n, m), h, f in zip(counts, heads, flats):
+        index = h[:n].tolist()
+        merged.update(zip((i for i, _ in index), f[:m].cpu().split([k for _, k in index])))
+    return merged
+
