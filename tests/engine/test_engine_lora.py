@@ -11,6 +11,8 @@ checkpoint. Per TP size one engine start and one scenario, whose observations th
 * a sync that fails midway (the trainer fails after some workers got their bytes) raises, and the old
   version keeps serving: same tokens, same version, same slot;
 * two adapters sync independently (syncing one leaves the other's tokens and version unchanged);
+* two FSDP2 trainer ranks (this process and a spawned one, gloo) sync an adapter from their shards:
+  greedy tokens equal HF + PEFT's, each worker received its shard;
 * bad input is refused at init naming the field, nothing registered.
 """
 
@@ -148,9 +150,47 @@ def _scenario(session, tp: int) -> dict:
         obs["state_end"] = _rpc(h, worker_state)
         obs["refusals"] = _refusals(h, base, [h])
         obs["state_after_refusals"] = _rpc(h, worker_state)
+        obs.update(_two_ranks(h, base))
         return obs
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _two_rank_sync(base: str, port: int, rank: int, engines: list) -> dict | None:
+    """Trainer rank ``rank`` of two (gloo; the PEFT model of seed 21 under FSDP2): sync it as adapter 1."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from weightsync.trainer.lora import LoRASource
+    from weightsync.transport.lora import LoRASync
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        model, mesh = _peft_model(base, seed=21), init_device_mesh("cpu", (2,))
+        for layer in model.base_model.model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return LoRASync(LoRASource(model, 2, rank=rank), 1, engines, timeout_s=120.0).sync()
+    finally:
+        dist.destroy_process_group()
+
+
+def _two_ranks(h, base: str) -> dict:
+    """Adapter 1 synced from two FSDP2 trainer ranks: rank 0 here (it drives the engine), rank 1 spawned."""
+    import multiprocessing
+
+    from weightsync.testing.actors import free_port
+
+    port = free_port()
+    rank1 = multiprocessing.get_context("spawn").Process(target=_two_rank_sync, args=(base, port, 1, []))
+    rank1.start()
+    try:
+        stats = _two_rank_sync(base, port, 0, [h])
+    finally:
+        rank1.join(300)
+    return {"stats_2ranks": stats, "rank1_exit": rank1.exitcode, "eng_2ranks": _engine_greedy(h, 1),
+            "hf_2ranks": _hf_greedy(_peft_model(base, seed=21))}
 
 
 def _refusals(h, base: str, engines: list) -> dict[str, str]:
@@ -236,6 +276,13 @@ def test_two_adapters_sync_independently(obs):
     assert obs["eng2_after_one"] == obs["eng2"]
     end = obs["state_end"][0]
     assert end[1]["version"] == 2 and end[2]["version"] == 1 and end[1]["slot"] != end[2]["slot"]
+
+
+def test_two_fsdp2_trainer_ranks_sync_an_adapter_that_generates_like_hf_peft(obs):
+    assert obs["rank1_exit"] == 0
+    assert obs["eng_2ranks"] == obs["hf_2ranks"]
+    assert obs["eng_2ranks"] != obs["eng1b"], "the two-rank adapter changes nothing: the check could not fail"
+    assert obs["stats_2ranks"]["received"] == obs["shard_bytes"]
 
 
 def test_bad_input_is_refused_at_init_naming_the_field(obs):
