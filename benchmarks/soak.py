@@ -15,9 +15,10 @@ layers (a copy of its config).
 
 Measures trainer rank 0's RSS (after a GC pass, MiB) after the warm-up and at ``--samples`` points of the
 run, the store's key count (``store.num_keys()`` on trainer rank 0, which hosts it) at the same points,
-and every process's RSS, fds and threads before/after. Writes benchmarks/results/soak.json; exits 1
+and every process's RSS, fds (by kind: the new ones are named) and threads before/after. Writes benchmarks/results/soak.json; exits 1
 unless every sync succeeded, every verified sync verified, the weights are bit-exact, trainer rank 0's
-RSS grew < 5 MiB, the key count stayed constant and no process gained fds or threads.
+RSS grew < 5 MiB, the key count stayed constant and no process gained fds (but the harness's own
+pooled call connections, named as such) or threads.
 """
 
 from __future__ import annotations
@@ -40,7 +41,27 @@ def resources() -> dict:
     gc.collect()
     with open("/proc/self/statm") as f:
         rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    return {"rss": rss, "fds": len(os.listdir("/proc/self/fd")), "threads": threading.active_count()}
+    kinds: dict[str, int] = {}
+    tcp = _tcp_ports()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")  # "socket:[inode]", "pipe:[inode]", "anon_inode:...", a path
+        except OSError:  # the listing's own fd, closed by now
+            continue
+        kind = tcp.get(target, target.split("[")[0])
+        kinds[kind] = kinds.get(kind, 0) + 1
+    return {"rss": rss, "fds": sum(kinds.values()), "fd_kinds": kinds, "threads": threading.active_count()}
+
+
+def _tcp_ports() -> dict[str, str]:
+    """``socket:[inode]`` -> ``tcp <local port>-><remote port>`` for the TCP sockets of this network namespace."""
+    ports = {}
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        with open(table) as f:
+            for row in f.read().splitlines()[1:]:
+                local, remote, inode = (c := row.split())[1], c[2], c[9]
+                ports[f"socket:[{inode}]"] = f"tcp {int(local[-4:], 16)}->{int(remote[-4:], 16)}"
+    return ports
 
 
 def perturb(seed: int) -> None:
@@ -125,6 +146,7 @@ def soak(cluster, mode: str, model_dir: str, syncs: int, verify_every: int, samp
         step(-1 - i)
         cluster.sync(weight_version=f"warm{i}", verify=i % 2 == 1)
     before = [a.call("soak:resources") for a in procs]
+    harness = {a.address.port for a in procs}  # the actors' listeners: the harness's own calls
     trace = [{"sync": 0, **sample(cluster)}]
     t0, verified, checked, last, changed = time.perf_counter(), 0, 0, {}, 0
     for i in range(1, syncs + 1):
@@ -143,6 +165,7 @@ def soak(cluster, mode: str, model_dir: str, syncs: int, verify_every: int, samp
     exact = not any(cluster.verify().values())
     rows = [{"process": a.name, "rss_mib": (x["rss"] / MIB, y["rss"] / MIB),
              "rss_growth_mib": (y["rss"] - x["rss"]) / MIB, "fds": (x["fds"], y["fds"]),
+             "new_fds": _new_fds(x["fd_kinds"], y["fd_kinds"], harness),
              "threads": (x["threads"], y["threads"])} for a, x, y in zip(procs, before, after)]
     keys = [t["store_keys"] for t in trace]
     return {"mode": mode, "change": change, "transport": layout.backend, "delta": bool(fields.get("delta")),
@@ -153,8 +176,20 @@ def soak(cluster, mode: str, model_dir: str, syncs: int, verify_every: int, samp
             "store_keys": (min(keys), max(keys)), "trace": trace, "processes": rows}
 
 
+def _new_fds(before: dict[str, int], after: dict[str, int], harness: set[int]) -> dict[str, int]:
+    """The fds a process gained, by kind; a TCP connection from or to an actor's listener (the harness's
+    pooled call connections, one more per call that overlapped another to the same actor) marked as such."""
+    new = {}
+    for kind, n in after.items():
+        if n > before.get(kind, 0):
+            ports = {int(p) for p in kind[4:].split("->")} if kind.startswith("tcp ") else set()
+            new[f"harness {kind}" if ports & harness else kind] = n - before.get(kind, 0)
+    return new
+
+
 def passed(r: dict) -> bool:
-    flat = all(p["fds"][1] <= p["fds"][0] and p["threads"][1] <= p["threads"][0] for p in r["processes"])
+    flat = all(not any(not k.startswith("harness ") for k in p["new_fds"]) and p["threads"][1] <= p["threads"][0]
+               for p in r["processes"])
     return (flat and r["verified"] == r["verified_syncs"] and r["bit_exact_after"]
             and r["trainer0_rss_growth_mib"] < RSS_LIMIT_MIB and r["store_keys"][0] == r["store_keys"][1])
 
@@ -171,9 +206,14 @@ def table(results: list[dict]) -> str:
     for r in results:
         for p in r["processes"]:
             lines.append(f"| {r['mode']} | {p['process']} | {p['rss_mib'][0]:.1f} -> {p['rss_mib'][1]:.1f} | "
-                         f"{p['rss_growth_mib']:+.2f} MiB | {p['fds'][0]} -> {p['fds'][1]} | "
+                         f"{p['rss_growth_mib']:+.2f} MiB | {p['fds'][0]} -> {p['fds'][1]}{_named(p)} | "
                          f"{p['threads'][0]} -> {p['threads'][1]} |")
     return "\n".join(lines)
+
+
+def _named(p: dict) -> str:
+    new = p.get("new_fds") or {}
+    return f" (new: {', '.join(f'{n} {k}' for k, n in sorted(new.items()))})" if new else ""
 
 
 def main() -> int:
