@@ -341,4 +341,3 @@ def _all_gather_rows(local: dict[int, torch.Tensor], world: int, device: torch.d
         index = h[:n].tolist()
         merged.update(zip((i for i, _ in index), f[:m].cpu().split([k for _, k in index])))
     return merged
-
