@@ -24,7 +24,9 @@ per sync (``process_time`` of one sync after a warm-up, one torch thread), the s
 (``torch._foreach_copy_`` skipped: the executor's own work; on a GPU the copies are device kernels),
 memcpy s (the bytes it copied, stacking included, at this machine's one-thread rate for one large
 contiguous copy, measured in the same process: what those bytes cost when they are copied from and to
-memory rather than cache, whatever the executor does),
+memory rather than cache, whatever the executor does), copy calls (``torch._foreach_copy_`` calls /
+the tensors of those calls that hold a tensor not contiguous on both sides: on a GPU such a call
+falls back to one copy kernel per tensor, the others are grouped launches),
 init s and MiB (plan + this rank's listing, peak RSS above the RSS before), kept MiB (its rounds'
 arrays and spans, ``Rounds.kept_bytes``). Rounds hold at most ``PEERS`` peers each. Beside them the
 wire lower bound from the plan's true bytes (the busiest rank's) at NVLink 450 GB/s and IB 50 GB/s,
@@ -118,16 +120,17 @@ def _side(plan, sources: list[TensorSource], pieces: list[DestPiece], *, sender:
         if sender:
             tensors.update((n, torch.stack(ts)) for n, ts in local.items())
 
-    copy, copied = torch._foreach_copy_, [sum(t.nbytes for ts in local.values() for t in ts) if sender else 0]
+    copy = torch._foreach_copy_
+    copied = [sum(t.nbytes for ts in local.values() for t in ts) if sender else 0, 0, 0]  # bytes, calls, per tensor
 
     def counted(dsts: list, srcs: list) -> None:
         copied[0] += sum(d.nbytes for d in dsts)
+        copied[1] += 1
+        copied[2] += len(dsts) if any(not (d.is_contiguous() and s.is_contiguous()) for d, s in zip(dsts, srcs)) else 0
         copy(dsts, srcs)
 
     stack()
-    torch._foreach_copy_ = counted
     run_rounds(Instant(log), rounds, staging, **kw)  # warm-up
-    torch._foreach_copy_ = copy
     lo, hi = staging.data_ptr(), staging.data_ptr() + staging.numel()
     staged = sum(1 for b in log if lo <= b.data_ptr() < hi)
     del log
@@ -135,6 +138,8 @@ def _side(plan, sources: list[TensorSource], pieces: list[DestPiece], *, sender:
     stack()
     run_rounds(Instant(), rounds, staging, **kw)
     cpu, wall = time.process_time() - c0, time.perf_counter() - w0
+    torch._foreach_copy_ = counted  # the same sync again, its copies counted
+    run_rounds(Instant(), rounds, staging, **kw)
     torch._foreach_copy_ = lambda *a: None  # (device kernels on a GPU)
     c0 = time.process_time()
     run_rounds(Instant(), rounds, staging, **kw)
@@ -143,7 +148,7 @@ def _side(plan, sources: list[TensorSource], pieces: list[DestPiece], *, sender:
             "kept_mib": rounds.kept_bytes() / 2**20,
             "median_msg": median(nbytes) if nbytes else 0, "min_msg": min(nbytes, default=0),
             "host_cpu_s": cpu, "host_wall_s": wall, "host_work_s": work, "copied_bytes": copied[0],
-            "memcpy_s": copied[0] / _copy_rate(), "list_s": list_s, "list_peak_mib": peak - rss0}
+            "memcpy_s": copied[0] / _copy_rate(), "copy_calls": copied[1], "per_tensor_copies": copied[2], "list_s": list_s, "list_peak_mib": peak - rss0}
 
 
 @cache
@@ -208,8 +213,8 @@ def targets(rows: list[dict]) -> list[tuple[str, bool]]:
 
 def table(rows: list[dict]) -> str:
     lines = ["| shape | rank | items | messages | staged msgs | rounds | median msg KiB | min msg B "
-             "| host CPU s/sync | without copies | memcpy s | init s | init MiB | kept MiB | wire s NVLink 450 | wire s IB 50 | anchors s |",
-             "|---|---|" + "---:|" * 14 + "---|"]
+             "| host CPU s/sync | without copies | memcpy s | copy calls / per tensor | init s | init MiB | kept MiB | wire s NVLink 450 | wire s IB 50 | anchors s |",
+             "|---|---|" + "---:|" * 15 + "---|"]
     for r in rows:
         q = "~" if r["extrapolate"] != 1 else ""
         for side in ("trainer", "worker"):
@@ -219,6 +224,7 @@ def table(rows: list[dict]) -> str:
                 f"| {r['label']} | {side} 0 | {q}{_x(r, s['items']):,.0f} | {q}{_x(r, s['messages']):,.0f} "
                 f"| {q}{_x(r, s['staged_messages']):,.0f} | {q}{_x(r, s['rounds']):,.0f} | {s['median_msg'] / 1024:,.0f} "
                 f"| {s['min_msg']:,} | {q}{_x(r, s['host_cpu_s']):.3f} | {q}{_x(r, s.get('host_work_s', 0)):.3f} | {q}{_x(r, s.get('memcpy_s', 0)):.3f} "
+                f"| {q}{_x(r, s.get('copy_calls', 0)):,.0f} / {_x(r, s.get('per_tensor_copies', 0)):,.0f} "
                 f"| {q}{_x(r, r['plan_s'] + s['list_s']):.2f} "
                 f"| {q}{_x(r, r['plan_mib'] + s['list_peak_mib']):.0f} | {q}{_x(r, s.get('kept_mib', 0)):.0f} "
                 f"| {q}{_x(r, r['wire_nvlink_s']):.3f} "

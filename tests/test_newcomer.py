@@ -124,6 +124,46 @@ def test_a_remote_error_is_trimmed_to_its_cause_and_where_it_was_raised():
                       '(at File "core_client.py", line 42, in call_utility)')
 
 
+class _Resources:
+    engine_dead = False
+
+
+class FakeLLM:
+    """What ``llm_calls.watched`` reads of vLLM's ``LLM``: ``llm_engine.engine_core.resources.engine_dead``."""
+
+    def __init__(self) -> None:
+        self.llm_engine = type("Engine", (), {"engine_core": type("Core", (), {"resources": _Resources()})()})()
+
+
+@pytest.mark.vllm
+def test_a_call_in_flight_when_the_engine_core_dies_fails_at_once():
+    """vLLM's client waits forever on a call sent before its monitor marked the core dead; ``watched``
+    raises vLLM's ``EngineDeadError`` once it is marked, and passes results and errors through."""
+    pytest.importorskip("vllm")
+    from weightsync.llm_calls import is_llm, watched
+
+    llm, sent, never = FakeLLM(), threading.Event(), threading.Event()
+
+    def hangs(actor):
+        sent.set()
+        never.wait()
+
+    def mark_dead():
+        sent.wait()
+        llm.llm_engine.engine_core.resources.engine_dead = True
+
+    threading.Thread(target=mark_dead, daemon=True).start()
+    with pytest.raises(Exception) as dead:
+        watched(llm, hangs)
+    assert type(dead.value).__name__ == "EngineDeadError"
+    assert is_llm(llm) and not is_llm(object())
+    assert watched(FakeLLM(), lambda actor, x: x + 1, 41) == 42
+    with pytest.raises(KeyError, match="nope"):
+        watched(FakeLLM(), lambda actor: {}["nope"])
+    assert watched(object(), lambda actor: "not an LLM: called as it is") == "not an LLM: called as it is"
+    never.set()
+
+
 @pytest.mark.vllm
 def test_a_dead_engine_core_is_said_to_need_a_restart():
     pytest.importorskip("vllm")

@@ -15,6 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from .errors import EngineDead, RemoteCallError
+from .llm_calls import (call_method, get_partial, is_llm, llm_is_paused, llm_pause, llm_resume, remote_call_error,
+                        set_partial, stop_engine_core, watched)
 from .pausing import PAUSE_MODES, UpdateTracker, WeightsPartlyApplied, _check_mode, partly_applied_message, paused
 
 __all__ = ["WeightSyncClient", "EngineMembership", "RemoteCallError", "EngineDead", "per_engine", "HTTPVLLMWeightSyncClient",
@@ -224,6 +226,7 @@ class RayVLLMWeightSyncClient(EngineMembership):
             raise ValueError("handle must be an actor handle or a non-empty list of them")
         self.timeout_s = timeout_s
         self._tracker = UpdateTracker()
+        self._llm: dict[int, tuple[Any, bool]] = {}  # id(handle) -> (handle, whether it is vLLM's LLM)
 
     def _get(self, method: str, refs: list[Any]) -> list[Any]:
         import ray
@@ -233,9 +236,20 @@ class RayVLLMWeightSyncClient(EngineMembership):
         except ray.exceptions.RayError as e:
             raise remote_call_error(method, e) from None
 
+    def _llms(self, method: str) -> list[bool]:
+        """Per handle, whether the actor is vLLM's ``LLM`` (asked once per handle): its calls are
+        ``watched`` (a dead engine core fails them at once), other actors' run as they are."""
+        new = [h for h in self.handles if id(h) not in self._llm]
+        for h, llm in zip(new, self._get(method, [h.__ray_call__.remote(is_llm) for h in new])):
+            self._llm[id(h)] = (h, llm)
+        return [self._llm[id(h)][1] for h in self.handles]
+
     def _call(self, method: str, *args: Any, per_handle: list[tuple[Any, ...]] | None = None) -> None:
-        self._get(method, [getattr(h, method).remote(*(per_handle[i] if per_handle else args))
-                           for i, h in enumerate(self.handles)])
+        refs = []
+        for i, (h, llm) in enumerate(zip(self.handles, self._llms(method))):
+            a = per_handle[i] if per_handle else args
+            refs.append(h.__ray_call__.remote(watched, call_method, method, *a) if llm else getattr(h, method).remote(*a))
+        self._get(method, refs)
 
     def _on_actors(self, method: str, fn: Any, *args: Any) -> list[Any]:
         """``fn(actor, *args)`` inside every actor."""
@@ -248,7 +262,7 @@ class RayVLLMWeightSyncClient(EngineMembership):
             try:
                 own = getattr(h, method)
             except AttributeError:
-                refs.append(h.__ray_call__.remote(fn, *args, *kwargs.values()))
+                refs.append(h.__ray_call__.remote(watched, fn, *args, *kwargs.values()))
             else:
                 refs.append(own.remote(*args, **kwargs))
         return self._get(method, refs)
@@ -269,13 +283,13 @@ class RayVLLMWeightSyncClient(EngineMembership):
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         if (partial := self._tracker.update(update_info)) is not None:  # before the abort reaches the workers
-            self._on_actors("update_weights", _set_partial, partial)
+            self._on_actors("update_weights", set_partial, partial)
         self._call("update_weights", WeightTransferUpdateRequest(update_info=update_info))
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._call("finish_weight_update", weight_version)
         if self._tracker.landed():
-            self._on_actors("finish_weight_update", _set_partial, None)
+            self._on_actors("finish_weight_update", set_partial, None)
 
     def shutdown_weight_transfer_engine(self) -> None:
         self._call("shutdown_weight_transfer_engine")
@@ -283,20 +297,20 @@ class RayVLLMWeightSyncClient(EngineMembership):
     def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
         """Pause every actor's generation (see ``PAUSE_MODES``)."""
         _check_mode(mode)
-        self._own_or_llm("pause_generation", _llm_pause, mode=mode, clear_cache=clear_cache)
+        self._own_or_llm("pause_generation", llm_pause, mode=mode, clear_cache=clear_cache)
 
     def resume_generation(self) -> None:
         """Resume every actor's generation; ``WeightsPartlyApplied`` (nothing resumed) while a failed
         sync left any actor's weights partly applied."""
-        partial = self._on_actors("resume_generation", _get_partial)
+        partial = self._on_actors("resume_generation", get_partial)
         if torn := [(i, p) for i, p in enumerate(partial) if p is not None]:
             i, reason = torn[0]
             raise WeightsPartlyApplied(partly_applied_message(f"engine {i} ({self.handles[i]})", reason))
-        self._own_or_llm("resume_generation", _llm_resume)
+        self._own_or_llm("resume_generation", llm_resume)
 
     def generation_paused(self) -> dict[str, bool]:
         """``{"engine i (actor)": paused}`` for every actor."""
-        states = self._own_or_llm("is_paused", _llm_is_paused)
+        states = self._own_or_llm("is_paused", llm_is_paused)
         return {f"engine {i} ({h})": bool(p) for i, (h, p) in enumerate(zip(self.handles, states))}
 
     def shutdown_engines(self, *, timeout_s: float = 60.0) -> None:
@@ -306,7 +320,7 @@ class RayVLLMWeightSyncClient(EngineMembership):
         the same way; an actor that does not answer within ``timeout_s`` is killed all the same."""
         import ray
 
-        refs = [h.__ray_call__.remote(_stop_engine_core, timeout_s) for h in self.handles]
+        refs = [h.__ray_call__.remote(stop_engine_core, timeout_s) for h in self.handles]
         for ref in refs:
             try:
                 ray.get(ref, timeout=timeout_s + 10)
@@ -314,73 +328,3 @@ class RayVLLMWeightSyncClient(EngineMembership):
                 pass
         for h in self.handles:
             ray.kill(h, no_restart=True)
-
-
-# --- inside an LLM actor (``__ray_call__``) ---
-
-_PARTIAL = "_weightsync_partly_applied"
-
-
-def _set_partial(actor: Any, reason: str | None) -> None:
-    setattr(actor, _PARTIAL, reason)
-
-
-def _get_partial(actor: Any) -> str | None:
-    return getattr(actor, _PARTIAL, None)
-
-
-def _engine_core(llm: Any) -> Any:
-    return llm.llm_engine.engine_core
-
-
-def _utility(llm: Any, method: str, *args: Any) -> Any:
-    core = _engine_core(llm)
-    if hasattr(core, "call_utility"):  # the engine core in its own process (vLLM's default)
-        return core.call_utility(method, *args)
-    return getattr(core.engine_core, method)(*args)  # in-process engine core
-
-
-def _llm_pause(llm: Any, mode: str, clear_cache: bool) -> None:
-    """What ``AsyncLLM.pause_generation`` does, for ``LLM``: the scheduler paused in the engine core."""
-    renderer = getattr(llm.llm_engine, "renderer", None)
-    if clear_cache and renderer is not None and hasattr(renderer, "clear_mm_cache"):
-        renderer.clear_mm_cache()
-    _utility(llm, "pause_scheduler", mode, clear_cache)
-
-
-def _llm_resume(llm: Any) -> None:
-    _utility(llm, "resume_scheduler")
-
-
-def _llm_is_paused(llm: Any) -> bool:
-    return bool(_utility(llm, "is_scheduler_paused"))
-
-
-def _stop_engine_core(llm: Any, timeout_s: float) -> None:
-    """Inside an ``LLM`` actor: vLLM's own engine-core shutdown (processes joined, queues unlinked)."""
-    llm.llm_engine.engine_core.shutdown(timeout=timeout_s)
-
-
-def remote_call_error(method: str, error: BaseException) -> RemoteCallError:
-    """What a failed call on an ``LLM`` actor raises: the remote exception and where it was raised,
-    without the actor's repr Ray adds (``LLM``'s prints the whole model); ``EngineDead`` when vLLM's
-    engine core died (the actor lives, every later call fails the same way)."""
-    cause = getattr(error, "cause", None)
-    if not isinstance(cause, BaseException):
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        return RemoteCallError(f"{method} failed on an inference actor: {type(error).__name__}: {first[:500]}")
-    chain = [cause]
-    while (nxt := chain[-1].__cause__ or chain[-1].__context__) is not None and len(chain) < 8:
-        chain.append(nxt)
-    where = _innermost_frame(getattr(error, "traceback_str", "") or "")
-    if any(type(c).__name__ == "EngineDeadError" for c in chain):
-        return EngineDead(f"{method} failed on an inference actor: vLLM's engine core is dead ({type(cause).__name__}: "
-                          f"{cause}); the actor is alive, but every call fails until the engine restarts: restart the "
-                          "engine, then trainer_init")
-    return RemoteCallError(f"{method} failed on an inference actor: {type(cause).__name__}: {cause}{where}")
-
-
-def _innermost_frame(traceback_str: str) -> str:
-    """`` (at File "...", line N, in f)``: the last frame of a remote traceback, or nothing."""
-    frames = [ln.strip() for ln in traceback_str.splitlines() if ln.strip().startswith("File ")]
-    return f" (at {frames[-1]})" if frames else ""
