@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import pytest
@@ -23,6 +24,19 @@ import weightsync
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PAGE = os.path.join(ROOT, "docs", "first_script.md")
 TIMEOUT_S = 60.0
+
+
+_SLEEPS = lambda worker, path: (open(path, "w").close(), time.sleep(10 * TIMEOUT_S))  # noqa: E731
+"""In the engine's workers: in flight until the core dies (a lambda: cloudpickle sends it by value)."""
+
+
+def _outcome(client, path: str) -> BaseException | None:
+    """The client's call of ``_SLEEPS`` on every worker (``collective_rpc``), as the error it raised."""
+    try:
+        client._call("collective_rpc", _SLEEPS, None, (path,))  # (method, timeout, args)
+    except BaseException as e:  # noqa: BLE001 - the test checks what it was
+        return e
+    return None
 
 
 def page_script() -> str:
@@ -116,8 +130,19 @@ def test_a_dead_engine_core_is_reported_as_such_trimmed_and_cleaned_up(ray_sessi
             lambda s: [p.pid for p in s.llm_engine.engine_core.resources.engine_manager.processes]), timeout=TIMEOUT_S)
         cores = [psutil.Process(pid) for pid in pids]
         assert len(cores) == 1, pids
+        # a call in flight in the workers when the core dies (vLLM's own client would wait for it forever)
+        started, in_flight = os.path.join(tempfile.mkdtemp(prefix="in-flight-"), "started"), []
+        caller = threading.Thread(target=lambda: in_flight.append(_outcome(client, started)), daemon=True)
+        caller.start()
+        deadline = time.monotonic() + TIMEOUT_S
+        while not os.path.exists(started):  # (another process's event: the workers run the call)
+            assert time.monotonic() < deadline and caller.is_alive(), f"the call never reached the workers: {in_flight}"
+            time.sleep(0.01)
         cores[0].send_signal(signal.SIGKILL)
         cores[0].wait(timeout=TIMEOUT_S)
+        caller.join(TIMEOUT_S)
+        assert in_flight and type(in_flight[0]) is EngineDead, in_flight
+        assert "vLLM's engine core is dead" in str(in_flight[0]), in_flight
 
         t0 = time.perf_counter()
         with pytest.raises(SyncFailed) as failed:
