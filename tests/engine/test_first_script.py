@@ -94,7 +94,8 @@ def test_the_first_script_runs_as_printed_and_leaves_nothing_behind(tmp_path):
 # --- a dead engine core (the actor alive) ---------------------------------------------------------------
 def test_a_dead_engine_core_is_reported_as_such_trimmed_and_cleaned_up(ray_session):
     """vLLM's ``LLM`` as a plain Ray actor (its repr prints the whole model into Ray's errors); its
-    engine core killed: the sync fails at once saying to restart the engine, in a few lines."""
+    engine core killed: a call in flight in its workers fails at once as ``EngineDead`` (vLLM's client
+    would wait for it forever), and the next sync fails at once saying to restart the engine, in a few lines."""
     import psutil
     import ray
     import torch
