@@ -11,6 +11,7 @@ import copy
 import json
 import urllib.error
 import urllib.request
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -226,7 +227,7 @@ class RayVLLMWeightSyncClient(EngineMembership):
             raise ValueError("handle must be an actor handle or a non-empty list of them")
         self.timeout_s = timeout_s
         self._tracker = UpdateTracker()
-        self._llm: dict[int, tuple[Any, bool]] = {}  # id(handle) -> (handle, whether it is vLLM's LLM)
+        self._llm: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()  # handle -> vLLM's LLM?
 
     def _get(self, method: str, refs: list[Any]) -> list[Any]:
         import ray
@@ -239,10 +240,9 @@ class RayVLLMWeightSyncClient(EngineMembership):
     def _llms(self, method: str) -> list[bool]:
         """Per handle, whether the actor is vLLM's ``LLM`` (asked once per handle): its calls are
         ``watched`` (a dead engine core fails them at once), other actors' run as they are."""
-        new = [h for h in self.handles if id(h) not in self._llm]
-        for h, llm in zip(new, self._get(method, [h.__ray_call__.remote(is_llm) for h in new])):
-            self._llm[id(h)] = (h, llm)
-        return [self._llm[id(h)][1] for h in self.handles]
+        new = [h for h in self.handles if h not in self._llm]
+        self._llm.update(zip(new, self._get(method, [h.__ray_call__.remote(is_llm) for h in new])))
+        return [self._llm[h] for h in self.handles]
 
     def _call(self, method: str, *args: Any, per_handle: list[tuple[Any, ...]] | None = None) -> None:
         refs = []
