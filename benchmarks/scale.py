@@ -148,7 +148,8 @@ def _side(plan, sources: list[TensorSource], pieces: list[DestPiece], *, sender:
             "kept_mib": rounds.kept_bytes() / 2**20,
             "median_msg": median(nbytes) if nbytes else 0, "min_msg": min(nbytes, default=0),
             "host_cpu_s": cpu, "host_wall_s": wall, "host_work_s": work, "copied_bytes": copied[0],
-            "memcpy_s": copied[0] / _copy_rate(), "copy_calls": copied[1], "per_tensor_copies": copied[2], "list_s": list_s, "list_peak_mib": peak - rss0}
+            "memcpy_s": copied[0] / _copy_rate(), "copy_calls": copied[1], "per_tensor_copies": copied[2],
+            "list_s": list_s, "list_peak_mib": peak - rss0}
 
 
 @cache
@@ -213,7 +214,8 @@ def targets(rows: list[dict]) -> list[tuple[str, bool]]:
 
 def table(rows: list[dict]) -> str:
     lines = ["| shape | rank | items | messages | staged msgs | rounds | median msg KiB | min msg B "
-             "| host CPU s/sync | without copies | memcpy s | copy calls / per tensor | init s | init MiB | kept MiB | wire s NVLink 450 | wire s IB 50 | anchors s |",
+             "| host CPU s/sync | without copies | memcpy s | copy calls / per tensor | init s | init MiB | kept MiB "
+             "| wire s NVLink 450 | wire s IB 50 | anchors s |",
              "|---|---|" + "---:|" * 15 + "---|"]
     for r in rows:
         q = "~" if r["extrapolate"] != 1 else ""
@@ -223,7 +225,8 @@ def table(rows: list[dict]) -> str:
             lines.append(
                 f"| {r['label']} | {side} 0 | {q}{_x(r, s['items']):,.0f} | {q}{_x(r, s['messages']):,.0f} "
                 f"| {q}{_x(r, s['staged_messages']):,.0f} | {q}{_x(r, s['rounds']):,.0f} | {s['median_msg'] / 1024:,.0f} "
-                f"| {s['min_msg']:,} | {q}{_x(r, s['host_cpu_s']):.3f} | {q}{_x(r, s.get('host_work_s', 0)):.3f} | {q}{_x(r, s.get('memcpy_s', 0)):.3f} "
+                f"| {s['min_msg']:,} | {q}{_x(r, s['host_cpu_s']):.3f} | {q}{_x(r, s.get('host_work_s', 0)):.3f} "
+                f"| {q}{_x(r, s.get('memcpy_s', 0)):.3f} "
                 f"| {q}{_x(r, s.get('copy_calls', 0)):,.0f} / {_x(r, s.get('per_tensor_copies', 0)):,.0f} "
                 f"| {q}{_x(r, r['plan_s'] + s['list_s']):.2f} "
                 f"| {q}{_x(r, r['plan_mib'] + s['list_peak_mib']):.0f} | {q}{_x(r, s.get('kept_mib', 0)):.0f} "

@@ -248,7 +248,8 @@ class RayVLLMWeightSyncClient(EngineMembership):
         refs = []
         for i, (h, llm) in enumerate(zip(self.handles, self._llms(method))):
             a = per_handle[i] if per_handle else args
-            refs.append(h.__ray_call__.remote(watched, call_method, method, *a) if llm else getattr(h, method).remote(*a))
+            refs.append(h.__ray_call__.remote(watched, call_method, method, *a) if llm
+                        else getattr(h, method).remote(*a))
         self._get(method, refs)
 
     def _on_actors(self, method: str, fn: Any, *args: Any) -> list[Any]:
