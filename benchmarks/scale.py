@@ -5,6 +5,7 @@ Launch (CPU, one core; no GPU needed)::
     PYTHONPATH=src python benchmarks/scale.py --quick   # ~1 minute: 1/8 of the layers, extrapolated
     PYTHONPATH=src python benchmarks/scale.py           # every layer (a few minutes)
     PYTHONPATH=src python benchmarks/scale.py --shape qwen3-tp   # one shape (see SHAPES)
+    PYTHONPATH=src python benchmarks/scale.py --device cuda      # the same on one GPU (see below)
 
 Each shape is the real structure (true tensor names, shapes' row structure, FSDP ranks, TP / EP
 layout), so the plan has its true item count; the bytes are scaled down by ``S``: every tensor of
@@ -33,13 +34,16 @@ wire lower bound from the plan's true bytes (the busiest rank's) at NVLink 450 G
 and the anchors' published seconds. ``--quick`` multiplies counts, seconds, MiB and bytes by the
 layer ratio (marked ``~``). The last line: ``scale targets: K/N met`` (host CPU per rank <= the
 NVLink bound; median message >= 1 MiB; k2 init < 5 s and < 1 GiB per rank).
+
+``--device cuda`` puts every tensor and the staging buffer on the GPU: the copies are kernels, as in a
+real sync, so host CPU s is the executor's work and its launches (until the last launch returns) and
+"device s" the kernels' time (CUDA events); memcpy s prices the bytes at the GPU's copy rate.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
@@ -83,10 +87,29 @@ def _true_nbytes(m, size: dict[str, int]) -> int:
     return sum(it.region.numel * size[it.name] * (S if len(it.region.sizes) > 1 else 1) for it in m.items)
 
 
+def _timed(sync, device: str) -> tuple[float, float, float]:
+    """Host CPU, wall and device seconds of ``sync()``: on CUDA the host's are until the last launch
+    returns (the executor's work and its launches), the device's until the last kernel ends."""
+    cuda = device != "cpu"
+    if cuda:
+        torch.cuda.synchronize()
+        ends = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        ends[0].record()
+    c0, w0 = time.process_time(), time.perf_counter()
+    sync()
+    cpu, wall = time.process_time() - c0, time.perf_counter() - w0
+    if not cuda:
+        return cpu, wall, 0.0
+    ends[1].record()
+    ends[1].synchronize()
+    return cpu, wall, ends[0].elapsed_time(ends[1]) / 1e3
+
+
 def _side(plan, sources: list[TensorSource], pieces: list[DestPiece], *, sender: bool, cap: int,
-          members: dict[str, list[str]]) -> dict:
+          members: dict[str, list[str]], device: str) -> dict:
     """One rank's listing, stats pass, warm-up sync and timed sync (a sender's includes stacking
-    its fused tensors' ``members``, as ``DTensorModuleSource(fuse_experts=True)`` does per sync)."""
+    its fused tensors' ``members``, as ``DTensorModuleSource(fuse_experts=True)`` does per sync), its
+    tensors and staging on ``device``."""
     size = {s.name: 2 for s in sources}
     rss0, _ = _rss_mib()
     _reset_peak()
@@ -96,8 +119,9 @@ def _side(plan, sources: list[TensorSource], pieces: list[DestPiece], *, sender:
     _, peak = _rss_mib()
     dt = {s.name: getattr(torch, s.dtype) for s in sources}
     if sender:
-        tensors = {s.name: torch.ones(s.regions[0].sizes, dtype=dt[s.name]) for s in sources if s.name not in members}
-        local = {s.name: [torch.ones(s.regions[0].sizes[1:], dtype=dt[s.name]) for _ in members[s.name]]
+        tensors = {s.name: torch.ones(s.regions[0].sizes, dtype=dt[s.name], device=device)
+                   for s in sources if s.name not in members}
+        local = {s.name: [torch.ones(s.regions[0].sizes[1:], dtype=dt[s.name], device=device) for _ in members[s.name]]
                  for s in sources if s.name in members}
         tensor_of = lambda m, i: tensors[m.items[i].name]  # noqa: E731
     else:
@@ -106,13 +130,13 @@ def _side(plan, sources: list[TensorSource], pieces: list[DestPiece], *, sender:
             e = [o + n for o, n in zip(p.param_offsets, p.region.sizes)]
             ends[p.param] = [max(a, b) for a, b in zip(ends.get(p.param, e), e)]
         kind = {p.param: dt[p.name] for p in pieces}
-        tensors = {p: torch.empty(e, dtype=kind[p]) for p, e in ends.items()}
+        tensors = {p: torch.empty(e, dtype=kind[p], device=device) for p, e in ends.items()}
         tensor_of = lambda m, i: tensors[m.items[i].param]  # noqa: E731
     n_rounds, nbytes = 0, []
     for rnd in rounds:  # stats pass
         n_rounds += 1
         nbytes += [_true_nbytes(m, size) for m in rnd]
-    staging = torch.ones(STAGING // S, dtype=torch.uint8)
+    staging = torch.ones(STAGING // S, dtype=torch.uint8, device=device)
     log: list = []
     kw = dict(sender=sender, peer_rank=int, dtypes={s.name: s.dtype for s in sources}, tensor_of=tensor_of)
 
@@ -134,10 +158,7 @@ def _side(plan, sources: list[TensorSource], pieces: list[DestPiece], *, sender:
     lo, hi = staging.data_ptr(), staging.data_ptr() + staging.numel()
     staged = sum(1 for b in log if lo <= b.data_ptr() < hi)
     del log
-    c0, w0 = time.process_time(), time.perf_counter()
-    stack()
-    run_rounds(Instant(), rounds, staging, **kw)
-    cpu, wall = time.process_time() - c0, time.perf_counter() - w0
+    cpu, wall, on_device = _timed(lambda: (stack(), run_rounds(Instant(), rounds, staging, **kw)), device)
     torch._foreach_copy_ = counted  # the same sync again, its copies counted
     run_rounds(Instant(), rounds, staging, **kw)
     torch._foreach_copy_ = lambda *a: None  # (device kernels on a GPU)
@@ -147,24 +168,20 @@ def _side(plan, sources: list[TensorSource], pieces: list[DestPiece], *, sender:
     return {"items": rounds.items, "messages": len(nbytes), "staged_messages": staged, "rounds": n_rounds,
             "kept_mib": rounds.kept_bytes() / 2**20,
             "median_msg": median(nbytes) if nbytes else 0, "min_msg": min(nbytes, default=0),
-            "host_cpu_s": cpu, "host_wall_s": wall, "host_work_s": work, "copied_bytes": copied[0],
-            "memcpy_s": copied[0] / _copy_rate(), "copy_calls": copied[1], "per_tensor_copies": copied[2],
+            "host_cpu_s": cpu, "host_wall_s": wall, "device_s": on_device, "host_work_s": work,
+            "copied_bytes": copied[0], "memcpy_s": copied[0] / _copy_rate(device), "copy_calls": copied[1], "per_tensor_copies": copied[2],
             "list_s": list_s, "list_peak_mib": peak - rss0}
 
 
 @cache
-def _copy_rate() -> float:
-    """Bytes per CPU second of one thread copying a staging-sized contiguous buffer (best of 5)."""
-    a, b = torch.ones(STAGING, dtype=torch.uint8), torch.empty(STAGING, dtype=torch.uint8)
-    best = math.inf
-    for _ in range(5):
-        c0 = time.process_time()
-        b.copy_(a)
-        best = min(best, time.process_time() - c0)
-    return STAGING / best
+def _copy_rate(device: str) -> float:
+    """Bytes per second of one staging-sized contiguous copy (best of 5): CPU seconds of one thread, or
+    a CUDA device's seconds."""
+    a, b = torch.ones(STAGING, dtype=torch.uint8, device=device), torch.empty(STAGING, dtype=torch.uint8, device=device)
+    return STAGING / min(_timed(lambda: b.copy_(a), device)[0 if device == "cpu" else 2] for _ in range(5))
 
 
-def measure(shape: str, quick: bool) -> dict:
+def measure(shape: str, quick: bool, device: str = "cpu") -> dict:
     build, full, heads, ranks, tp, replicas, ep, anchored = SHAPES[shape]
     layers = -(-full // 8) if quick else full
     per_expert = _scaled(build(layers))
@@ -183,9 +200,9 @@ def measure(shape: str, quick: bool) -> dict:
     busiest = max(max(cov.recv_bytes), max(cov.send_bytes))
     cap = message_cap(STAGING // S, plan.num_src_ranks, plan.num_dst_ranks, buffers=2)
     torch.set_num_threads(1)
-    trainer = _side(plan, sources, dests[0], sender=True, cap=cap, members=members)
-    worker = _side(plan, sources, dests[0], sender=False, cap=cap, members=members)
-    return {"shape": shape, "label": LABELS[shape], "layers": layers, "full_layers": full,
+    trainer = _side(plan, sources, dests[0], sender=True, cap=cap, members=members, device=device)
+    worker = _side(plan, sources, dests[0], sender=False, cap=cap, members=members, device=device)
+    return {"shape": shape, "label": LABELS[shape], "device": device, "layers": layers, "full_layers": full,
             "extrapolate": full / layers, "S": S, "tensors": len(per_expert), "fused_tensors": len(members), "cap_true": cap * S, "items_plan": plan.num_items,
             "plan_s": plan_s, "plan_mib": plan_peak - rss0, "busiest_bytes": busiest,
             "src0_bytes": cov.send_bytes[0], "dst0_bytes": cov.recv_bytes[0],
@@ -212,11 +229,16 @@ def targets(rows: list[dict]) -> list[tuple[str, bool]]:
     return out
 
 
+def _device(r: dict, s: dict) -> str:
+    """A CUDA row's device seconds per sync (its copy kernels), else "-"."""
+    return f"{'~' if r['extrapolate'] != 1 else ''}{_x(r, s['device_s']):.3f}" if s.get("device_s") else "-"
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| shape | rank | items | messages | staged msgs | rounds | median msg KiB | min msg B "
-             "| host CPU s/sync | without copies | memcpy s | copy calls / per tensor | init s | init MiB | kept MiB "
+             "| host CPU s/sync | without copies | memcpy s | device s | copy calls / per tensor | init s | init MiB | kept MiB "
              "| wire s NVLink 450 | wire s IB 50 | anchors s |",
-             "|---|---|" + "---:|" * 15 + "---|"]
+             "|---|---|" + "---:|" * 16 + "---|"]
     for r in rows:
         q = "~" if r["extrapolate"] != 1 else ""
         for side in ("trainer", "worker"):
@@ -226,7 +248,7 @@ def table(rows: list[dict]) -> str:
                 f"| {r['label']} | {side} 0 | {q}{_x(r, s['items']):,.0f} | {q}{_x(r, s['messages']):,.0f} "
                 f"| {q}{_x(r, s['staged_messages']):,.0f} | {q}{_x(r, s['rounds']):,.0f} | {s['median_msg'] / 1024:,.0f} "
                 f"| {s['min_msg']:,} | {q}{_x(r, s['host_cpu_s']):.3f} | {q}{_x(r, s.get('host_work_s', 0)):.3f} "
-                f"| {q}{_x(r, s.get('memcpy_s', 0)):.3f} "
+                f"| {q}{_x(r, s.get('memcpy_s', 0)):.3f} | {_device(r, s)} "
                 f"| {q}{_x(r, s.get('copy_calls', 0)):,.0f} / {_x(r, s.get('per_tensor_copies', 0)):,.0f} "
                 f"| {q}{_x(r, r['plan_s'] + s['list_s']):.2f} "
                 f"| {q}{_x(r, r['plan_mib'] + s['list_peak_mib']):.0f} | {q}{_x(r, s.get('kept_mib', 0)):.0f} "
@@ -263,11 +285,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="1/8 of the layers, extrapolated (a few minutes)")
     ap.add_argument("--shape", action="append", choices=list(SHAPES), help="only these shapes (repeatable)")
+    ap.add_argument("--device", default="cpu", help="where the tensors and staging live: cpu or cuda (on a GPU the "
+                    "copies are kernels: host CPU is the executor's work and launches, 'device s' the kernels)")
     ap.add_argument("--json", action="store_true", help="one shape in this process: print its row as JSON")
     ap.add_argument("--out", default=None, help="JSON path (default results/scale.json, --quick: scale_quick.json)")
     ap.add_argument("--png", default=None, help="also plot the table to this PNG path")
     ap.add_argument("--from-json", default=None, help="print and plot a saved JSON instead of measuring")
     args = ap.parse_args()
+    if args.device != "cpu" and not torch.cuda.is_available():
+        ap.error(f"--device {args.device}: CUDA is not available here")
     if args.from_json:
         with open(args.from_json) as f:
             rows = json.load(f)["rows"]
@@ -278,11 +304,12 @@ def main() -> None:
     if args.json:
         if not args.shape or len(args.shape) != 1:
             ap.error("--json needs exactly one --shape")
-        print(json.dumps(measure(args.shape[0], args.quick)))
+        print(json.dumps(measure(args.shape[0], args.quick, args.device)))
         return
     rows = []
     for shape in args.shape or list(SHAPES):
-        cmd = [sys.executable, os.path.abspath(__file__), "--json", "--shape", shape, *(["--quick"] * args.quick)]
+        cmd = [sys.executable, os.path.abspath(__file__), "--json", "--shape", shape, "--device", args.device,
+               *(["--quick"] * args.quick)]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         rows.append(json.loads(out.strip().splitlines()[-1]))
         r = rows[-1]

@@ -156,6 +156,7 @@ def test_checksum_is_order_and_position_sensitive():
     assert fold_checksum(1, t) != want
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_checksum_is_equal_on_cpu_and_cuda():
     g = torch.Generator().manual_seed(3)
