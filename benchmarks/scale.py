@@ -33,7 +33,8 @@ arrays and spans, ``Rounds.kept_bytes``). Rounds hold at most ``PEERS`` peers ea
 wire lower bound from the plan's true bytes (the busiest rank's) at NVLink 450 GB/s and IB 50 GB/s,
 and the anchors' published seconds. ``--quick`` multiplies counts, seconds, MiB and bytes by the
 layer ratio (marked ``~``). The last line: ``scale targets: K/N met`` (host CPU per rank <= the
-NVLink bound; median message >= 1 MiB; k2 init < 5 s and < 1 GiB per rank).
+NVLink bound; median message >= 1 MiB; k2 init < 5 s and < 1 GiB per rank; k2's host CPU < 2x
+DeepSeek-V3 TP's, with ~60x the tensors at ~2/3 of the bytes: issue 36's "10x the items").
 
 ``--device cuda`` puts every tensor and the staging buffer on the GPU: the copies are kernels, as in a
 real sync, so host CPU s is the executor's work and its launches (until the last launch returns) and
@@ -214,8 +215,23 @@ def _x(r: dict, v: float) -> float:
     return v * r["extrapolate"]
 
 
+PAIR = ("k2-tp", "dsv3-tp")
+"""The items check: k2 lists ~60x the tensors of DeepSeek-V3 (per-expert vs fused 3-D) at ~2/3 of the bytes."""
+
+
+def _pair(rows: list[dict]) -> list[tuple[str, bool]]:
+    """Host CPU of the many-item shape over the few-item one's, the worse of trainer 0 and worker 0."""
+    by = {r["shape"]: r for r in rows}
+    if not all(s in by for s in PAIR):
+        return []
+    a, b = by[PAIR[0]], by[PAIR[1]]
+    ratio = max(_x(a, a[s]["host_cpu_s"]) / _x(b, b[s]["host_cpu_s"]) for s in ("trainer", "worker"))
+    return [(f"{PAIR[0]} vs {PAIR[1]}: {a['tensors'] / b['tensors']:.0f}x the tensors at "
+             f"{a['busiest_bytes'] / b['busiest_bytes']:.2f}x the bytes: host CPU {ratio:.1f}x < 2x", ratio < 2)]
+
+
 def targets(rows: list[dict]) -> list[tuple[str, bool]]:
-    out = []
+    out = _pair(rows)
     for r in rows:
         host = _x(r, max(r["trainer"]["host_cpu_s"], r["worker"]["host_cpu_s"]))
         out.append((f"{r['shape']}: host CPU {host:.3f} s <= NVLink {_x(r, r['wire_nvlink_s']):.3f} s",
