@@ -120,3 +120,46 @@ def test_paused_keeps_generation_paused_only_after_a_sync_that_may_have_torn_the
         except Exception as e:  # noqa: BLE001 - re-raised unchanged
             assert e is error
         assert client.calls == [("pause", "wait", False)] + ([("resume",)] if resumed else []), error
+
+
+def _wrapped_model() -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A model with per-expert MoE weights, its layers checkpoint-wrapped and the whole compiled: the
+    wrapped module and the model itself."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    class Layer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mlp = torch.nn.Module()
+            self.mlp.experts = torch.nn.ModuleList()
+            for _ in range(2):
+                expert = torch.nn.Module()
+                expert.gate_proj = torch.nn.Linear(4, 3, bias=False)
+                self.mlp.experts.append(expert)
+
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.layers = torch.nn.ModuleList([Layer(), Layer()])
+    model.lm_head = torch.nn.Linear(4, 5, bias=False)
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Layer))
+    return torch.compile(model), model
+
+
+def test_sources_send_a_compiled_checkpoint_wrapped_model_under_its_unwrapped_names():
+    from weightsync.trainer.sources import DTensorModuleSource
+
+    wrapped, model = _wrapped_model()
+    raw = [n for n, _ in wrapped.named_parameters()]
+    assert raw[0] == "_orig_mod.model.layers.0._checkpoint_wrapped_module.mlp.experts.0.gate_proj.weight"
+    want = [f"model.layers.{i}.mlp.experts.{e}.gate_proj.weight" for i in range(2) for e in range(2)] + ["lm_head.weight"]
+    assert [m.name for m in FullTensorSource(wrapped).metadata] == want
+    local = DTensorModuleSource(wrapped, 1)
+    assert [m.name for m in local.metadata] == want
+    assert all(torch.equal(t, model.get_parameter(n)) for n, t in local.iter_local())
+    seen: list[str] = []
+    mapped = FullTensorSource(wrapped, name_map=lambda n: seen.append(n) or (None if n.startswith("lm_head") else n))
+    assert [m.name for m in mapped.metadata] == want[:-1] and seen == want  # name_map sees unwrapped names
+    fused = DTensorModuleSource(wrapped, 1, fuse_experts=True)
+    assert [m.name for m in fused.metadata] == [f"model.layers.{i}.mlp.experts.gate_proj" for i in range(2)] + ["lm_head.weight"]
+    stacked = dict(fused.iter_local())["model.layers.1.mlp.experts.gate_proj"]
+    assert torch.equal(stacked, torch.stack([model.model.layers[1].mlp.experts[e].gate_proj.weight for e in range(2)]))

@@ -18,7 +18,9 @@ the sync runs). A group fuses only when its ids are exactly 0..E-1 (E >= 2), its
 every member has the same shape, dtype and layout; the others stay per-expert.
 
 Both iterate ``module.named_parameters()`` order (tied parameters once), which is the same on
-every trainer rank; that order is the metadata order.
+every trainer rank; that order is the metadata order. Names leave out the segments torch's wrappers
+add (``torch.compile``, ``checkpoint_wrapper``, FSDP1): a compiled or checkpoint-wrapped model sends
+the names its unwrapped self would.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from ..layout.records import TensorSource
 from ..layout.regions import Replicate, Shard, placements_from_torch, source_regions
 from ..protocol import ParamMeta, WeightSource, check_metadata, dtype_name
 
-__all__ = ["FullTensorSource", "DTensorModuleSource", "tensor_sources", "PER_EXPERT", "fuse_expert_metas"]
+__all__ = ["FullTensorSource", "DTensorModuleSource", "tensor_sources", "PER_EXPERT", "fuse_expert_metas",
+           "WRAPPERS", "unwrapped_name"]
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 _log = logging.getLogger(__name__)
@@ -45,16 +48,33 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     return hasattr(t, "device_mesh") and hasattr(t, "placements")
 
 
+WRAPPERS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
+"""Module path segments torch's wrappers insert (``torch.compile``, ``checkpoint_wrapper``, FSDP1's
+wrapper), left out of the names a source sends, as ``torch.distributed.checkpoint`` leaves them out."""
+
+
+def unwrapped_name(name: str) -> str:
+    """``name`` without :data:`WRAPPERS` segments
+    (``_orig_mod.model.layers.0._checkpoint_wrapped_module.mlp.weight`` -> ``model.layers.0.mlp.weight``)."""
+    if "_orig_mod" not in name and "_wrapped_module" not in name:
+        return name
+    return ".".join(part for part in name.split(".") if part not in WRAPPERS)
+
+
 def _named(module: torch.nn.Module, name_map: Callable[[str], str | None] | None) -> list[tuple[str, torch.Tensor]]:
+    """(name sent, parameter): ``named_parameters()`` names without torch's wrapper segments, through
+    ``name_map`` (None skips a parameter)."""
     out = []
     for name, p in module.named_parameters():
+        name = unwrapped_name(name)
         hf = name_map(name) if name_map is not None else name
         if hf is not None:
             out.append((hf, p))
     names = [n for n, _ in out]
     if len(set(names)) != len(names):
         dup = sorted({n for n in names if names.count(n) > 1})
-        raise ValueError(f"name_map maps several parameters to the same name(s): {dup}")
+        raise ValueError(f"name_map maps several parameters to the same name(s): {dup} (names as "
+                         "named_parameters() gives them, torch's wrapper segments such as _orig_mod left out)")
     return out
 
 
@@ -65,7 +85,9 @@ class FullTensorSource(WeightSource):
         module: the trainer's model (plain ``nn.Module`` or ``fully_shard``-ed).
         bucket_bytes: gathered tensors are produced in groups of at most this many bytes; at most
             one group is alive at a time (the previous group is released before the next gather).
-        name_map: optional ``module name -> HF name`` (return None to skip a parameter).
+        name_map: optional ``module name -> HF name`` (return None to skip a parameter); module names
+            come without torch's wrapper segments (:data:`WRAPPERS`: ``torch.compile``'s ``_orig_mod``,
+            ``checkpoint_wrapper``'s ``_checkpoint_wrapped_module``), so a wrapped model sends HF names.
         dtype: optional wire dtype (e.g. ``torch.bfloat16`` from an fp32 master copy).
     """
 
@@ -109,7 +131,8 @@ class DTensorModuleSource(WeightSource):
         module: the ``fully_shard``-ed model.
         num_trainer_ranks: ranks of the trainer mesh; every DTensor's mesh must cover exactly
             these ranks (checked here, on every rank, before anything moves).
-        name_map: optional ``module name -> HF name`` (None skips a parameter).
+        name_map: optional ``module name -> HF name`` (None skips a parameter); module names come
+            without torch's wrapper segments, as for ``FullTensorSource``.
         dtype: optional wire dtype for floating-point tensors (e.g. ``torch.bfloat16`` from an fp32
             master copy): the metadata says ``dtype`` and each piece is cast as it is packed (no
             cast copy of the shard); the local shards keep their own dtype.

@@ -54,7 +54,8 @@ def check_model(model: torch.nn.Module, metas: Sequence[tuple[str, str, Sequence
     if unknown:
         more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
         raise ValueError(f"parameter {unknown[0]!r}{more}: the trainer sends it, but vLLM's "
-                         f"{type(model).__name__} has no parameter or fused layer for it")
+                         f"{type(model).__name__} has no parameter or fused layer for it (the source's "
+                         "name_map= maps the trainer's names to the checkpoint's)")
     _check_dtypes(dests, metas, cast_dtypes)
     gaps = coverage_gaps(model, dests, partial)
     if gaps:
