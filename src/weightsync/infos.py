@@ -195,10 +195,11 @@ class TrainerInitInfo:
             object.__setattr__(self, k, v)
 
     @classmethod
-    def for_deployment(cls, *, num_trainer_ranks: int, replicas: int, tp: int, rank: int = 0,
+    def for_deployment(cls, *, num_trainer_ranks: int, replicas: int, tp: int, pp: int = 1, rank: int = 0,
                        buffer_bytes: int | None = None, **fields: Any) -> "TrainerInitInfo":
-        """The init info for ``num_trainer_ranks`` trainer ranks and ``replicas`` engines of ``tp``
-        workers each; ``buffer_bytes`` sets the transport's staging/bucket size, ``fields`` any other field."""
+        """The init info for ``num_trainer_ranks`` trainer ranks and ``replicas`` engines of ``tp`` x ``pp``
+        workers each (``pp``: the engines' ``pipeline_parallel_size``); ``buffer_bytes`` sets the
+        transport's staging/bucket size, ``fields`` any other field."""
         raise NotImplementedError(f"{cls.__name__} does not implement for_deployment")
 
     def replica_workers(self, num_replicas: int) -> int:

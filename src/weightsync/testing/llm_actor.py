@@ -111,7 +111,8 @@ def reload_from_bytes(worker: Any, blob: bytes) -> None:
     worker.reload_weights(weights_iterator=iter(state_dict.items()))
     model = worker.model_runner.get_model()
     head, embed = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
-    if head is not None and embed is not None and head.weight is embed.weight and hasattr(head, "cpu_linear"):
+    tied = getattr(head, "weight", None)  # (None also on a pipeline stage without them: PPMissingLayer)
+    if tied is not None and tied is getattr(embed, "weight", None) and hasattr(head, "cpu_linear"):
         with torch.no_grad():
             head.quant_method.process_weights_after_loading(head)
 

@@ -92,7 +92,7 @@ class RaySession:
 
     def start_engines(self, backend: str, *, tp: int, dtype: str, model: str, count: int = 1,
                       max_model_len: int = 256, label: str | None = None, load_format: str = "dummy",
-                      reuse: bool = False) -> list[Any]:
+                      reuse: bool = False, pp: int = 1) -> list[Any]:
         """``count`` separate ``LLM`` actors (``WeightTransferConfig(backend=backend)``; dummy weights, or
         with ``load_format="auto"`` the checkpoint in the ``model`` directory); the previous engines
         are stopped first. With ``reuse``, running engines started with the same arguments are
@@ -102,7 +102,7 @@ class RaySession:
 
         from .llm_actor import EngineActor
 
-        config = (backend, tp, dtype, model, count, max_model_len, load_format)
+        config = (backend, tp, pp, dtype, model, count, max_model_len, load_format)
         if reuse and self.engines and self._config == config:
             try:
                 ray.get([h.ready.remote() for h in self.engines], timeout=60)
@@ -115,6 +115,7 @@ class RaySession:
         t0 = time.perf_counter()
         handles = [actor.remote(model=config_dir(model), load_format=load_format, enforce_eager=True,
                                 skip_tokenizer_init=True, max_model_len=max_model_len, tensor_parallel_size=tp,
+                                pipeline_parallel_size=pp,
                                 dtype=dtype, distributed_executor_backend="mp", seed=0,
                                 weight_transfer_config=WeightTransferConfig(backend=backend))
                    for _ in range(count)]
@@ -147,7 +148,7 @@ class RaySession:
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
-def init_info(backend: str, *, trainers: int, tp: int, replicas: int = 1, buffer_bytes: int = 64 << 20,
+def init_info(backend: str, *, trainers: int, tp: int, replicas: int = 1, pp: int = 1, buffer_bytes: int = 64 << 20,
               timeout_s: float = 120.0, **fields: Any) -> Any:
     """The registered transport's trainer init info for this deployment on loopback (rank 0; ``Trainers``
     sets each rank's); ``buffer_bytes`` is the bucket of full-tensor transports (M2N sizes its own);
@@ -155,7 +156,7 @@ def init_info(backend: str, *, trainers: int, tp: int, replicas: int = 1, buffer
     from weightsync.registry import transport
 
     t = transport(backend)
-    return t.init_info.for_deployment(num_trainer_ranks=trainers, replicas=replicas, tp=tp,
+    return t.init_info.for_deployment(num_trainer_ranks=trainers, replicas=replicas, tp=tp, pp=pp,
                                       buffer_bytes=buffer_bytes if t.source == "full" else None,
                                       master_address="127.0.0.1", master_port=free_port(), device="cpu",
                                       timeout_s=timeout_s, **fields)

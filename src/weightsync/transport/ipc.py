@@ -72,11 +72,11 @@ class IPCTrainerInitInfo(TrainerInitInfo):
         check_bucket_bytes("bucket_bytes", self.bucket_bytes)
 
     @classmethod
-    def for_deployment(cls, *, num_trainer_ranks: int, replicas: int, tp: int, rank: int = 0,
+    def for_deployment(cls, *, num_trainer_ranks: int, replicas: int, tp: int, pp: int = 1, rank: int = 0,
                        buffer_bytes: int | None = None, **fields: Any) -> "IPCTrainerInitInfo":
         if buffer_bytes is not None:
             fields["bucket_bytes"] = buffer_bytes
-        return cls(num_trainer_ranks=num_trainer_ranks, num_workers=replicas * tp, rank=rank, **fields)
+        return cls(num_trainer_ranks=num_trainer_ranks, num_workers=replicas * tp * pp, rank=rank, **fields)
 
 
 @dataclass(kw_only=True)

@@ -85,12 +85,12 @@ class M2NTrainerInitInfo(TrainerInitInfo):
         message_cap(self.staging_bytes, self.num_trainer_ranks, math.prod(dims), buffers=2)  # raises when too small
 
     @classmethod
-    def for_deployment(cls, *, num_trainer_ranks: int, replicas: int, tp: int, rank: int = 0,
+    def for_deployment(cls, *, num_trainer_ranks: int, replicas: int, tp: int, pp: int = 1, rank: int = 0,
                        buffer_bytes: int | None = None, **fields: Any) -> "M2NTrainerInitInfo":
         if buffer_bytes is not None:
             fields["staging_bytes"] = buffer_bytes
-        return cls(num_trainer_ranks=num_trainer_ranks, world_size=num_trainer_ranks + replicas * tp,
-                   dst_mesh_dims=(replicas, tp), rank=rank, **fields)
+        return cls(num_trainer_ranks=num_trainer_ranks, world_size=num_trainer_ranks + replicas * tp * pp,
+                   dst_mesh_dims=(replicas, tp * pp), rank=rank, **fields)
 
     def replica_workers(self, num_replicas: int) -> int:
         if self.dst_mesh_dims[0] != num_replicas:

@@ -65,11 +65,22 @@ class WorkerDestinations:
     reached: tuple[str, ...] = ()  # vLLM params a tensor reaches only whole through its loader (region unknown)
     quantized: tuple[str, ...] = ()  # block-FP8 weights: received unquantized (float32 staging), quantized here
     derived: tuple[str, ...] = ()  # their block scales, computed by the worker (no trainer tensor writes them)
+    elsewhere: tuple[str, ...] = ()  # names of layers another pipeline stage holds (none of it lands here)
 
     @property
     def via_loader_modules(self) -> tuple[str, ...]:
         """Modules whose params are received into checkpoint-layout staging, then re-processed."""
         return tuple(dict.fromkeys(p.rpartition(".")[0] for p in self.via_loader))
+
+
+class _Elsewhere:
+    """The tensor belongs to a layer another pipeline stage holds (a ``PPMissingLayer`` here)."""
+
+
+def _pp_missing(view: "_ModelView", name: str) -> bool:
+    """Whether a module on ``name``'s path is vLLM's placeholder for another pipeline stage's layer."""
+    parts = name.split(".")
+    return any(type(view.modules.get(".".join(parts[:k]))).__name__ == "PPMissingLayer" for k in range(1, len(parts)))
 
 
 @dataclass(frozen=True)
@@ -145,11 +156,12 @@ def _loaded(module: Any, attr: str, fp8: bool = False) -> torch.Tensor:
     return layout[attr] if (fp8 and attr in layout) or _processed(live, layout.get(attr)) else live
 
 
-def _target(view: _ModelView, name: str, shape: tuple[int, ...], doubts: dict[str, str]) -> Target | Unplaced | _Tied:
+def _target(view: _ModelView, name: str, shape: tuple[int, ...],
+            doubts: dict[str, str]) -> Target | Unplaced | _Tied | _Elsewhere:
     """The vLLM parameter HF tensor ``name`` reaches, or why no placer is asked."""
     found = view.find(name)
     if found is None:
-        return Unplaced(UNKNOWN)
+        return _Elsewhere() if _pp_missing(view, name) else Unplaced(UNKNOWN)
     pname, module, shard = found
     if view.is_tied(pname, module):
         return _Tied(pname)
@@ -170,7 +182,8 @@ def _target(view: _ModelView, name: str, shape: tuple[int, ...], doubts: dict[st
     return Target(name, shape, pname, module, param, shard, doubts.get(name))
 
 
-def _place_tensor(view: _ModelView, name: str, shape: tuple[int, ...], doubts: dict[str, str]) -> Placement | _Tied:
+def _place_tensor(view: _ModelView, name: str, shape: tuple[int, ...],
+                  doubts: dict[str, str]) -> Placement | _Tied | _Elsewhere:
     moe = view.experts.place(name, shape, checkpoint_layout) if view.experts else None
     if moe is not None:
         return moe
@@ -194,6 +207,7 @@ def resolve_destinations(model: torch.nn.Module, metas: Sequence[tuple[str, str,
     pieces: list[DestPiece] = []
     fallbacks: list[Fallback] = []
     tied: list[str] = []
+    elsewhere: list[str] = []  # another pipeline stage's layers
     placed: list[DestPiece] = []  # every placed piece, also those later demoted to a fallback (coverage)
     reached: list[str] = []  # vLLM params a tensor reaches whole through the loader (region unknown)
     sizes: dict[str, int] = {}
@@ -203,6 +217,8 @@ def resolve_destinations(model: torch.nn.Module, metas: Sequence[tuple[str, str,
         result = _place_tensor(view, name, shape, doubts)
         if isinstance(result, _Tied):
             tied.append(name)  # the same storage is reached through another name, sent there
+        elif isinstance(result, _Elsewhere):
+            elsewhere.append(name)
         elif isinstance(result, Placed):
             placed.extend(result.pieces)
             pieces.extend(result.pieces)
@@ -223,7 +239,7 @@ def resolve_destinations(model: torch.nn.Module, metas: Sequence[tuple[str, str,
     pieces, demoted, via = _post_processed(view, pieces, sizes, shapes, dtypes, quantized)
     return WorkerDestinations(tuple(pieces), tuple(fallbacks + demoted), tuple(tied), shapes, dtypes, tuple(via),
                               tuple(placed), tuple(dict.fromkeys(reached)), tuple(quantized),
-                              tuple(quantized.values()))
+                              tuple(quantized.values()), tuple(elsewhere))
 
 
 def _post_processed(view: _ModelView, pieces: list[DestPiece], sizes: dict[str, int], shapes: dict[str, tuple[int, ...]],

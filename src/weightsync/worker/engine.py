@@ -233,7 +233,8 @@ class WorkerEngine:
             per_engine = int(getattr(pc, "data_parallel_size", 1) or 1) * int(pc.world_size)
             if info.num_engines * per_engine != expected:
                 raise ValueError(f"the trainer's {field} describes {expected} worker(s), but the client drives "
-                                 f"{info.num_engines} engine(s) of {per_engine} worker(s) each")
+                                 f"{info.num_engines} engine(s) of {per_engine} worker(s) each (tensor x pipeline "
+                                 "x data parallel size: for_deployment(tp=..., pp=...) counts them)")
         if w >= expected:
             raise ValueError(f"worker rank {w} is outside the {expected} worker(s) the trainer's {field} describes")
 
