@@ -11,6 +11,8 @@ be a plain block copy becomes a counted fallback (the whole tensor goes to the p
 A pre-fused checkpoint tensor (Phi3's ``qkv_proj``) is split as the fused layer's loader splits it,
 once :func:`probe_prefused` has seen vLLM's ``load_weights`` hand it to that loader unchanged.
 Tied parameters (``lm_head`` sharing ``embed_tokens``) get no destination: they arrive once.
+Nor do the tensors of layers another pipeline stage holds (``PPMissingLayer`` on this worker); a
+name no module has is still refused, by the stage that holds its layer.
 
 Regions are planned against the checkpoint layout: the tensors as vLLM's loader writes them,
 recorded by vLLM before post-load processing (layerwise reload's metadata). Where the live tensor
@@ -65,7 +67,6 @@ class WorkerDestinations:
     reached: tuple[str, ...] = ()  # vLLM params a tensor reaches only whole through its loader (region unknown)
     quantized: tuple[str, ...] = ()  # block-FP8 weights: received unquantized (float32 staging), quantized here
     derived: tuple[str, ...] = ()  # their block scales, computed by the worker (no trainer tensor writes them)
-    elsewhere: tuple[str, ...] = ()  # names of layers another pipeline stage holds (none of it lands here)
 
     @property
     def via_loader_modules(self) -> tuple[str, ...]:
@@ -207,7 +208,6 @@ def resolve_destinations(model: torch.nn.Module, metas: Sequence[tuple[str, str,
     pieces: list[DestPiece] = []
     fallbacks: list[Fallback] = []
     tied: list[str] = []
-    elsewhere: list[str] = []  # another pipeline stage's layers
     placed: list[DestPiece] = []  # every placed piece, also those later demoted to a fallback (coverage)
     reached: list[str] = []  # vLLM params a tensor reaches whole through the loader (region unknown)
     sizes: dict[str, int] = {}
@@ -218,7 +218,7 @@ def resolve_destinations(model: torch.nn.Module, metas: Sequence[tuple[str, str,
         if isinstance(result, _Tied):
             tied.append(name)  # the same storage is reached through another name, sent there
         elif isinstance(result, _Elsewhere):
-            elsewhere.append(name)
+            continue  # another pipeline stage's layer: nothing of it lands on this worker
         elif isinstance(result, Placed):
             placed.extend(result.pieces)
             pieces.extend(result.pieces)
@@ -239,7 +239,7 @@ def resolve_destinations(model: torch.nn.Module, metas: Sequence[tuple[str, str,
     pieces, demoted, via = _post_processed(view, pieces, sizes, shapes, dtypes, quantized)
     return WorkerDestinations(tuple(pieces), tuple(fallbacks + demoted), tuple(tied), shapes, dtypes, tuple(via),
                               tuple(placed), tuple(dict.fromkeys(reached)), tuple(quantized),
-                              tuple(quantized.values()), tuple(elsewhere))
+                              tuple(quantized.values()))
 
 
 def _post_processed(view: _ModelView, pieces: list[DestPiece], sizes: dict[str, int], shapes: dict[str, tuple[int, ...]],
