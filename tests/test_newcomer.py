@@ -1,7 +1,7 @@
 """What a newcomer meets first (issue 41): the shipped configs located by API, a refusal at init raised as
 a ``ValueError`` carrying the worker's message on every trainer rank, Ray's errors trimmed to their
-cause (a dead engine core said to be one), ``SyncStats``'s repr and docs, and no vLLM reload warnings
-for layers that take no weights."""
+cause (a dead engine core said to be one), ``SyncStats``'s repr and docs, no vLLM reload warnings
+for layers that take no weights, and a pipeline stage's worker taking only its own layers."""
 
 from __future__ import annotations
 
@@ -260,3 +260,21 @@ def test_reload_warns_only_for_a_layer_with_weights_that_got_none():
     assert torch.equal(model.embed.weight, torch.ones(4, 4)) and model.head.weight is model.embed.weight
     assert torch.equal(model.rotary.cos_sin_cache, torch.arange(8.0)) and torch.equal(model.dense.weight,
                                                                                        torch.zeros(4, 4))
+
+
+def test_a_pipeline_stage_leaves_other_stages_layers_unplaced_and_still_refuses_unknown_names():
+    """The worker side of ``tests/engine/test_engine_pp.py``, on a model with vLLM's own placeholder."""
+    utils = pytest.importorskip("vllm.model_executor.models.utils")
+    from weightsync.worker.agreement import check_model
+
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.layers = torch.nn.ModuleList([torch.nn.Module(), utils.PPMissingLayer()])  # this worker: stage 0
+    model.model.layers[0].norm = torch.nn.Module()
+    model.model.layers[0].norm.weight = torch.nn.Parameter(torch.ones(4))
+    metas = [(f"model.layers.{i}.norm.weight", "float32", (4,)) for i in range(2)]
+    assert [p.name for p in check_model(model, metas).pieces] == ["model.layers.0.norm.weight"]
+    for bad in ("model.layers.0.nrm.weight", "model.layers.2.norm.weight"):
+        with pytest.raises(ValueError, match=rf"parameter '{re.escape(bad)}': the trainer sends it, but vLLM's "
+                                             r"Module has no parameter or fused layer for it"):
+            check_model(model, [*metas, (bad, "float32", (4,))])
