@@ -36,6 +36,7 @@ def _sync(handle, trainers: Trainers, name: str, ranks: int, version: str, **fie
 
 
 def _stages(synced: list[dict]) -> list[set[str]]:
+    """Each worker's parameter names, checked to be its own stage's: no decoder layer on both."""
     stages = [{n for n in w if "#" not in n} for w in synced]
     assert len(stages) == PP and not stages[0] & {n for n in stages[1] if ".layers." in n}
     assert any(".layers.0." in n for n in stages[0]) and any(".layers.1." in n for n in stages[1])
