@@ -81,18 +81,18 @@ def _engine_greedy(handle, lora_id: int | None, path: str = "weightsync://in-mem
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def _start(session, model_dir: str, tp: int):
+def _start(session, model_dir: str, tp: int, pp: int = 1):
     """One LoRA engine on the session (the session stops it before its next start)."""
     import ray
 
     from weightsync.testing.llm_actor import EngineActor
 
     session.stop_engines()
-    session._config = ("lora", tp)
+    session._config = ("lora", tp, pp)
     handle = ray.remote(num_cpus=0)(EngineActor).remote(
         model=model_dir, load_format="auto", enforce_eager=True, skip_tokenizer_init=True, max_model_len=128,
-        tensor_parallel_size=tp, dtype="float32", distributed_executor_backend="mp", seed=0,
-        enable_lora=True, max_loras=MAX_LORAS, max_lora_rank=MAX_RANK, max_cpu_loras=MAX_LORAS + 2)
+        tensor_parallel_size=tp, pipeline_parallel_size=pp, dtype="float32", distributed_executor_backend="mp",
+        seed=0, enable_lora=True, max_loras=MAX_LORAS, max_lora_rank=MAX_RANK, max_cpu_loras=MAX_LORAS + 2)
     session.engines = [handle]
     ray.get(handle.ready.remote(), timeout=900)
     return handle

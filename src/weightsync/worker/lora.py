@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ..layout.regions import Region
+from .destinations import on_other_stage
 
 __all__ = ["LoRABlock", "LoRASlots", "lora_slots"]
 
@@ -107,7 +108,7 @@ class LoRASlots:
         self.adapters: dict[int, _Adapter] = {}
 
     # ---- init: resolve and check, nothing written -------------------------------------------
-    def _locate(self, name: str) -> tuple[str, str, int]:
+    def _locate(self, name: str) -> tuple[str, str, int] | None:
         from vllm.lora.utils import parse_fine_tuned_lora_name
 
         mapper = getattr(self.manager.model, "hf_to_vllm_mapper", None)
@@ -119,6 +120,8 @@ class LoRASlots:
         for parent, subs in self.manager.packed_modules.items():
             if module in subs and parent in self.manager.modules:
                 return parent, which, subs.index(module)
+        if on_other_stage(dict(self.manager.model.named_modules()), module):
+            return None  # another pipeline stage's layer: that stage's worker takes it
         raise ValueError(f"target_modules: adapter tensor {name!r} targets {module!r}, which has no LoRA layer in "
                          f"this engine (its LoRA layers: {_short(sorted(self.manager.modules))}; the engine's "
                          f"LoRA config or the model's supported modules lack it)")
@@ -157,7 +160,10 @@ class LoRASlots:
     def _tensor_blocks(self, name: str, shape: tuple[int, ...], helper: Any, scaling: dict[str, float]) -> list[LoRABlock]:
         from vllm.lora.utils import parse_fine_tuned_lora_name
 
-        module, which, sub = self._locate(name)
+        located = self._locate(name)
+        if located is None:
+            return []
+        module, which, sub = located
         layer = self.manager.modules[module]
         if not isinstance(getattr(layer, "lora_a_stacked", None), tuple) or not hasattr(layer, "output_slices"):
             raise ValueError(f"target_modules: adapter tensor {name!r} targets {module!r}, a "
