@@ -27,7 +27,7 @@ Mixture-of-experts layers: :mod:`weightsync.worker.experts`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,11 +78,17 @@ class _Elsewhere:
     """The tensor belongs to a layer another pipeline stage holds (a ``PPMissingLayer`` here)."""
 
 
-def on_other_stage(modules: Mapping[str, Any], name: str) -> bool:
-    """Whether a module on ``name``'s path (``modules``: a model's ``named_modules()``) is vLLM's
+def on_other_stage(model: torch.nn.Module, name: str) -> bool:
+    """Whether a module on ``name``'s path (a parameter's or a module's, from ``model``) is vLLM's
     placeholder for a layer another pipeline stage holds (``PPMissingLayer``)."""
-    parts = name.split(".")
-    return any(type(modules.get(".".join(parts[:k]))).__name__ == "PPMissingLayer" for k in range(1, len(parts) + 1))
+    module: Any = model
+    for part in name.split("."):
+        module = getattr(module, part, None)
+        if module is None:
+            return False
+        if type(module).__name__ == "PPMissingLayer":
+            return True
+    return False
 
 
 @dataclass(frozen=True)
@@ -163,7 +169,7 @@ def _target(view: _ModelView, name: str, shape: tuple[int, ...],
     """The vLLM parameter HF tensor ``name`` reaches, or why no placer is asked."""
     found = view.find(name)
     if found is None:
-        return _Elsewhere() if on_other_stage(view.modules, name) else Unplaced(UNKNOWN)
+        return _Elsewhere() if on_other_stage(view.model, name) else Unplaced(UNKNOWN)
     pname, module, shard = found
     if view.is_tied(pname, module):
         return _Tied(pname)

@@ -120,7 +120,7 @@ class LoRASlots:
         for parent, subs in self.manager.packed_modules.items():
             if module in subs and parent in self.manager.modules:
                 return parent, which, subs.index(module)
-        if on_other_stage(dict(self.manager.model.named_modules()), module):
+        if on_other_stage(self.manager.model, module):
             return None  # another pipeline stage's layer: that stage's worker takes it
         raise ValueError(f"target_modules: adapter tensor {name!r} targets {module!r}, which has no LoRA layer in "
                          f"this engine (its LoRA layers: {_short(sorted(self.manager.modules))}; the engine's "
