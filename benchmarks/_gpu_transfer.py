@@ -2,10 +2,10 @@
 rank 0) and one receiver (worker 0, data rank 1) on one device, each beside a raw op of the same bytes
 on the same group in the same run (the ratio is the number that matters).
 
-* ``M2N rounds``: a plan from :mod:`weightsync.layout` (Qwen3-8B-shaped tensors, one trainer rank
+* ``M2N rounds``: a plan from :mod:`weightsync.plan` (Qwen3-8B-shaped tensors, one trainer rank
   holding FSDP dim-0 shards of the whole model -> worker 0 of TP 2: dim-0 halves of q/k/v/gate/up
   and the embedding, dim-1 halves of o/down_proj, norms whole) run by
-  :func:`weightsync.transport.m2n_exec.run_rounds` over :class:`weightsync.comm.Communicator`, the
+  :func:`weightsync.reshard.handshake.run_rounds` over :class:`weightsync.comm.Communicator`, the
   receiver copying into its parameters; ``raw p2p``: one send/recv of the same bytes; ``raw p2p
   cap``: the same bytes in message-cap chunks, ``DEPTH`` in flight (the executor's messages without copies).
 * ``bcast buckets``: the nccl transport's bucket path (``plan_buckets``, ``pack`` into two buffers,
@@ -43,12 +43,12 @@ from typing import Any
 import torch
 
 from weightsync.comm import Communicator, describe
-from weightsync.layout import DestPiece, Region, Shard, TensorSource, align_up, build_plan, mesh_coordinates
-from weightsync.layout import source_regions
-from weightsync.layout.buckets import plan_buckets
-from weightsync.layout.schedule import message_cap
-from weightsync.transport.m2n_exec import DEPTH, my_messages, run_rounds
-from weightsync.transport.packing import fold_checksum, pack, unpack
+from weightsync.plan import DestPiece, Region, Shard, TensorSource, align_up, build_plan, mesh_coordinates
+from weightsync.plan import source_regions
+from weightsync.plan.buckets import plan_buckets
+from weightsync.plan.schedule import message_cap
+from weightsync.reshard.handshake import DEPTH, my_messages, run_rounds
+from weightsync.reshard.packing import fold_checksum, pack, unpack
 
 MiB = 1 << 20
 NCCL_ENV = {"NCCL_MULTI_RANK_GPU_ENABLE": "1", "NCCL_NVLS_ENABLE": "0"}

@@ -8,8 +8,8 @@ from functools import cache
 import torch
 
 from plan_scale import _dsv3_model, _linear_experts, _model, _region
-from weightsync.layout import DestPiece, Shard
-from weightsync.layout.regions import mesh_coordinates, source_regions
+from weightsync.plan import DestPiece, Shard
+from weightsync.plan.regions import mesh_coordinates, source_regions
 from weightsync.protocol import ParamMeta
 from weightsync.trainer.sources import fuse_expert_metas
 from weightsync.worker.experts import W1, W2, W3, W13, fused_expert_pieces

@@ -52,11 +52,11 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
 
-from weightsync.layout import align_up
-from weightsync.layout.buckets import plan_buckets
-from weightsync.transport.packing import pack, unpack
+from weightsync.plan import align_up
+from weightsync.plan.buckets import plan_buckets
+from weightsync.reshard.packing import pack, unpack
 from weightsync.protocol import ParamMeta
-from weightsync.transport.ipc_handles import BufferImporter, ExportedBuffer
+from weightsync.transports.ipc_handles import BufferImporter, ExportedBuffer
 
 import _gpu_transfer
 

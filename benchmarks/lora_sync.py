@@ -45,7 +45,7 @@ def main() -> int:
     from weightsync.testing.llm_actor import EngineActor
     from weightsync.testing.vllm_cpu import RaySession, config_dir
     from weightsync.trainer.lora import LoRASource
-    from weightsync.transport.lora import LoRASync
+    from weightsync.transports.lora import LoRASync
 
     load0 = os.getloadavg()[0]
     session = RaySession()

@@ -24,7 +24,7 @@ Trainer: 1-D FSDP mesh of 256, ``Shard(0)`` (the expert dim of 3-D expert tensor
 do not divide). Each rank builds the whole plan, then its compact per-peer listing
 (``TransferPlan.pairs``, what the M2N executor keeps): the table reports both, and the process's peak
 RSS over the plan and the listings above its RSS before (``/proc`` VmHWM). ``--cut`` also times
-cutting trainer rank 0's rounds from that listing into arrays (``PairItems.compact_rounds``: what
+cutting trainer rank 0's rounds from that listing into arrays (``weightsync.plan.schedule.pair_rounds``: what
 a rank does once at init, ``m2n_exec.Rounds``) and its peak memory.
 The plan is built ``--repeats`` times (median reported; the machine may be shared). Prints a
 markdown table.
@@ -43,7 +43,7 @@ import time
 from functools import cache
 from statistics import mean, median
 
-from weightsync.layout import (
+from weightsync.plan import (
     DestPiece,
     Region,
     Replicate,
@@ -54,8 +54,8 @@ from weightsync.layout import (
     source_regions,
 )
 from weightsync.worker.experts import W2, W13, fused_expert_pieces
-from weightsync.layout.plan import PairItems
-from weightsync.layout.schedule import message_cap
+from weightsync.plan.transfer import PairItems
+from weightsync.plan.schedule import message_cap, pair_rounds
 
 HIDDEN, HEAD, Q_HEADS, KV_HEADS, INTER, MOE_INTER, VOCAB = 7168, 128, 64, 8, 18432, 2048, 163845
 
@@ -298,7 +298,7 @@ def _cut_pass(pairs: PairItems, itemsize: dict[str, int], num_src: int, num_dst:
     _reset_peak()
     rss0, _ = _rss_mib()
     t0 = time.perf_counter()
-    cut = pairs.compact_rounds(cap=cap, itemsize_of=itemsize.__getitem__)
+    cut = pair_rounds(pairs, cap=cap, itemsize_of=itemsize.__getitem__)
     n_rounds, n_msgs = len(cut), cut.num_messages
     _, peak = _rss_mib()
     return {"cut_s": time.perf_counter() - t0, "cut_rounds": n_rounds, "cut_messages": n_msgs,

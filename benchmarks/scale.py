@@ -15,7 +15,7 @@ too, so the messages are cut as at full size. k2's per-expert tensors are fused 
 (``DTensorModuleSource(fuse_experts=True)``: one [E, ...] tensor per layer and projection, into
 vLLM's fused ``w13_weight`` / ``w2_weight``); its trainer's timed sync includes the stacking.
 One process per shape builds the plan, then runs trainer rank 0's and worker 0's executor
-(:func:`~weightsync.transport.m2n_rounds.run_rounds`) against a data plane that completes at once
+(:func:`~weightsync.reshard.executor.run_rounds`) against a data plane that completes at once
 (``ordered``, as NCCL): every byte the executor copies is still copied (staged packs and applies),
 nothing else moves. The trainer's tensors and the staging buffer hold bytes (their pages are backed, as
 a received buffer's are); a worker's parameters are backed by the warm-up sync.
@@ -56,10 +56,10 @@ import torch
 
 from _scale_shapes import LABELS, S, SHAPES, _fsdp_rows, _fused, _scaled, _worker_pieces
 from plan_scale import _fsdp, _reset_peak, _rss_mib
-from weightsync.layout import DestPiece, TensorSource, build_plan
-from weightsync.layout.schedule import ALONE, message_cap
-from weightsync.transport.m2n_exec import my_messages
-from weightsync.transport.m2n_rounds import run_rounds
+from weightsync.plan import DestPiece, TensorSource, build_plan
+from weightsync.plan.schedule import ALONE, message_cap
+from weightsync.reshard.handshake import my_messages
+from weightsync.reshard.executor import run_rounds
 
 STAGING = 256 << 20  # M2N's DEFAULT_STAGING_BYTES
 NVLINK, IB = 450e9, 50e9

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from weightsync.integrations.fsdp2 import FSDP2Trainer, LossConfig, ModelConfig, OptimConfig, Sample, TrainerConfig
-from weightsync.transport.m2n import M2NTrainerInitInfo
+from weightsync.transports.m2n import M2NTrainerInitInfo
 
 TRAINERS, TP = 2, 2
 

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
 from weightsync import FullTensorSource, RayVLLMWeightSyncClient, WeightTransferTrainerFactory
-from weightsync.transport.ipc import IPCTrainerInitInfo
+from weightsync.transports.ipc import IPCTrainerInitInfo
 
 GPU_SHARE = 0.4  # of each GPU, for the trainer rank and again for the vLLM worker on it
 

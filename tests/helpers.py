@@ -5,7 +5,7 @@
 * inside FSDP2 rank processes (``ranks().run("helpers:NAME")``): negative controls and round trips
   the FSDP2 trainer tests need;
 * the single-process reference executor, the specification every transport must match:
-  :func:`execute_reference` performs a :class:`~weightsync.layout.plan.TransferPlan` with plain tensor
+  :func:`execute_reference` performs a :class:`~weightsync.plan.transfer.TransferPlan` with plain tensor
   copies, all ranks' tensors in one process (a transport is correct when, for the same plan and inputs,
   its workers' params end up equal to what this writes); :func:`make_local_shards` cuts full tensors into
   each trainer rank's shards and :func:`write_destinations` writes what the destination pieces say a
@@ -25,10 +25,11 @@ from typing import Any
 
 import torch
 
+from oracle import iter_items
 from weightsync.integrations.fsdp2 import LossConfig, ModelConfig, OptimConfig, TrainerConfig
-from weightsync.layout.plan import TransferPlan
-from weightsync.layout.records import DestPiece, TensorSource
-from weightsync.layout.regions import Region, box_slices
+from weightsync.plan.transfer import TransferPlan
+from weightsync.plan.transfer import DestPiece, TensorSource
+from weightsync.plan.regions import Region, box_slices
 from weightsync.registry import transport, transport_names
 from weightsync.testing.actors import STATE
 from weightsync.testing.cluster import Layout
@@ -271,7 +272,7 @@ def execute_reference(
     ``local_shards[r][name]`` is trainer rank r's local shard of tensor ``name`` (the data of
     its source region); ``params[w][param]`` is worker w's parameter, written in place.
     """
-    for item in plan.iter_items():
+    for item in iter_items(plan):
         try:
             src = local_shards[item.src_rank][item.name]
         except KeyError:

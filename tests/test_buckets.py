@@ -5,9 +5,9 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from weightsync.layout.buckets import ALIGN, metadata_digest, plan_buckets
+from weightsync.plan.buckets import ALIGN, metadata_digest, plan_buckets
 from weightsync.protocol import ParamMeta
-from weightsync.transport.packing import CHUNK_BYTES, ROW_WORDS, fold_checksum, pack, unpack
+from weightsync.reshard.packing import CHUNK_BYTES, ROW_WORDS, fold_checksum, pack, unpack
 
 MiB = 1 << 20
 
@@ -80,7 +80,7 @@ def test_plan_buckets_takes_plain_records_with_dtype_names():
 
 
 def _reference_fold(acc: int, data: bytes) -> int:
-    """The definition in weightsync.transport.packing's docstring, in plain Python."""
+    """The definition in weightsync.reshard.packing's docstring, in plain Python."""
     padded = data + bytes(-len(data) % (4 * ROW_WORDS))
     words = struct.unpack(f"<{len(padded) // 4}i", padded)
     a = sum(words)

@@ -10,9 +10,9 @@ import torch
 
 from helpers import execute_reference, make_local_shards
 from test_m2n_rounds import SRC, Loopback
-from weightsync.layout import DestPiece, Region, Shard, TensorSource, build_plan, mesh_coordinates, source_regions
-from weightsync.transport.delta import Baseline, _layout, decode, diff, encode, patch, sparse_nbytes
-from weightsync.transport.m2n_exec import my_messages, run_rounds
+from weightsync.plan import DestPiece, Region, Shard, TensorSource, build_plan, mesh_coordinates, source_regions
+from weightsync.reshard.delta import Baseline, _layout, decode, diff, encode, patch, sparse_nbytes
+from weightsync.reshard.handshake import my_messages, run_rounds
 
 
 def test_diff_is_bitwise():

@@ -219,7 +219,7 @@ def test_clients_add_and_remove_engines_naming_the_bad_entry():
 
 
 def test_the_policy_is_checked_and_ipc_has_no_per_replica_groups():
-    from weightsync.transport.ipc import IPCTrainerInitInfo
+    from weightsync.transports.ipc import IPCTrainerInitInfo
 
     with pytest.raises(ValueError, match=r"M2NTrainerInitInfo\.on_engine_failure must be 'fail' or 'drop', got 'skip'"):
         init_info("weightsync_m2n", layout("weightsync_m2n"), on_engine_failure="skip")

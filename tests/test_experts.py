@@ -16,7 +16,7 @@ import torch
 
 from helpers import execute_reference, make_local_shards
 from weightsync.worker.experts import W2, W13, expert_runs, fused_expert_pieces
-from weightsync.layout import Shard, TensorSource, build_plan, mesh_coordinates, source_regions
+from weightsync.plan import Shard, TensorSource, build_plan, mesh_coordinates, source_regions
 from weightsync.testing.cluster import free_port
 
 pytestmark = pytest.mark.timeout(300)
@@ -99,7 +99,7 @@ def _rank(rank: int, world: int, port: int, queue) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from weightsync.layout import Region
+    from weightsync.plan import Region
     from weightsync.trainer.sources import DTensorModuleSource, tensor_sources
 
     torch.set_num_threads(1)

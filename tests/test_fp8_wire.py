@@ -8,11 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weightsync.layout.fp8_wire import (FP8_SUFFIX, SCALE_SUFFIX, block_count, check_block, split_piece,
+from oracle import iter_items
+from weightsync.plan.fp8_blocks import (FP8_SUFFIX, SCALE_SUFFIX, block_count, check_block, split_piece,
                                         whole_blocks, wire_sources)
-from weightsync.layout.plan import build_plan
-from weightsync.layout.records import DestPiece, TensorSource
-from weightsync.layout.regions import Region, uncovered
+from weightsync.plan.transfer import build_plan
+from weightsync.plan.transfer import DestPiece, TensorSource
+from weightsync.plan.regions import Region, uncovered
 
 B = (128, 128)
 
@@ -66,7 +67,7 @@ def test_a_piece_splits_into_whole_blocks_on_the_wire_and_cut_blocks_in_the_trai
     # the plan moves each whole block from its holder: 1 byte per element plus a 4-byte scale
     plan = build_plan(wire_sources([src], B), [wire + staged])
     assert plan.coverage().lower_bound == (2 * 128 * 256 * 1 + 4 * 4 + 256 * 256 * 2,)
-    assert {i.src_rank for i in plan.iter_items() if i.name.endswith(FP8_SUFFIX)} == {0, 2}
+    assert {i.src_rank for i in iter_items(plan) if i.name.endswith(FP8_SUFFIX)} == {0, 2}
 
 
 def test_a_piece_inside_one_shard_goes_whole_on_the_wire():
@@ -81,7 +82,7 @@ def test_block_sizes_are_checked_naming_the_field():
     for bad in ((0, 128), (128,), "128", (128.0, 128)):
         with pytest.raises(ValueError, match=r"^fp8_block must be \(rows, cols\) of positive ints"):
             check_block(bad)
-    from weightsync.transport.m2n import M2NTrainerInitInfo
+    from weightsync.transports.m2n import M2NTrainerInitInfo
 
     with pytest.raises(ValueError, match=r"^fp8_block must be"):
         M2NTrainerInitInfo.for_deployment(num_trainer_ranks=2, replicas=1, tp=2, device="cpu", master_port=1, fp8_wire=True,

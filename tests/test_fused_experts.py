@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import init_info, mismatches
-from weightsync.layout import Replicate, Shard
+from weightsync.plan import Replicate, Shard
 from weightsync.protocol import ParamMeta
 from weightsync.testing.cluster import Layout
 from weightsync.trainer.sources import fuse_expert_metas

@@ -18,15 +18,15 @@ import torch
 
 from helpers import HAS_CUDA, init_info, mismatches
 from weightsync.infos import parse_info
-from weightsync.layout.buckets import plan_buckets
+from weightsync.plan.buckets import plan_buckets
 from weightsync.protocol import ParamMeta
 from weightsync.testing.actors import RemoteError, gather
 from weightsync.testing.cluster import Layout
 from weightsync.testing.faults import CorruptingClient, JsonRoundTripClient
-from weightsync.transport.packing import pack
-from weightsync.transport import ipc_handles
-from weightsync.transport.ipc import IPCTrainerInitInfo, IPCUpdateInfo, IPCWorkerInitInfo
-from weightsync.transport.ipc_handles import BufferImporter, ExportedBuffer
+from weightsync.reshard.packing import pack
+from weightsync.transports import ipc_handles
+from weightsync.transports.ipc import IPCTrainerInitInfo, IPCUpdateInfo, IPCWorkerInitInfo
+from weightsync.transports.ipc_handles import BufferImporter, ExportedBuffer
 
 COLOCATED = Layout(trainers=2, tp=2, backend="weightsync_ipc")
 

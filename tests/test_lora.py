@@ -16,9 +16,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weightsync.layout.regions import Region, Replicate, Shard
+from weightsync.plan.regions import Region, Replicate, Shard
 from weightsync.protocol import ParamMeta
-from weightsync.transport.lora import pair_cuts
+from weightsync.transports.lora import pair_cuts
 from weightsync.worker.lora import _blocks
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from helpers import execute_reference, init_info, mismatches
-from weightsync.layout import build_plan
+from weightsync.plan import build_plan
 from weightsync.testing.actors import RemoteError
 from weightsync.testing.cluster import Layout
 

@@ -12,12 +12,13 @@ import pytest
 import torch
 
 from helpers import execute_reference, make_local_shards
-from weightsync.layout import DestPiece, Region, Shard, TensorSource, build_plan, mesh_coordinates, source_regions
-from weightsync.transport import m2n_rounds
-from weightsync.layout.records import TransferItem
-from weightsync.layout.schedule import Message
-from weightsync.transport.m2n_exec import my_messages
-from weightsync.transport.m2n_rounds import run_rounds
+from oracle import item_rounds
+from weightsync.plan import DestPiece, Region, Shard, TensorSource, build_plan, mesh_coordinates, source_regions
+from weightsync.reshard import executor as m2n_rounds
+from weightsync.plan.transfer import TransferItem
+from weightsync.plan.schedule import Message
+from weightsync.reshard.handshake import my_messages
+from weightsync.reshard.executor import run_rounds
 
 
 class Loopback:
@@ -236,7 +237,7 @@ def test_rounds_kept_as_arrays_equal_the_item_by_item_cut_on_both_ends():
     recv = [my_messages(plan, sources, rank=w, sender=False, cap=128) for w in range(3)]
     for rank, (rs, sender) in enumerate([(r, True) for r in send] + [(r, False) for r in recv]):
         rank = rank if sender else rank - 2
-        want = list(plan.pairs(rank, sender=sender).rounds(cap=128, itemsize_of=size))
+        want = list(item_rounds(plan.pairs(rank, sender=sender), cap=128, itemsize_of=size))
         assert list(rs) == list(rs) == want and len(rs) == len(want) >= 2
         assert rs.nbytes == sum(m.nbytes for r in want for m in r) and rs.kept_bytes() > 0
     by_send = {(m.src, m.dst, m.index): m for rs in send for rnd in rs for m in rnd}
@@ -248,8 +249,8 @@ def test_byte_runs_views_equal_the_boxes_bytes_and_grouped_views_equal_single_on
     """``ByteRuns.box``: a box of a contiguous tensor as bytes (one slice when it is one run, else a
     strided byte view) holds exactly ``t[box]``'s bytes; None for a tensor that is not contiguous.
     ``likes``: boxes back to back in a buffer, grouped by shape, view the same bytes as ``like``."""
-    from weightsync.layout.regions import box_slices
-    from weightsync.transport.packing import ByteRuns
+    from weightsync.plan.regions import box_slices
+    from weightsync.reshard.packing import ByteRuns
 
     t = torch.arange(4 * 6 * 5, dtype=torch.float32).reshape(4, 6, 5)
     runs = ByteRuns()

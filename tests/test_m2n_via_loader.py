@@ -16,7 +16,7 @@ import pytest
 
 from weightsync.testing.actors import RemoteError
 from weightsync.testing.cluster import Layout, free_port
-from weightsync.transport.m2n import M2NTrainerInitInfo
+from weightsync.transports.m2n import M2NTrainerInitInfo
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

@@ -20,7 +20,7 @@ from weightsync import EngineDead, FullTensorSource, Refused, RemoteCallError, S
 from weightsync.comm import Communicator
 from weightsync.stats import DeltaStats
 from weightsync.testing.actors import free_port
-from weightsync.transport.nccl import NCCLTrainerInitInfo
+from weightsync.transports.nccl import NCCLTrainerInitInfo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 30.0

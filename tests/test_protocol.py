@@ -8,11 +8,11 @@ from weightsync import (FullTensorSource, ParamMeta, WeightSource, WeightTransfe
                         WorkerEngineFactory, transport_names)
 from weightsync.protocol import dtype_from_name, dtype_name
 from weightsync.infos import parse_info
-from weightsync.transport.nccl import NCCLTrainerInitInfo, NCCLUpdateInfo, NCCLWorkerInitInfo
+from weightsync.transports.nccl import NCCLTrainerInitInfo, NCCLUpdateInfo, NCCLWorkerInitInfo
 
 
 def test_import_pulls_in_no_vllm_ray_or_nccl():
-    code = ("import weightsync, weightsync.transport.nccl, sys; "
+    code = ("import weightsync, weightsync.transports.nccl, sys; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'vllm', 'ray', 'nccl'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

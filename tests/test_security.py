@@ -190,7 +190,7 @@ def test_a_sync_with_the_secret_works_end_to_end_and_a_party_without_it_is_refus
 # --- delta messages are validated before any patch (item 2) ---------------------------------------
 def _valid_message(g: torch.Generator, bitmap: bool):
     """Two parameters, each patched through a non-contiguous region view; a valid sparse message."""
-    from weightsync.transport.delta import _layout, diff, encode
+    from weightsync.reshard.delta import _layout, diff, encode
 
     params = [torch.randint(-50, 50, (40, 50), generator=g, dtype=torch.int16).view(torch.bfloat16),
               torch.randint(-50, 50, (12, 30), generator=g, dtype=torch.int16).view(torch.bfloat16)]
@@ -210,7 +210,7 @@ def _valid_message(g: torch.Generator, bitmap: bool):
 
 def _malform(buf: torch.Tensor, numels: list[int], n: int, bitmap: bool, g: torch.Generator):
     """A copy of the message broken in one way that must be refused; returns (buf, n)."""
-    from weightsync.transport.delta import _layout
+    from weightsync.reshard.delta import _layout
 
     buf, r = buf.clone(), int(torch.randint(0, 1000, (1,), generator=g))
     counts = buf[:8].view(torch.int32)
@@ -249,7 +249,7 @@ def _malform(buf: torch.Tensor, numels: list[int], n: int, bitmap: bool, g: torc
 
 
 def test_a_thousand_malformed_delta_messages_write_nothing_and_name_the_parameter():
-    from weightsync.transport.delta import decode, patch
+    from weightsync.reshard.delta import decode, patch
 
     g = torch.Generator().manual_seed(34)
     names = ["model.layers.0.mlp.down_proj.weight", "model.norm.weight"]
@@ -269,13 +269,13 @@ def test_a_thousand_malformed_delta_messages_write_nothing_and_name_the_paramete
 
 # --- the CPU ipc buffer never outlives its process (item 7) --------------------------------------
 def _own_files(pid: int) -> list[str]:
-    from weightsync.transport.ipc_handles import SHM_DIR, SHM_PREFIX
+    from weightsync.transports.ipc_handles import SHM_DIR, SHM_PREFIX
 
     return [f for f in os.listdir(SHM_DIR) if f.startswith(f"{SHM_PREFIX}{pid}-")]
 
 
 def _buffer_in(conn, kill: bool) -> None:
-    from weightsync.transport.ipc_handles import ExportedBuffer
+    from weightsync.transports.ipc_handles import ExportedBuffer
 
     buf = ExportedBuffer(1 << 20, torch.device("cpu"), tag="test-")
     buf.tensor.fill_(1)

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weightsync.layout.buckets import ALIGN
+from oracle import items_for_dst, items_for_src, pair_messages, rounds
+from weightsync.plan.buckets import ALIGN
 from weightsync.testing.cluster import Layout, free_port
-from weightsync.transport.m2n import M2NTrainerInitInfo
+from weightsync.transports.m2n import M2NTrainerInitInfo
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -18,10 +19,9 @@ LAYOUT = Layout(trainers=2, tp=2, backend="weightsync_m2n")
 def duplicate_one_piece(on: bool) -> None:
     """Inside a trainer or receiver: M2N schedules trainer 0 -> worker 0's first piece twice (on
     both ends, in the same place, so the rounds still match), or restores the real schedule."""
-    import weightsync.transport.m2n as m2n
-    from weightsync.layout.records import dtype_itemsize
-    from weightsync.layout.schedule import pair_messages, rounds
-    from weightsync.transport import m2n_exec
+    import weightsync.reshard.engines as m2n
+    from weightsync.plan.transfer import dtype_itemsize
+    from weightsync.reshard import handshake as m2n_exec
 
     if not on:
         m2n.my_messages = m2n_exec.my_messages
@@ -29,7 +29,7 @@ def duplicate_one_piece(on: bool) -> None:
 
     def doubled(plan, sources, *, rank, sender, cap, dense_only=()):  # (this layout processes no param)
         size = {s.name: dtype_itemsize(s.dtype) for s in sources}
-        items = list(plan.items_for_src(rank) if sender else plan.items_for_dst(rank))
+        items = list(items_for_src(plan, rank) if sender else items_for_dst(plan, rank))
         if rank == 0:
             first = next(i for i, it in enumerate(items) if (it.dst_rank if sender else it.src_rank) == 0)
             items.insert(first + 1, items[first])

@@ -49,9 +49,9 @@ class Transport:
 
 
 TRANSPORTS: dict[str, str] = {
-    "weightsync_m2n": "weightsync.transport.m2n",
-    "weightsync_nccl": "weightsync.transport.nccl",
-    "weightsync_ipc": "weightsync.transport.ipc",
+    "weightsync_m2n": "weightsync.transports.m2n",
+    "weightsync_nccl": "weightsync.transports.nccl",
+    "weightsync_ipc": "weightsync.transports.ipc",
 }
 """Transport name -> the module that declares it (as ``TRANSPORT``)."""
 

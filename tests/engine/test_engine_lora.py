@@ -112,7 +112,7 @@ def _scenario(session, tp: int) -> dict:
     """Everything the tests check, for one engine start."""
     from weightsync.testing.fsdp2 import write_checkpoint
     from weightsync.trainer.lora import LoRASource
-    from weightsync.transport.lora import LoRASync, worker_slot, worker_state
+    from weightsync.transports.lora import LoRASync, worker_slot, worker_state
 
     root = tempfile.mkdtemp(prefix="lora-engine-")
     try:
@@ -163,7 +163,7 @@ def _two_rank_sync(base: str, port: int, rank: int, engines: list) -> dict | Non
     from torch.distributed.fsdp import fully_shard
 
     from weightsync.trainer.lora import LoRASource
-    from weightsync.transport.lora import LoRASync
+    from weightsync.transports.lora import LoRASync
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
@@ -196,7 +196,7 @@ def _two_ranks(h, base: str) -> dict:
 def _refusals(h, base: str, engines: list) -> dict[str, str]:
     """Bad input at init: each the ValueError's message."""
     from weightsync.trainer.lora import LoRASource
-    from weightsync.transport.lora import LoRASync
+    from weightsync.transports.lora import LoRASync
 
     out = {}
     cases = {

@@ -118,7 +118,7 @@ def test_lora_stages_together_hold_the_slots_of_an_engine_without_pp(ray_session
     from test_engine_lora import _peft_model, _start
     from weightsync.testing.fsdp2 import write_checkpoint
     from weightsync.trainer.lora import LoRASource
-    from weightsync.transport.lora import LoRASync, worker_slot
+    from weightsync.transports.lora import LoRASync, worker_slot
 
     base = write_checkpoint(os.path.join(tmp_path, "base"), seed=0)
     shutil.copy(os.path.join(config_dir("tiny_qwen3"), "config.json"), base)

@@ -105,7 +105,7 @@ def test_a_dead_engine_core_is_reported_as_such_trimmed_and_cleaned_up(ray_sessi
 
     from weightsync import EngineDead, FullTensorSource, PoisonedError, RayVLLMWeightSyncClient, SyncFailed
     from weightsync import WeightTransferTrainerFactory
-    from weightsync.transport.nccl import NCCLTrainerInitInfo
+    from weightsync.transports.nccl import NCCLTrainerInitInfo
 
     ray_session.stop_engines()  # one engine at a time on this machine
     before = set(os.listdir("/dev/shm"))

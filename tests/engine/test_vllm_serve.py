@@ -199,7 +199,7 @@ def test_m2n_then_nccl_into_one_vllm_serve_land_like_vllms_own_reload(flow):
 def _m2n_worker_fields() -> list[str]:
     import dataclasses
 
-    from weightsync.transport.m2n import M2NWorkerInitInfo
+    from weightsync.transports.m2n import M2NWorkerInitInfo
 
     return sorted({f.name for f in dataclasses.fields(M2NWorkerInitInfo)} | {"transport"})
 

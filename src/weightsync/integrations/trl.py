@@ -91,7 +91,7 @@ def _check_trainer(gen: Any) -> None:
 def _open_engine(gen: Any, base_url: str, opts: dict[str, Any]) -> None:
     """A ``weightsync_nccl`` trainer engine (broadcast from this one process) into the server at ``base_url``."""
     from .. import FullTensorSource, HTTPVLLMWeightSyncClient, WeightTransferTrainerFactory
-    from ..transport.nccl import NCCLTrainerInitInfo
+    from ..transports.nccl import NCCLTrainerInitInfo
 
     gen._weightsync_version = opts.pop("weight_version", "trl-step{step}")
     gen._weightsync_syncs = 0

@@ -20,7 +20,7 @@ def process_resources(collect: bool = False) -> dict[str, int]:
     created that are still in /dev/shm. ``collect`` runs the garbage collector first (slow in vLLM)."""
     import gc
 
-    from ..transport.ipc_handles import SHM_DIR, SHM_PREFIX
+    from ..transports.ipc_handles import SHM_DIR, SHM_PREFIX
 
     if collect:
         gc.collect()
@@ -114,7 +114,7 @@ def send_weights_without_gathers(weight_version: str) -> dict[str, Any]:
 def m2n_staged_bytes() -> dict[str, int]:
     """An M2N trainer rank's bytes per sync that go through staging (not contiguous in its shard) and
     its total, from the live engine's plan and the source's current shards."""
-    from ..transport.m2n_views import _direct_view
+    from ..reshard.executor import _direct_view
 
     engine = STATE["engine"]
     shards = dict(engine.source.iter_local())

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..layout.regions import Region, source_regions
+from ..plan.regions import Region, source_regions
 from ..protocol import ParamMeta
 from .sources import DTensorModuleSource, _local, _named
 

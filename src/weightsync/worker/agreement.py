@@ -11,7 +11,7 @@ values for:
   only: the workers cast on receive, as vLLM's loader casts a checkpoint in another dtype);
 * **coverage**: a region of a live parameter that no tensor of the sync writes (a source that
   omits a tensor, e.g. ``up_proj``, one half of the fused ``gate_up_proj``), computed with
-  :func:`weightsync.layout.regions.uncovered` from the regions the sync places on this worker.
+  :func:`weightsync.plan.regions.uncovered` from the regions the sync places on this worker.
   Not required: a vocabulary's padding rows (vLLM zeroes them), parameters vLLM's processing
   derived (not in the checkpoint layout), block-FP8 scales (the workers compute them), the
   attention's KV-cache scales of an FP8 model (optional in checkpoints: vLLM keeps its defaults),
@@ -33,8 +33,8 @@ import torch
 from .destinations import UNKNOWN, WorkerDestinations, checkpoint_layout, resolve_destinations
 from .fp8 import check_sent_dtype, kv_cache_scale
 from ..control import Listing, agree, model_digest, model_metas
-from ..layout.buckets import metadata_digest
-from ..layout.regions import Region, format_regions, uncovered
+from ..plan.buckets import metadata_digest
+from ..plan.regions import Region, format_regions, uncovered
 
 if TYPE_CHECKING:
     from ..comm import Communicator

@@ -12,8 +12,8 @@ import torch
 
 from .experts import is_fused_moe
 from .fp8 import STAGING_DTYPE, block_size, quantize_into, scale_name
-from ..layout.fp8_wire import FP8_SUFFIX
-from ..layout.regions import Region
+from ..plan.fp8_blocks import FP8_SUFFIX
+from ..plan.regions import Region
 
 __all__ = ["LayerwiseApplier"]
 

@@ -36,7 +36,7 @@ import torch
 from .experts import ExpertLayers, is_fused_moe
 from .fp8 import block_size, check_blocks, scale_name
 from .placers import FUSED_LAYERS, Placed, Placement, Target, Unplaced, place
-from ..layout.records import DestPiece
+from ..plan.transfer import DestPiece
 
 __all__ = ["Fallback", "WorkerDestinations", "resolve_destinations", "checkpoint_layout", "probe_prefused",
            "UNKNOWN", "on_other_stage"]

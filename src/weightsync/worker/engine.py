@@ -124,7 +124,7 @@ class WorkerEngine:
     def _check_full_tensor_metadata(self, metas: list[Any] | None = None) -> Any:
         """Full-tensor transports: check the metadata trainer rank 0 published at init (``None``) or
         an update's, unless it is the one already checked; returns its destinations."""
-        from ..layout.buckets import metadata_digest
+        from ..plan.buckets import metadata_digest
 
         wire = self.comm.read(model_metas(0)) if metas is None else [m.wire() for m in metas]
         digest = metadata_digest(wire)

@@ -32,8 +32,8 @@ import torch
 
 from .fp8 import block_size, check_blocks
 from .placers import Placed, Placement, Unplaced
-from ..layout.records import DestPiece
-from ..layout.regions import Region
+from ..plan.transfer import DestPiece
+from ..plan.regions import Region
 
 __all__ = ["W13", "W2", "expert_runs", "fused_expert_pieces", "fused_expert_shape", "is_fused_moe", "ExpertLayers",
            "place_fused_experts", "place_per_expert"]

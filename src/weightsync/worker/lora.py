@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ..layout.regions import Region
+from ..plan.regions import Region
 from .destinations import on_other_stage
 
 __all__ = ["LoRABlock", "LoRASlots", "lora_slots"]

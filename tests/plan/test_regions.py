@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from helpers import shard_tensor
-from weightsync.layout import (
+from weightsync.plan import (
     Region,
     Replicate,
     Shard,
@@ -20,7 +20,7 @@ from weightsync.layout import (
     placements_from_torch,
     source_regions,
 )
-from weightsync.layout.regions import format_regions, subtract, uncovered
+from weightsync.plan.regions import format_regions, subtract, uncovered
 
 
 def _torch_local(shape, mesh_shape, coordinate, placements):

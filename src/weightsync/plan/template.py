@@ -3,7 +3,7 @@
 A *signature* is everything about a tensor's layout but its names: shape, dtype, the region
 each trainer rank holds and the regions/param offsets each worker class takes.
 :func:`plan_template` turns one signature into a :class:`Template` that every tensor with
-that signature shares (see :mod:`weightsync.layout.plan_compact`).
+that signature shares (see :mod:`weightsync.plan.transfer`).
 
 Pure: no torch import. Not part of the public API.
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any, NamedTuple
 
-from weightsync.layout.regions import Region
+from weightsync.plan.regions import Region
 
 __all__ = ["Proto", "RecvProto", "SendProto", "SourceLayout", "Template", "plan_template", "source_layout"]
 

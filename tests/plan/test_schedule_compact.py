@@ -10,8 +10,9 @@ import random
 import numpy as np
 import pytest
 
-from weightsync.layout import DestPiece, Region, TensorSource, build_plan, dtype_itemsize
-from weightsync.layout.schedule_compact import CompactRounds, LazyItems
+from oracle import item_rounds
+from weightsync.plan import DestPiece, Region, TensorSource, build_plan, dtype_itemsize
+from weightsync.plan.schedule import CompactRounds, LazyItems, pair_rounds
 
 from test_schedule import _random_plan_inputs
 
@@ -31,8 +32,8 @@ def _twins(sources, dests, seed):
 
 def _both(plan, size, rank, sender, **kw):
     pairs = plan.pairs(rank, sender=sender)
-    want = list(pairs.rounds(itemsize_of=size, **kw))
-    got = pairs.compact_rounds(itemsize_of=size, **kw)
+    want = list(item_rounds(pairs, itemsize_of=size, **kw))
+    got = pair_rounds(pairs, itemsize_of=size, **kw)
     return want, got
 
 
@@ -67,7 +68,7 @@ def test_compact_rounds_keep_arrays_and_make_items_only_when_read():
     sources = [TensorSource(f"w{i}", shape, "bfloat16", regions) for i in range(50)]
     dests = [[DestPiece(f"w{i}", Region((0, 4 * w), (64, 4)), f"p{i}", (0, 0)) for i in range(50)] for w in range(2)]
     plan = build_plan(sources, dests)
-    got = plan.pairs(0, sender=True).compact_rounds(cap=1 << 10, itemsize_of=lambda n: 2, alone=1 << 20)
+    got = pair_rounds(plan.pairs(0, sender=True), cap=1 << 10, itemsize_of=lambda n: 2, alone=1 << 20)
     assert got.num_items == 100 and len(got.pieces) == 2  # 50 tensors x 2 workers; one piece per worker
     assert all(isinstance(a, np.ndarray) for a in (got.tensor, got.pid, got.offset))
     m = next(iter(got))[0]

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from weightsync.layout.records import align_up, dtype_itemsize
+from weightsync.plan.transfer import align_up, dtype_itemsize
 
 __all__ = ["ALIGN", "Bucket", "BucketEntry", "TensorMeta", "check_bucket_bytes", "metadata_digest", "plan_buckets"]
 

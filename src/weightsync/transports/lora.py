@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from ..comm import Communicator, describe
-from ..layout.regions import Region, Replicate, Shard
+from ..plan.regions import Region, Replicate, Shard
 from ..protocol import ParamMeta, dtype_from_name, dtype_name
 from ..trainer.lora import LoRASource, sender_regions
 from ..trainer.session import share_json

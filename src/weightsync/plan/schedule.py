@@ -1,21 +1,26 @@
-"""A rank's rounds cut once into numeric arrays: the messages :func:`~.schedule.peer_messages` cuts
-and :func:`~.schedule.iter_rounds` orders, message for message, without a Python object per item.
+"""The schedule: a rank's messages and rounds for moving a plan point to point with bounded staging.
 
-At model scale a rank exchanges millions of items (a 1T-class MoE with per-expert 2-D tensors: ~5 M
-per rank), so cutting item by item costs a minute and keeping the items as objects ~100 B each. Here
-a pair's items are made as columns from the compact plan (:class:`~.plan.PairItems`: per signature,
-its tensors x the planned copies of one of them), so an item is three numbers: its tensor, its piece
-(an interned (region, source offsets, piece index, param offsets), shared by every tensor of the
-signature) and its byte offset in its message. Packing walks whole runs of one dtype at a time
-(a cumulative sum and a ``searchsorted`` per message), so the Python work is per message, not per
-item. Pieces that are cut further (``slabs`` / ``split_item``: pieces of at least ``alone`` bytes or
-above ``cap``) are cut once per planned copy and interned like the others.
+Both ends of a (trainer, worker) pair cut the pair's items (in the one order both see) into the same
+messages of at most ``cap`` bytes, splitting an item along its leading dims when it alone is larger
+(:func:`split_item`; a 3-D piece whose 2-D slabs are large goes slab by slab, :func:`slabs`). A piece
+of at least ``alone`` bytes is a message by itself (each end can then send it from, or receive it
+into, its own tensor with no staging copy); the smaller pieces follow, packed together (element
+aligned). Round k carries the k-th message of every pair: each rank posts its round-k sends and
+receives together, and posts and waits for its rounds in order (the executor keeps a few posted at
+once). Every op of round k is matched in round k, so rounds cannot deadlock, and one round of a rank
+stages at most ``peers x cap`` bytes. Above :data:`PEERS` peers a rank's peers are split into groups
+(:func:`peer_group`: the same group for a pair on both ends) and the rounds go group by group.
 
-:class:`CompactRounds` hands the rounds out as :class:`~.schedule.Message` s whose ``items`` are made
-when first read (:class:`LazyItems`); equal, message for message, to what the item-by-item cut gives
-(``tests/layout/test_schedule.py`` checks both on random plans). The round order is that of
-:func:`~.schedule.iter_rounds` (group ascending, then k, then peer), so the argument that rounds
-cannot deadlock holds unchanged.
+The cut is made once into numeric arrays (:func:`pair_rounds` -> :class:`CompactRounds`): at model
+scale a rank exchanges millions of items (a 1T-class MoE with per-expert 2-D tensors: ~5 M per rank),
+so an item here is three numbers: its tensor, its piece (an interned (region, source offsets, piece
+index, param offsets), shared by every tensor of the signature) and its byte offset in its message.
+Packing walks whole runs of one dtype at a time (a cumulative sum and a ``searchsorted`` per
+message), so the Python work is per message, not per item. :class:`CompactRounds` hands the rounds
+out as :class:`Message` s whose ``items`` are made when first read (:class:`LazyItems`).
+
+The item-by-item cut that this one equals, message for message, is the tests' oracle
+(``tests/oracle.py``; ``tests/plan/test_schedule*.py`` check both on random plans).
 
 Pure: numpy and plain data in, arrays out; no torch import.
 """
@@ -23,15 +28,125 @@ Pure: numpy and plain data in, arrays out; no torch import.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from itertools import pairwise
 from typing import Any
 
 import numpy as np
 
-from weightsync.layout.records import TransferItem, align_up, new_item
-from weightsync.layout.schedule import ALIGN, Message, peer_group, peer_groups, slabs, split_item
+from weightsync.plan.regions import Region
+from weightsync.plan.transfer import PairItems, TransferItem, align_up, new_item
 
-__all__ = ["CompactRounds", "LazyItems", "cut_rounds"]
+__all__ = ["ALIGN", "ALONE", "PEERS", "CompactRounds", "LazyItems", "Message", "message_cap", "pair_rounds",
+           "peer_group", "peer_groups", "slabs", "split_item"]
+
+ALIGN = 64
+"""Byte alignment of each message in staging, and the granularity of ``message_cap``."""
+
+ALONE = 1 << 20
+"""Default ``alone`` of :func:`pair_rounds`, the floor on a message's size: a smaller piece is packed
+with its pair's other small pieces (up to ``cap``), so a pair moving >= 1 MiB sends messages of
+>= 1 MiB but maybe its last; a piece this large goes alone (from / into its tensor where it is one run)."""
+
+PEERS = 16
+"""The most peers one round of a rank exchanges messages with (:func:`peer_groups`): bounds a round's
+grouped ops and staging share per peer (``message_cap``) whatever the number of ranks."""
+
+
+@dataclass(frozen=True)
+class Message:
+    src: int  # trainer rank that sends it
+    dst: int  # worker rank that receives it
+    index: int  # k: the k-th message of this pair, sent in round k
+    items: tuple[TransferItem, ...]  # in plan order
+    offsets: tuple[int, ...]  # byte offset of each item in the message
+    nbytes: int  # message size in bytes
+
+
+def _shift(item: TransferItem, dim: int, start: int, size: int) -> TransferItem:
+    off, sizes = list(item.region.offsets), list(item.region.sizes)
+    off[dim] += start
+    sizes[dim] = size
+    src, par = list(item.src_offsets), list(item.param_offsets)
+    src[dim] += start
+    par[dim] += start
+    return replace(item, region=Region(tuple(off), tuple(sizes)), src_offsets=tuple(src), param_offsets=tuple(par))
+
+
+def split_item(item: TransferItem, itemsize: int, cap: int) -> list[TransferItem]:
+    """``item`` as consecutive pieces of at most ``cap`` bytes, split along the leading dims."""
+    nbytes = item.region.numel * itemsize
+    if nbytes <= cap:
+        return [item]
+    sizes = item.region.sizes
+    for dim, n in enumerate(sizes):
+        inner = itemsize
+        for s in sizes[dim + 1 :]:
+            inner *= s
+        if n > 1 and inner <= cap:
+            step = cap // inner
+            return [_shift(item, dim, start, min(step, n - start)) for start in range(0, n, step)]
+        if n > 1:  # even one slice along this dim is too big: split each slice further
+            out: list[TransferItem] = []
+            for start in range(n):
+                out += split_item(_shift(item, dim, start, 1), itemsize, cap)
+            return out
+    raise ValueError(f"item of tensor {item.name!r} ({nbytes} bytes) cannot be split below cap={cap} bytes")
+
+
+def slabs(item: TransferItem, itemsize: int, alone: int) -> list[TransferItem]:
+    """``item`` as 2-D slabs (one index along every dim but the last two) when it has more than 2 dims
+    and one slab is at least ``alone`` bytes, else ``[item]``. A slab whose last dim is whole in a
+    tensor is one run of it (e.g. one expert's rows of a fused 3-D expert tensor), so it can go
+    from / into that tensor with no staging copy; several experts' rows together would not."""
+    sizes = item.region.sizes
+    if len(sizes) <= 2 or all(n == 1 for n in sizes[:-2]):
+        return [item]
+    if sizes[-2] * sizes[-1] * itemsize < alone:
+        return [item]
+    out = [item]
+    for dim in range(len(sizes) - 2):
+        out = [_shift(it, dim, i, 1) for it in out for i in range(sizes[dim])]
+    return out
+
+
+
+
+
+
+def message_cap(staging_bytes: int, num_src: int, num_dst: int, *, buffers: int = 1, peers: int = PEERS) -> int:
+    """Largest message such that a rank's round (one message per peer of its group, at most
+    ``peers``: :func:`peer_groups`) fits ``staging_bytes`` split into ``buffers`` equal parts (2: one
+    round on the wire while the next is packed or applied)."""
+    peers = min(max(num_src, num_dst, 1), max(peers, 1))
+    cap = staging_bytes // buffers // peers // ALIGN * ALIGN
+    if cap < ALIGN:
+        halves = "" if buffers == 1 else f" in {buffers} buffers"
+        raise ValueError(f"staging_bytes={staging_bytes} is too small for {peers} peers{halves} "
+                         f"(needs at least {ALIGN * peers * buffers})")
+    return cap
+
+
+def peer_groups(num_src: int, num_dst: int, peers: int = PEERS) -> int:
+    """Number of peer groups such that no rank has more than ``peers`` peers in one group: pair
+    (trainer r, worker w) is in group ``(r // b + w) % groups`` with ``b = ceil(num_src / groups)``
+    (:func:`peer_group`), so each group holds ``ceil(num_dst / groups)`` workers of a trainer (every
+    ``groups``-th: an engine replica's TP rank r // b of each replica) and one block of ``b``
+    consecutive trainers of a worker (adjacent FSDP shards: their pieces land side by side)."""
+    if peers < 1:
+        raise ValueError(f"peers must be >= 1, got {peers}")
+    return max(1, -(-max(num_src, num_dst) // peers))
+
+
+def peer_group(src: int, dst: int, groups: int, num_src: int) -> int:
+    """The group of pair (trainer ``src``, worker ``dst``) of ``num_src`` trainers: equal on both ends
+    (either rank may be a numpy array of ranks)."""
+    return (src // -(-num_src // groups) + dst) % groups
+
+
+
+
+
 
 Piece = tuple[Any, tuple[int, ...], int, tuple[int, ...]]  # (region, src_offsets, piece index, param_offsets)
 
@@ -92,7 +207,7 @@ def _columns(runs: Sequence[tuple[int, Sequence[Any]]], members: Sequence[Sequen
 
 
 def _pack(nb: np.ndarray, isz: np.ndarray, cap: int) -> tuple[list[int], np.ndarray, list[int]]:
-    """Pack pieces (their bytes ``nb`` and itemsizes ``isz``, in order) as ``peer_messages`` does:
+    """Pack pieces (their bytes ``nb`` and itemsizes ``isz``, in order) as the item-by-item cut does:
     each at the next offset aligned to its itemsize, a new message when it would end past ``cap``.
     Returns each message's piece count, each piece's offset in its message and each message's bytes."""
     n = len(nb)
@@ -165,7 +280,7 @@ def cut_rounds(*, rank: int, sender: bool, num_src: int, num_dst: int, names: Se
                runs: dict[int, Sequence[tuple[int, Sequence[Any]]]], sig_itemsize: Sequence[int], cap: int,
                alone: int, peers: int, apart: Callable[[Any], bool] | None = None) -> CompactRounds:
     """This rank's rounds as arrays (see the module docstring); ``runs``: per peer, ascending, its
-    (signature, protos) in pair order (``PairItems``); the rest as :meth:`PairItems.rounds`."""
+    (signature, protos) in pair order (``PairItems``); the rest as :func:`pair_rounds`."""
     if cap < ALIGN:
         raise ValueError(f"cap must be >= {ALIGN} bytes, got {cap}")
     pieces = _Pieces(cap, alone)
@@ -326,3 +441,17 @@ class CompactRounds:
         names, params, rows = self.names, self.params, self.pieces
         return tuple(new_item(src, dst, names[t], rows[p][0], rows[p][1], params[t][rows[p][2]], rows[p][3])
                      for t, p in zip(self.tensor[lo:hi].tolist(), self.pid[lo:hi].tolist()))
+
+
+def pair_rounds(pairs: PairItems, *, cap: int, itemsize_of: Callable[[str], int],
+                apart: Callable[[TransferItem], bool] | None = None, alone: int = ALONE,
+                peers: int = PEERS) -> CompactRounds:
+    """The rounds of ``pairs``' rank (see the module docstring): ``itemsize_of`` maps a tensor name
+    to bytes per element; with ``apart``, the small pieces it marks are packed after the others,
+    never in one message with them (e.g. those that must go dense in a delta sync); at most
+    ``peers`` peers a round (the peers' groups one after another: :func:`peer_groups`)."""
+    c, members = pairs.compact, pairs.members
+    sizes = [itemsize_of(c.names[m[0]]) if m else 1 for m in members]
+    return cut_rounds(rank=pairs.rank, sender=pairs.sender, num_src=c.num_src, num_dst=c.num_dst, names=c.names,
+                      params=c.params, members=members, runs=pairs.runs, sig_itemsize=sizes, cap=cap,
+                      alone=alone, peers=peers, apart=apart)

@@ -5,7 +5,7 @@ and quantizes it (``worker/fp8.py``). Mode (b), the trainer init info's ``fp8_wi
 that lies inside one trainer shard is quantized by the trainer rank that holds it and sent as fp8
 bytes plus its float32 scale (about half the bytes); a block a shard boundary cuts still goes in the
 trainer's dtype and the worker quantizes it, as in mode (a). The planning is
-:mod:`weightsync.layout.fp8_wire`; here:
+:mod:`weightsync.plan.fp8_blocks`; here:
 
 * :class:`TrainerWire`: a trainer rank's quantized whole blocks of each shard the plan sends as FP8
   (the reference quantizer, :func:`weightsync.worker.fp8.quantize_blocks`, on the values as the
@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from ..layout.fp8_wire import FP8_SUFFIX, SCALE_SUFFIX, block_count, split_piece, whole_blocks
-from ..layout.records import DestPiece, TensorSource, dtype_itemsize
-from ..layout.regions import Region, box_slices
+from ..plan.fp8_blocks import FP8_SUFFIX, SCALE_SUFFIX, block_count, split_piece, whole_blocks
+from ..plan.transfer import DestPiece, TensorSource, dtype_itemsize
+from ..plan.regions import Region, box_slices
 from ..protocol import dtype_from_name
 from ..worker.fp8 import block_size, quantize_blocks, scale_name
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from helpers import execute_reference, make_local_shards, write_destinations
-from weightsync.layout import (DestPiece, Region, Replicate, Shard, TensorSource, TransferItem, build_plan,
+from oracle import items_for_dst, items_for_src, iter_items
+from weightsync.plan import (DestPiece, Region, Replicate, Shard, TensorSource, TransferItem, build_plan,
                                dtype_itemsize, mesh_coordinates, source_regions)
 
 
@@ -22,7 +23,7 @@ def _it(src, dst, name, offsets, sizes, src_offsets, param, param_offsets):
 
 
 def _all_items(plan):
-    return [it for d in range(plan.num_dst_ranks) for it in plan.items_for_dst(d)]
+    return [it for d in range(plan.num_dst_ranks) for it in items_for_dst(plan, d)]
 
 
 def _check_against_oracle(plan, sources, destinations, param_shapes):
@@ -59,9 +60,9 @@ def test_8_to_4_rows():
         _it(6, 3, "w", (6, 0), (1, 4), (0, 0), "w", (0, 0)),
         _it(7, 3, "w", (7, 0), (1, 4), (0, 0), "w", (1, 0)),
     ]
-    assert list(plan.iter_items()) == expected == _all_items(plan)
+    assert list(iter_items(plan)) == expected == _all_items(plan)
     assert plan.num_items == 8
-    assert [plan.items_for_src(r) for r in range(8)] == [[e] for e in expected]
+    assert [items_for_src(plan, r) for r in range(8)] == [[e] for e in expected]
     assert plan.coverage().send_bytes == (16,) * 8
     assert plan.bytes_per_dst() == (32,) * 4
     _check_against_oracle(plan, src, dst, [{"w": (2, 4)}] * 4)
@@ -79,7 +80,7 @@ def test_4_to_3_uneven_rows():
         _it(2, 1, "w", (4, 0), (2, 2), (0, 0), "p", (1, 0)),
         _it(3, 2, "w", (6, 0), (1, 2), (0, 0), "p", (0, 0)),
     ]
-    assert plan.items_for_src(1) == [
+    assert items_for_src(plan, 1) == [
         _it(1, 0, "w", (2, 0), (1, 2), (0, 0), "p", (2, 0)),
         _it(1, 1, "w", (3, 0), (1, 2), (1, 0), "p", (0, 0)),
     ]
@@ -157,12 +158,12 @@ def test_fused_qkv():
         for d in range(2)
     ]
     plan = build_plan(src, dst)
-    assert plan.items_for_dst(1) == [
+    assert items_for_dst(plan, 1) == [
         _it(1, 1, "q", (2, 0), (2, 2), (0, 0), "qkv", (0, 0)),
         _it(1, 1, "k", (1, 0), (1, 2), (0, 0), "qkv", (2, 0)),
         _it(1, 1, "v", (1, 0), (1, 2), (0, 0), "qkv", (3, 0)),
     ]
-    assert plan.items_for_src(0) == [
+    assert items_for_src(plan, 0) == [
         _it(0, 0, "q", (0, 0), (2, 2), (0, 0), "qkv", (0, 0)),
         _it(0, 0, "k", (0, 0), (1, 2), (0, 0), "qkv", (2, 0)),
         _it(0, 0, "v", (0, 0), (1, 2), (0, 0), "qkv", (3, 0)),
@@ -240,7 +241,7 @@ def test_tied_embedding_in_sources_once():
     both = [ps + [DestPiece(p.name, p.region, "lm_head.weight", (0, 0)) for p in ps] for ps in dst]
     plan2 = build_plan(src, both)
     assert plan2.num_items == 6
-    assert [(it.src_rank, it.param) for it in plan2.items_for_dst(1)] == [
+    assert [(it.src_rank, it.param) for it in items_for_dst(plan2, 1)] == [
         (1, "model.embed_tokens.weight"), (1, "lm_head.weight")
     ]
     _check_against_oracle(plan2, src, both, [{"model.embed_tokens.weight": (96, 4), "lm_head.weight": (96, 4)}] * 2)
@@ -319,9 +320,9 @@ def test_error_inputs_and_ranks():
         build_plan([TensorSource("w", (4,), "float32", _fsdp((4,), 2))], [["w"]])  # type: ignore[list-item]
     plan = build_plan([TensorSource("w", (4,), "float32", _fsdp((4,), 2))], [[]])
     with pytest.raises(ValueError, match=re.escape("rank must be an int in [0, 2), got 2")):
-        plan.items_for_src(2)
+        items_for_src(plan, 2)
     with pytest.raises(ValueError, match=re.escape("rank must be an int in [0, 1), got -1")):
-        plan.items_for_dst(-1)
+        items_for_dst(plan, -1)
     assert dtype_itemsize("torch.bfloat16") == 2 and dtype_itemsize("float8_e4m3fn") == 1
 
 
@@ -340,7 +341,7 @@ def test_digest_agreement_and_sensitivity():
     a = build_plan(*_qkv_inputs())
     b = build_plan(*_qkv_inputs())
     assert len(a.digest) == 64 and a.digest == b.digest
-    assert list(a.iter_items()) == list(b.iter_items())
+    assert list(iter_items(a)) == list(iter_items(b))
     src, dst = _qkv_inputs()
     # Pieces of different tensors may come in any order within a worker: same plan, same digest.
     assert build_plan(src, [list(reversed(ps)) for ps in dst]).digest == a.digest
@@ -358,13 +359,13 @@ def test_digest_agreement_and_sensitivity():
 
 _DIGEST_SCRIPT = """
 import sys, types
-# Load weightsync.layout without weightsync/__init__.py, with torch made unimportable: the
+# Load weightsync.plan without weightsync/__init__.py, with torch made unimportable: the
 # layout and plan modules must stay pure.
 pkg = types.ModuleType("weightsync")
 pkg.__path__ = [sys.argv[1]]
 sys.modules["weightsync"] = pkg
 sys.modules["torch"] = None
-from weightsync.layout import DestPiece, Region, Shard, TensorSource, build_plan, mesh_coordinates, source_regions
+from weightsync.plan import DestPiece, Region, Shard, TensorSource, build_plan, mesh_coordinates, source_regions
 regions = source_regions((8, 2), (4,), [Shard(0)], mesh_coordinates((4,)))
 src = [TensorSource(n, (8, 2), "bfloat16", regions) for n in ("q", "k", "v")]
 dst = [[DestPiece(n, Region((4 * d, 0), (4, 2)), "qkv", (4 * i, 0)) for i, n in enumerate(("q", "k", "v"))]
@@ -379,9 +380,9 @@ def test_digest_independent_of_hash_seed_and_torch_free():
     import subprocess
     import sys
 
-    import weightsync.layout
+    import weightsync.plan
 
-    pkg_dir = str(pathlib.Path(weightsync.layout.__file__).resolve().parents[1])
+    pkg_dir = str(pathlib.Path(weightsync.plan.__file__).resolve().parents[1])
     outs = set()
     for seed in ("1", "2"):
         env = {**os.environ, "PYTHONHASHSEED": seed}

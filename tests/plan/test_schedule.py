@@ -10,7 +10,8 @@ from collections import Counter
 
 import pytest
 
-from weightsync.layout import (
+from oracle import item_rounds, items_for_dst, items_for_src, pair_messages, peer_messages, rounds
+from weightsync.plan import (
     DestPiece,
     Region,
     Replicate,
@@ -23,8 +24,7 @@ from weightsync.layout import (
     mesh_coordinates,
     source_regions,
 )
-from weightsync.layout.schedule import (ALIGN, ALONE, Message, message_cap, pair_messages, peer_group, peer_groups,
-                                       peer_messages, rounds, slabs, split_item)
+from weightsync.plan.schedule import ALIGN, ALONE, Message, message_cap, peer_group, peer_groups, slabs, split_item
 
 
 def _it(name, offsets, sizes, src_offsets=None, param_offsets=None, src=0, dst=0, param="p"):
@@ -160,9 +160,9 @@ def _schedule(sources, dests, staging, alone):
     plan = build_plan(sources, dests)
     cap = message_cap(staging, plan.num_src_ranks, plan.num_dst_ranks)
     size = {s.name: dtype_itemsize(s.dtype) for s in sources}.__getitem__
-    send = [pair_messages(plan.items_for_src(r), by="dst", cap=cap, itemsize_of=size, alone=alone)
+    send = [pair_messages(items_for_src(plan, r), by="dst", cap=cap, itemsize_of=size, alone=alone)
             for r in range(plan.num_src_ranks)]
-    recv = [pair_messages(plan.items_for_dst(w), by="src", cap=cap, itemsize_of=size, alone=alone)
+    recv = [pair_messages(items_for_dst(plan, w), by="src", cap=cap, itemsize_of=size, alone=alone)
             for w in range(plan.num_dst_ranks)]
     return plan, cap, size, send, recv
 
@@ -193,7 +193,7 @@ def test_random_schedule(seed, alone):
         msgs = send[r].get(w, [])
         # (b) every element of every item is in exactly one piece, at the same source and param place;
         # pieces of >= alone bytes each make a message alone, before the messages of smaller ones
-        items = [it for it in plan.items_for_src(r) if it.dst_rank == w]
+        items = [it for it in items_for_src(plan, r) if it.dst_rank == w]
         want, got = {}, {}
         for item in items:
             want.update(_cell_map(item))
@@ -250,7 +250,7 @@ def test_random_schedules_do_split_items():
     for seed in range(60):
         sources, dests, staging = _random_plan_inputs(seed)
         plan, cap, size, send, _ = _schedule(sources, dests, staging, ALONE)
-        n_items = sum(len(plan.items_for_src(r)) for r in range(plan.num_src_ranks))
+        n_items = sum(len(items_for_src(plan, r)) for r in range(plan.num_src_ranks))
         n_pieces = sum(len(m.items) for s in send for msgs in s.values() for m in msgs)
         split += n_pieces > n_items
     assert split >= 10
@@ -264,7 +264,7 @@ def test_pairs_give_each_pairs_items_once_in_the_same_order_on_both_ends(seed):
     senders = [plan.pairs(r, sender=True) for r in range(plan.num_src_ranks)]
     receivers = [plan.pairs(w, sender=False) for w in range(plan.num_dst_ranks)]
     for r, sp in enumerate(senders):
-        listed = plan.items_for_src(r)
+        listed = items_for_src(plan, r)
         assert sp.peers == tuple(sorted({it.dst_rank for it in listed}))
         assert sp.count() == len(listed) and sp.nbytes(dtype_itemsize) == sum(it.numel * size[it.name] for it in listed)
         for w in range(plan.num_dst_ranks):
@@ -272,7 +272,7 @@ def test_pairs_give_each_pairs_items_once_in_the_same_order_on_both_ends(seed):
             assert got == list(receivers[w].items(r))  # one sequence on both ends
             assert Counter(got) == Counter(it for it in listed if it.dst_rank == w) and sp.count(w) == len(got)
     for w, rp in enumerate(receivers):
-        assert rp.count() == len(plan.items_for_dst(w))
+        assert rp.count() == len(items_for_dst(plan, w))
     with pytest.raises(ValueError, match="rank must be an int"):
         plan.pairs(plan.num_src_ranks, sender=True)
 
@@ -317,7 +317,7 @@ def test_rounds_by_peer_group_hold_at_most_peers_and_follow_one_order_on_every_r
     for sender, n in ((True, plan.num_src_ranks), (False, plan.num_dst_ranks)):
         for rank in range(n):
             keys = []
-            for rnd in plan.pairs(rank, sender=sender).rounds(cap=128, itemsize_of=size, alone=64, peers=peers):
+            for rnd in item_rounds(plan.pairs(rank, sender=sender), cap=128, itemsize_of=size, alone=64, peers=peers):
                 key = {(peer_group(m.src, m.dst, groups, plan.num_src_ranks), m.index) for m in rnd}
                 assert len(key) == 1 and len(rnd) <= peers
                 assert len({m.dst if sender else m.src for m in rnd}) == len(rnd)

@@ -22,7 +22,7 @@ from ..control import SyncKeys
 from ..worker.agreement import agree_on_metadata
 from ..infos import MetadataUpdateInfo, TrainerInitInfo, WorkerInitInfo
 from ..stats import SyncStats
-from ..layout.buckets import Bucket, check_bucket_bytes, metadata_digest, plan_buckets
+from ..plan.buckets import Bucket, check_bucket_bytes, metadata_digest, plan_buckets
 from ..protocol import ParamMeta, check_metadata, checked
 from ..registry import Transport
 from ..worker.applier import LayerwiseApplier
@@ -30,7 +30,7 @@ from ..trainer.engine import TrainerEngine
 from ..trainer.waits import client_result
 from ..errors import SyncFailed
 from .ipc_handles import BufferImporter, ExportedBuffer, memory_saver_paused
-from .packing import fold_checksum, pack, unpack
+from ..reshard.packing import fold_checksum, pack, unpack
 from ..worker.engine import WorkerEngine
 
 __all__ = ["IPCTrainerInitInfo", "IPCWorkerInitInfo", "IPCUpdateInfo", "IPCTrainerEngine", "IPCWorkerEngine", "TRANSPORT"]

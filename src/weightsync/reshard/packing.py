@@ -1,7 +1,7 @@
 """Bytes in and out of flat uint8 buffers, and the checksum both ends of a transfer fold.
 
 :func:`pack` / :func:`unpack` move tensors into and out of the buckets that
-:func:`weightsync.layout.buckets.plan_buckets` plans. :class:`Staging` hands out the M2N executor's
+:func:`weightsync.plan.buckets.plan_buckets` plans. :class:`Staging` hands out the M2N executor's
 spans of its staging buffer; :class:`ByteRuns` views boxes of tensors as byte slices. :func:`fold_checksum` folds a tensor's bytes
 into a running checksum for ``verify=True`` syncs, on the tensor's own device, in bounded memory.
 
@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
-from ..layout.buckets import Bucket, BucketEntry
-from ..layout.records import align_up
-from ..layout.schedule import ALIGN
+from ..plan.buckets import Bucket, BucketEntry
+from ..plan.transfer import align_up
+from ..plan.schedule import ALIGN
 from ..protocol import dtype_from_name
 
 __all__ = ["CHUNK_BYTES", "ROW_WORDS", "ByteRuns", "Spans", "Staging", "fold_checksum", "fold_value", "pack", "unpack"]

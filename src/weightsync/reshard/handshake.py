@@ -1,6 +1,6 @@
 """M2N plumbing shared by the trainer and worker engines: the JSON wire form of sources and
 destinations exchanged over the rendezvous store, the plan both sides build from them, and each
-rank's rounds of messages (the executor that moves them, :mod:`.m2n_rounds`, is re-exported here)."""
+rank's rounds of messages (the executor that moves them, :mod:`.executor`, is re-exported here)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ from typing import Any
 
 from ..comm import Communicator
 from ..control import m2n_dest
-from ..layout.plan import PairItems, TransferPlan, build_plan
-from ..layout.records import DestPiece, TensorSource, dtype_itemsize
-from ..layout.regions import Region
-from ..layout.schedule import ALONE, PEERS, Message
-from .m2n_rounds import DEPTH, run_rounds  # re-exported: the executor's callers import it from here
-from .m2n_fast import FastRounds
+from ..plan.transfer import PairItems, TransferPlan, build_plan
+from ..plan.transfer import DestPiece, TensorSource, dtype_itemsize
+from ..plan.regions import Region
+from ..plan.schedule import ALONE, PEERS, Message, pair_rounds
+from .executor import DEPTH, run_rounds  # re-exported: the executor's callers import it from here
+from .executor import FastRounds
 from .packing import Spans
 
 __all__ = ["FALLBACK", "sources_to_wire", "sources_from_wire", "sources_digest", "source_name", "show_source",
@@ -110,12 +110,12 @@ def gather_plan(comm: Communicator, sources: list[TensorSource], num_workers: in
 
 class Rounds:
     """This rank's messages grouped into rounds (the same cuts as its peers'), cut once from the
-    compact plan (:meth:`PairItems.compact_rounds`) into numeric arrays, whatever the item count:
+    compact plan (:func:`~weightsync.plan.schedule.pair_rounds`) into numeric arrays, whatever the item count:
     iterable any number of times, each pass making its :class:`Message` s from the arrays."""
 
     def __init__(self, pairs: PairItems, itemsize_of: Callable[[str], int], cap: int,
                  apart: Callable[[Any], bool] | None = None, alone: int = ALONE, peers: int = PEERS) -> None:
-        self.compact = pairs.compact_rounds(cap=cap, itemsize_of=itemsize_of, apart=apart, alone=alone, peers=peers)
+        self.compact = pair_rounds(pairs, cap=cap, itemsize_of=itemsize_of, apart=apart, alone=alone, peers=peers)
         self.items = pairs.count()  # the plan's items (the pieces a large one is cut into: compact.num_items)
         self.spans = Spans()  # the staged messages' byte spans, found on the first sync (the executor's)
         self.nbytes = self.compact.total_bytes()  # what this rank sends or receives dense
@@ -137,8 +137,8 @@ def my_messages(plan: TransferPlan, sources: list[TensorSource], *, rank: int, s
     """This rank's rounds (see :class:`Rounds`). ``dense_only[w]``: worker w's params that never take
     a delta (received in checkpoint layout and processed, or fallbacks); their small pieces are packed
     apart from the others' (the same cut on both ends: every rank has every worker's list); ``alone``:
-    as in :func:`~weightsync.layout.schedule.peer_messages`; ``peers``: the most peers a round has
-    (``cap`` from :func:`~weightsync.layout.schedule.message_cap` with the same ``peers``)."""
+    as in the schedule (:mod:`weightsync.plan.schedule`); ``peers``: the most peers a round has
+    (``cap`` from :func:`~weightsync.plan.schedule.message_cap` with the same ``peers``)."""
     size = {s.name: dtype_itemsize(s.dtype) for s in sources}
     apart = None
     if any(dense_only):

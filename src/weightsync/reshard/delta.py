@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from ..layout.records import align_up
-from ..layout.regions import box_slices
-from ..layout.schedule import Message
+from ..plan.transfer import align_up
+from ..plan.regions import box_slices
+from ..plan.schedule import Message
 from ..protocol import dtype_from_name
 
 __all__ = ["sparse_nbytes", "diff", "encode", "decode", "patch", "Baseline", "Encoded", "write_pieces", "patch_pieces"]

@@ -29,13 +29,13 @@ from ..control import SyncKeys, nccl_loader
 from ..worker.agreement import agree_on_metadata
 from ..stats import DeltaStats, SyncStats
 from ..infos import MetadataUpdateInfo, TrainerInitInfo, WorkerInitInfo
-from ..layout.buckets import ALIGN, Bucket, check_bucket_bytes, metadata_digest, plan_buckets
-from ..layout.records import align_up
+from ..plan.buckets import ALIGN, Bucket, check_bucket_bytes, metadata_digest, plan_buckets
+from ..plan.transfer import align_up
 from ..protocol import ParamMeta, check_metadata, checked
 from ..registry import Transport
 from ..trainer.engine import TrainerEngine
-from .delta import Baseline, decode, diff, encode, patch_pieces, sparse_nbytes, write_pieces
-from .packing import fold_checksum, pack, unpack
+from ..reshard.delta import Baseline, decode, diff, encode, patch_pieces, sparse_nbytes, write_pieces
+from ..reshard.packing import fold_checksum, pack, unpack
 from ..worker.applier import LayerwiseApplier
 from ..worker.engine import WorkerEngine
 
