@@ -96,6 +96,8 @@ def _stream_sync(device: torch.device) -> None:
 class _NullComm:
     """A data plane that moves nothing (``M2N copies, no wire``)."""
 
+    ordered = False
+
     def post(self, sends: list, recvs: list) -> list:
         return []
 
@@ -134,7 +136,7 @@ def executor_copies(metas: list[Any], device: torch.device, staging_bytes: int, 
 def _measure(comm: Communicator, key: str, fn: Any, device: torch.device, spec: dict, check: Any = None) -> dict:
     """Median seconds of ``fn()``, both parties in step (a barrier before each run). The first run is
     a warm-up followed by ``check()``; rank 0 picks how many runs fit ``spec['budget_s']`` from it."""
-    comm.barrier()
+    comm.data.barrier()
     t0 = time.perf_counter()
     fn()
     _stream_sync(device)
@@ -145,7 +147,7 @@ def _measure(comm: Communicator, key: str, fn: Any, device: torch.device, spec: 
     runs = comm.read(f"rows/{key}/runs")
     times = []
     for _ in range(runs):
-        comm.barrier()
+        comm.data.barrier()
         t0 = time.perf_counter()
         fn()
         _stream_sync(device)
@@ -205,11 +207,11 @@ def _party_rows(comm: Communicator, device: torch.device, spec: dict) -> dict[st
             in_flight = []
             for off in range(0, lower, chunk):
                 op = [(flat[off : min(off + chunk, lower)], 1 if sender else 0, off // chunk)]
-                in_flight.append(comm.post(op, []) if sender else comm.post([], op))
+                in_flight.append(comm.data.post(op, []) if sender else comm.data.post([], op))
                 if len(in_flight) == DEPTH:
-                    comm.wait_all(in_flight.pop(0))
+                    comm.data.wait_all(in_flight.pop(0))
             for works in in_flight:
-                comm.wait_all(works)
+                comm.data.wait_all(works)
         return run
 
     out["p2p"] = _measure(comm, "p2p", raw_p2p(lower), device, spec)
@@ -217,7 +219,7 @@ def _party_rows(comm: Communicator, device: torch.device, spec: dict) -> dict[st
     out["p2p_cap"] = _measure(comm, "p2p_cap", raw_p2p(cap), device, spec)
     out["p2p_cap"].update(bytes=lower, note=f"same bytes in {cap // MiB} MiB messages, {DEPTH} in flight")
 
-    out["raw_bcast"] = _measure(comm, "raw_bcast", lambda: comm.broadcast(raw, src=0), device, spec)
+    out["raw_bcast"] = _measure(comm, "raw_bcast", lambda: comm.data.wait_all([comm.data.broadcast(raw, 0)], "broadcast"), device, spec)
     out["raw_bcast"].update(bytes=total, note="one broadcast of a buffer of the payload's size")
     del raw
     by_name = {p.name: p for p in pieces}
@@ -231,26 +233,26 @@ def _party_rows(comm: Communicator, device: torch.device, spec: dict) -> dict[st
         for b, bucket in enumerate(buckets):
             slot = b % 2
             if works[slot] is not None:
-                comm.wait(works[slot], "bucket broadcast")
+                comm.data.wait_all([works[slot]], "bucket broadcast")
             buf = buffers[slot][: align_up(bucket.nbytes, 256)]
             for entry, t in zip(bucket.entries, order[starts[b] : starts[b + 1]]):
                 pack(buf, entry, t)
             _stream_sync(device)
-            works[slot] = comm.broadcast(buf, src=0, async_op=True)
+            works[slot] = comm.data.broadcast(buf, 0)
         for w in works:
             if w is not None:
-                comm.wait(w, "bucket broadcast")
+                comm.data.wait_all([w], "bucket broadcast")
 
     def receive_buckets() -> None:  # NCCLWorkerEngine._receive_buckets, applying TP-rank-0 slices
         def post(b: int) -> tuple[torch.Tensor, Any]:
             buf = torch.empty(align_up(buckets[b].nbytes, 256), dtype=torch.uint8, device=device)
-            return buf, comm.broadcast(buf, src=0, async_op=True)
+            return buf, comm.data.broadcast(buf, 0)
 
         inflight = post(0) if buckets else None
         for b, bucket in enumerate(buckets):
             buf, work = inflight
             inflight = post(b + 1) if b + 1 < len(buckets) else None
-            comm.wait(work, f"bucket {b} broadcast")
+            comm.data.wait_all([work], f"bucket {b} broadcast")
             for name, t in unpack(buf, bucket):
                 piece = by_name[name]
                 params[piece.param].copy_(t[piece.region.slices()])

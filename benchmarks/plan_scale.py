@@ -25,7 +25,7 @@ do not divide). Each rank builds the whole plan, then its compact per-peer listi
 (``TransferPlan.pairs``, what the M2N executor keeps): the table reports both, and the process's peak
 RSS over the plan and the listings above its RSS before (``/proc`` VmHWM). ``--cut`` also times
 cutting trainer rank 0's rounds from that listing into arrays (``weightsync.plan.schedule.pair_rounds``: what
-a rank does once at init, ``m2n_exec.Rounds``) and its peak memory.
+a rank does once at init, ``reshard.handshake.Rounds``) and its peak memory.
 The plan is built ``--repeats`` times (median reported; the machine may be shared). Prints a
 markdown table.
 """
@@ -293,7 +293,7 @@ def measure(args: argparse.Namespace) -> dict:
 
 def _cut_pass(pairs: PairItems, itemsize: dict[str, int], num_src: int, num_dst: int) -> dict:
     """Trainer rank 0's rounds cut from the compact plan into arrays (64 MiB staging; a round stages
-    at most half of it): what a rank does once at init (``m2n_exec.Rounds``)."""
+    at most half of it): what a rank does once at init (``reshard.handshake.Rounds``)."""
     cap = message_cap(64 << 20, num_src, num_dst, buffers=2)
     _reset_peak()
     rss0, _ = _rss_mib()

@@ -47,9 +47,9 @@ def _party(rank: int, port: int, device: str, how: str, out: "mp.Queue", done: A
         t0 = time.monotonic()
         try:
             if how == "broadcast":
-                comm.broadcast(t, src=0)
+                comm.data.wait_all([comm.data.broadcast(t, 0)], "broadcast")
             else:
-                comm.exchange([], [(t, 0, 0)])
+                comm.data.exchange([], [(t, 0, 0)])
             out.put((rank, "completed", time.monotonic() - t0))
         except DataPlaneError as e:
             out.put((rank, str(e), time.monotonic() - t0))

@@ -124,7 +124,7 @@ def test_the_data_plane_rendezvous_goes_through_the_sealed_store(sealed_host):
     def join(comm, rank):
         comm.join(rank, 2)
         t = torch.arange(4.0) if rank == 0 else out[rank]
-        comm.broadcast(t, src=0)
+        comm.data.wait_all([comm.data.broadcast(t, 0)], "broadcast")
         out[rank] = t
     threads = [threading.Thread(target=join, args=(c, r)) for r, c in enumerate((sealed_host, client))]
     for t in threads:

@@ -21,10 +21,10 @@ def duplicate_one_piece(on: bool) -> None:
     both ends, in the same place, so the rounds still match), or restores the real schedule."""
     import weightsync.reshard.engines as m2n
     from weightsync.plan.transfer import dtype_itemsize
-    from weightsync.reshard import handshake as m2n_exec
+    from weightsync.reshard import handshake
 
     if not on:
-        m2n.my_messages = m2n_exec.my_messages
+        m2n.my_messages = handshake.my_messages
         return
 
     def doubled(plan, sources, *, rank, sender, cap, dense_only=()):  # (this layout processes no param)
@@ -37,7 +37,7 @@ def duplicate_one_piece(on: bool) -> None:
         listed.nbytes = sum(m.nbytes for r in listed for m in r)
         return listed
 
-    class Listed(list):  # the rounds as m2n_exec.Rounds offers them: iterable, len, nbytes
+    class Listed(list):  # the rounds as handshake.Rounds offers them: iterable, len, nbytes
         nbytes = 0
 
     m2n.my_messages = doubled

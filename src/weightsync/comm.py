@@ -1,4 +1,4 @@
-"""The sync group's two channels: a control channel (a TCPStore) and a data plane (a stateless group).
+"""The sync group's control channel (a TCPStore), and the data plane each party joins through it.
 
 Trainer rank 0 hosts the store; every party (trainer ranks, vLLM workers) connects with
 :meth:`Communicator.connect`. The store carries small JSON values only (agreement, verdicts, byte
@@ -6,25 +6,18 @@ counts, checksums, the first failure: ``fail`` wakes every waiting party), never
 poll with a backoff (``read``; ``read_all``: one request per look for many keys); the keys every
 failure path sets (``fail_keys``) are awaited with one blocking request (``await_key``).
 
-Parties that move data then :meth:`~Communicator.join` a process group built on that store and
-independent of the trainer's and vLLM's own groups: gloo on CPU, NCCL on CUDA; their rendezvous goes
-through the same store object. The store's host listens on ``master_address`` only; with a shared
-secret every key name and value is sealed (:mod:`weightsync.sealed`, docs/security.md). On an unregistered
-group ``torch.distributed.send`` and ``batch_isend_irecv`` refuse to work, so this module calls the
-backend's raw ``send``/``recv``/``broadcast`` and waits on their works itself.
-
-Waiting on NCCL: a blocked party polls its works and the store together, so a peer's failure or
-the deadline aborts its own communicator and raises ``DataPlaneError`` (NCCL's async error handling
-is off: our deadline governs, not the watchdog). On gloo a failing party drops its group, which
-wakes every peer blocked on it.
+Parties that move data then :meth:`~Communicator.join` the data plane (``comm.plane``, a
+:class:`~weightsync.dataplane.DataPlane`: today :class:`~weightsync.dataplane.torch_group.TorchGroupPlane`,
+gloo on CPU and NCCL on CUDA, whose rendezvous goes through the same store object). The store's host
+listens on ``master_address`` only; with a shared secret every key name and value is sealed
+(:mod:`weightsync.sealed`, docs/security.md). A failure recorded here drops the plane, which releases
+the peers blocked on this party.
 """
 
 from __future__ import annotations
 
 import errno
-import gc
 import json
-import os
 import time
 import traceback
 import weakref
@@ -36,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .control import JOIN_DECISION, join_key
+from .dataplane.torch_group import TorchGroupPlane
 from .errors import DataPlaneError, SyncAborted
 from .sealed import ForgedValueError, open_store
 
@@ -79,22 +73,6 @@ def _get_if_set(store: Any, key: str) -> bytes | None:
     return None if raw == _ABSENT.encode() else raw
 
 
-def _nccl_group(store: Any, rank: int, world_size: int, timeout: timedelta) -> Any:
-    """ProcessGroupNCCL whose errors and timeouts raise in the caller (no watchdog teardown)."""
-    opts = dist.ProcessGroupNCCL.Options()
-    opts._timeout = timeout
-    saved = {k: os.environ.get(k) for k in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_BLOCKING_WAIT")}
-    os.environ.update(dict.fromkeys(saved, "0"))  # read when the group is built: this group only
-    try:
-        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 class Communicator:
     """One party's view of a sync group: the control channel, and the data plane once joined. Every
     method that moves data must be called by the matching peers (collective rule)."""
@@ -110,7 +88,8 @@ class Communicator:
         """Rank in the data plane (None until ``join``)."""
         self.world_size = 0
         self.device = torch.device("cpu")
-        self._pg: Any = None
+        self.plane: TorchGroupPlane | None = None
+        """The data plane, once joined (None before, and after a failure dropped it)."""
 
     @classmethod
     def connect(cls, host: str, port: int, *, name: str, timeout_s: float = 300.0, host_store: bool = False,
@@ -143,10 +122,11 @@ class Communicator:
                                     secret=self._secret)
 
     @property
-    def ordered(self) -> bool:
-        """Whether this party's point-to-point ops run in the order posted (NCCL: one stream), so a
-        round's ops must be posted together (``m2n_exec.run_rounds``); gloo runs each op on its own."""
-        return self.device.type == "cuda"
+    def data(self) -> TorchGroupPlane:
+        """The data plane joined; ``DataPlaneError`` when a failure dropped it (or before ``join``)."""
+        if self.plane is None:
+            raise DataPlaneError(f"{self.name}: the data plane was dropped after a failure (re-initialize)")
+        return self.plane
 
     @property
     def port(self) -> int:
@@ -167,13 +147,9 @@ class Communicator:
         self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
         self.publish(join_key(rank), self.name)
         self._agree_to_join(world_size)
-        prefixed = dist.PrefixStore(f"{group_name}/", self.store)
-        timeout = timedelta(seconds=self.timeout_s)
-        if self.device.type == "cuda":
-            self._pg = _nccl_group(prefixed, rank, world_size, timeout)
-        else:
-            self._pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
-        self.barrier()  # everyone joined before any data moves
+        self.plane = TorchGroupPlane(self.store, rank, world_size, device=self.device, name=self.name,
+                                     timeout_s=self.timeout_s, peer_error=self.peer_error, group_name=group_name)
+        self.plane.barrier()  # everyone joined before any data moves
 
     def _agree_to_join(self, world_size: int) -> None:
         """Every member of the data plane takes the same decision: build the group, or raise. The first member
@@ -220,11 +196,9 @@ class Communicator:
 
     def abort(self) -> None:
         """Drop the data plane now (NCCL: abort the communicator)."""
-        pg, self._pg = self._pg, None
-        if pg is not None and self.device.type == "cuda":
-            pg.abort()
-        del pg
-        gc.collect()  # gloo closes its connections when the group is freed
+        plane, self.plane = self.plane, None
+        if plane is not None:
+            plane.abort()
 
     def peer_error(self) -> str | None:
         """The first failure reported on this group, if any (never blocks)."""
@@ -323,76 +297,6 @@ class Communicator:
     def peek(self, key: str) -> Any | None:
         """The JSON value under ``key`` if set, else None (never blocks)."""
         return None if (raw := _get_if_set(self.store, key)) is None else json.loads(raw)
-
-    # ---- data plane -------------------------------------------------------------------
-    def wait(self, work: Any, what: str = "operation") -> None:
-        """Wait for a data-plane work. NCCL: poll it and the store, so a reported failure or the deadline
-        aborts this party's communicator and raises ``DataPlaneError``. gloo: a blocking wait (its send/recv
-        works complete only inside ``wait``); a failing peer closes its connections, which raises here at once."""
-        try:
-            if self.device.type == "cuda":
-                self._poll(work, what)
-            work.wait(timedelta(seconds=self.timeout_s))
-        except DataPlaneError:
-            raise
-        except Exception as e:
-            err = self.peer_error()
-            reason = f"; a party reported: {err}" if err else ""
-            raise DataPlaneError(f"{what} failed on {self.name}: {str(e).splitlines()[0][:300]}{reason}") from e
-
-    def _poll(self, work: Any, what: str) -> None:
-        deadline = time.monotonic() + self.timeout_s
-        next_check, pause = 0.0, 2e-5
-        while not work.is_completed():
-            now = time.monotonic()
-            if now >= next_check:
-                if (err := self.peer_error()) is not None:
-                    self.abort()
-                    raise DataPlaneError(f"{what} failed on {self.name}: a party failed: {err}")
-                if now > deadline:
-                    self.abort()
-                    raise DataPlaneError(f"{what} timed out after {self.timeout_s}s on {self.name}")
-                next_check = now + _STORE_POLL_S
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
-
-    def broadcast(self, tensor: torch.Tensor, src: int, *, async_op: bool = False) -> Any:
-        opts = dist.BroadcastOptions()
-        opts.rootRank, opts.rootTensor = src, 0
-        work = self._live().broadcast([tensor], opts)
-        if not async_op:
-            self.wait(work, "broadcast")
-        return work if async_op else None
-
-    def exchange(self, sends: list[tuple[torch.Tensor, int, int]], recvs: list[tuple[torch.Tensor, int, int]],
-                 what: str = "point-to-point round") -> None:
-        """Post every ``(tensor, peer, tag)`` send and receive together, then wait for all of them
-        (NCCL: one coalesced group). The peers must post the matching ops in their own call."""
-        self.wait_all(self.post(sends, recvs), what)
-
-    def post(self, sends: list[tuple[torch.Tensor, int, int]], recvs: list[tuple[torch.Tensor, int, int]]) -> list[Any]:
-        """``exchange`` without the wait: the works to pass to ``wait_all``. Every pair of peers must post its
-        groups in the same order (several may be in flight)."""
-        pg = self._live()
-        cuda = self.device.type == "cuda"
-        if cuda:
-            pg._start_coalescing(self.device)
-        works = [pg.send([t], peer, tag) for t, peer, tag in sends]
-        works += [pg.recv([t], peer, tag) for t, peer, tag in recvs]
-        return [pg._end_coalescing(self.device)] if cuda else works
-
-    def wait_all(self, works: list[Any], what: str = "point-to-point round") -> None:
-        for w in works:
-            self.wait(w, what)
-
-    def barrier(self) -> None:
-        flag = torch.zeros(1, dtype=torch.int32, device=self.device)
-        self.wait(self._live().allreduce([flag]), "barrier")
-
-    def _live(self) -> Any:
-        if self._pg is None:
-            raise DataPlaneError(f"{self.name}: the data plane was dropped after a failure (re-initialize)")
-        return self._pg
 
     def shutdown(self) -> None:
         """Drop the data plane and the store. Safe to call twice."""

@@ -6,7 +6,7 @@ tensors and never exceeds ``bucket_bytes``. Call order on every rank of a broadc
 
     buckets = plan_buckets(metas, bucket_bytes)      # same metas everywhere -> same buckets
     agree on metadata_digest(m.wire() for m in metas)  # before any data moves
-    sender: transport.packing.pack each entry; receiver: transport.packing.unpack each bucket
+    sender: reshard.packing.pack each entry; receiver: reshard.packing.unpack each bucket
 
 Pure: no torch import. A meta is anything with ``name``, ``dtype`` and ``shape``
 (:class:`weightsync.protocol.ParamMeta`, or a plain record with a dtype name).

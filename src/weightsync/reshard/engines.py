@@ -272,7 +272,7 @@ class M2NTrainerEngine(TrainerEngine):
         if self._wire is not None:  # this rank's whole blocks of FP8 targets, quantized (fp8_wire)
             tensors = {**tensors, **self._wire.tensors(shards)}
         sums: dict[int, int] | None = {} if verify else None
-        stats.bytes_sent = run_rounds(self.comm, self.plan.rounds, self.plan.staging, sender=True,
+        stats.bytes_sent = run_rounds(self.comm.data, self.plan.rounds, self.plan.staging, sender=True,
                                       peer_rank=lambda w: self.init_info.num_trainer_ranks + w,
                                       dtypes=self.plan.dtypes, tensor_of=lambda m, i: tensors[m.items[i].name],
                                       sums=sums, sparse=payloads, ready=started)
@@ -360,7 +360,7 @@ class M2NWorkerEngine(WorkerEngine):
             s = by_name[name]
             params[FALLBACK + name] = torch.empty(s.shape, dtype=getattr(torch, s.dtype), device=self.device)
         sums: dict[int, int] | None = {} if u.verify else None
-        received = run_rounds(self.comm, self.plan.rounds, self.plan.staging, sender=False,
+        received = run_rounds(self.comm.data, self.plan.rounds, self.plan.staging, sender=False,
                               peer_rank=lambda r: r, dtypes=self.plan.dtypes,
                               tensor_of=lambda m, i: params[m.items[i].param], sums=sums, sparse=self._sparse(u))
         if sums is not None:

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..comm import Communicator
+from ..dataplane import DataPlane
 from ..plan.regions import box_slices
 from ..plan.schedule import ALIGN, PEERS, Message
 from ..plan.transfer import align_up
@@ -84,18 +84,18 @@ class _Executor:
 
     sender: bool
 
-    def __init__(self, comm: Communicator, staging: torch.Tensor, *, peer_rank: Callable[[int], int],
+    def __init__(self, plane: DataPlane, staging: torch.Tensor, *, peer_rank: Callable[[int], int],
                  dtypes: Mapping[str, str], tensor_of: TensorOf, sums: dict[int, int] | None,
                  sparse: Mapping[tuple[int, int], Any] | None, ready: Callable[[], Any] | None,
                  spans: Spans | None = None) -> None:
-        self.comm, self.peer_rank, self.dtypes, self.tensor_of = comm, peer_rank, dtypes, tensor_of
+        self.plane, self.peer_rank, self.dtypes, self.tensor_of = plane, peer_rank, dtypes, tensor_of
         self.spans = Spans() if spans is None else spans  # kept across syncs by the caller's rounds
         self.sums, self.sparse, self.ready = sums, sparse or {}, ready
         self.staging = Staging(staging)
         self.runs = ByteRuns()  # this sync's tensors' bytes, flat: an item is one view of them
         self.wire: dict[str, torch.dtype] = {}  # tensor name -> its wire dtype
         self.memo: dict[int, Any] = {}  # an item key -> its tensor and flat bytes, this sync (_tensors)
-        self.whole_rounds = getattr(comm, "ordered", False)
+        self.whole_rounds = plane.ordered
         self.folded: dict[tuple[int, int], int] = {}  # (peer, message index) -> that message's checksum
         self.moved = 0
         self.held: list[tuple[list[Any], list[Any]]] | None = None if ready is None else []  # ops, works
@@ -295,7 +295,7 @@ class _Executor:
 
     def _complete(self, posted: Posted) -> None:
         self._release()
-        self.comm.wait_all(posted.works[::-1], "M2N round")  # the last posted first: the others are done by then
+        self.plane.wait_all(posted.works[::-1], "M2N round")  # the last posted first: the others are done by then
         if posted.rnd is None:  # a compiled part: at a receiver, its staged items' copies
             self.moved += posted.moved
             if posted.copies is not None:
@@ -327,7 +327,7 @@ class _Sender(_Executor):
         return kind is not SlotKind.STAGED
 
     def _post_ops(self, ops: list[Any]) -> list[Any]:
-        return self.comm.post(ops, [])
+        return self.plane.post(ops, [])
 
     def _drain_order(self) -> list[Posted]:
         return [*reversed(self.in_flight), *reversed(self.early)]  # the earlier ones are done by then
@@ -375,7 +375,7 @@ class _Receiver(_Executor):
         return kind is SlotKind.DIRECT
 
     def _post_ops(self, ops: list[Any]) -> list[Any]:
-        return self.comm.post([], ops)
+        return self.plane.post([], ops)
 
     def _drain_order(self) -> list[Posted]:
         return [*self.in_flight, *reversed(self.early)]  # staged rounds applied in order
@@ -412,7 +412,7 @@ class _Receiver(_Executor):
             self._fold(m, views)
 
 
-def run_rounds(comm: Communicator, plan_rounds: Iterable[list[Message]], staging: torch.Tensor, *, sender: bool,
+def run_rounds(plane: DataPlane, plan_rounds: Iterable[list[Message]], staging: torch.Tensor, *, sender: bool,
                peer_rank: Callable[[int], int], dtypes: Mapping[str, str], tensor_of: TensorOf,
                sums: dict[int, int] | None = None, sparse: Mapping[tuple[int, int], Any] | None = None,
                ready: Callable[[], Any] | None = None) -> int:
@@ -423,7 +423,7 @@ def run_rounds(comm: Communicator, plan_rounds: Iterable[list[Message]], staging
     parameter) or a sender's sparse payload. Those are posted as their round comes, without waiting
     for anything, and waited for once every round is posted, the last posted first (this rank
     sleeps about once for all of them, not once a round). On a data plane whose point-to-point ops
-    run in issue order (``comm.ordered``: NCCL, one stream) a round is posted whole, so only rounds
+    run in issue order (``plane.ordered``: NCCL, one stream) a round is posted whole, so only rounds
     with no staged message go early. The other messages of a round go through one span of
     ``staging``, just the bytes they need, at the lowest offset no posted staged round holds (when
     there is none, the oldest are waited for until there is; low bytes are reused first, so only as
@@ -453,7 +453,7 @@ def run_rounds(comm: Communicator, plan_rounds: Iterable[list[Message]], staging
     paused = gc.isenabled()  # a sync's views are freed by their counts: no cyclic GC pass over the plan's objects
     gc.disable()
     try:
-        ex = end(comm, staging, peer_rank=peer_rank, dtypes=dtypes, tensor_of=tensor_of, sums=sums,
+        ex = end(plane, staging, peer_rank=peer_rank, dtypes=dtypes, tensor_of=tensor_of, sums=sums,
                  sparse=sparse, ready=ready, spans=getattr(plan_rounds, "spans", None))
         dense = sums is None and not sparse and hasattr(plan_rounds, "fast")
         fast = plan_rounds.fast if dense else None

@@ -62,7 +62,7 @@ def show_source(wire: list[Any]) -> str:
 def dests_to_wire(dests: Any, fp8: dict[str, int] | None = None) -> dict[str, Any]:
     """``WorkerDestinations`` -> JSON-safe: pieces, fallbacks (land whole), tied names, the params
     among the pieces' that are received in checkpoint layout and go through vLLM's processing, and
-    ``fp8``: the worker's block-FP8 counts (``m2n_fp8.WorkerWire.to_wire``)."""
+    ``fp8``: the worker's block-FP8 counts (``fp8.WorkerWire.to_wire``)."""
     return {
         "pieces": [[p.name, list(p.region.offsets), list(p.region.sizes), p.param, list(p.param_offsets)]
                    for p in dests.pieces],

@@ -101,7 +101,7 @@ def worker_receive(worker: Any, adapter_id: int, host: str, port: int, base: int
                 buf = torch.empty(sum(r.numel for _, r in parts), dtype=dtype)
                 recvs.append((buf, t, 0))
                 cuts.append(parts)
-        comm.exchange([], recvs, "LoRA adapter")
+        comm.data.exchange([], recvs, "LoRA adapter")
         pieces = []
         for (buf, _, _), parts in zip(recvs, cuts):
             for (name, region), flat in zip(parts, buf.split([r.numel for _, r in parts])):
@@ -250,15 +250,15 @@ class LoRASync:
             blocks_per_worker = [blocks for ws in self.plans for blocks in ws]
             for w, blocks in enumerate(blocks_per_worker):
                 if fail_at == w:
-                    comm.wait_all(works, "LoRA adapter")
+                    comm.data.wait_all(works, "LoRA adapter")
                     raise RuntimeError(f"injected failure before worker {w}'s bytes")
                 pieces = self.source.pieces(pair_cuts(blocks, self.source.metadata, self.source.rank))
                 if pieces:
                     wire = self.source.metadata[0].dtype
                     buf = torch.cat([p.reshape(-1).to(wire) for _, _, p in pieces])
                     keep.append(buf)
-                    works += comm.post([(buf, n + w, 0)], [])
-            comm.wait_all(works, "LoRA adapter")
+                    works += comm.data.post([(buf, n + w, 0)], [])
+            comm.data.wait_all(works, "LoRA adapter")
             return None
         except Exception as e:  # noqa: BLE001 - rank 0 discards; other ranks raise
             works.clear()  # a pending work keeps gloo's connections open: peers would not wake

@@ -241,7 +241,7 @@ class NCCLTrainerEngine(TrainerEngine):
         for b, bucket in enumerate(buckets):
             slot = b % len(works)
             if works[slot] is not None:
-                self.comm.wait(works[slot], "bucket broadcast")
+                self.comm.data.wait_all([works[slot]], "bucket broadcast")
             buf = self._buffers[slot][: align_up(bucket.nbytes, ALIGN)]
             for entry in bucket.entries:
                 pack(buf, entry, next(tensors))
@@ -251,13 +251,13 @@ class NCCLTrainerEngine(TrainerEngine):
                 torch.cuda.current_stream().synchronize()
             if fut.done() and fut.exception() is not None:
                 raise fut.exception()  # a worker failed: stop before blocking on it
-            works[slot] = self.comm.broadcast(buf, src=0, async_op=True)
+            works[slot] = self.comm.data.broadcast(buf, 0)
             if verify:
                 checksum = fold_checksum(checksum, buf[: bucket.nbytes])
             stats.bytes_sent += bucket.nbytes
         for w in works:
             if w is not None:
-                self.comm.wait(w, "bucket broadcast")
+                self.comm.data.wait_all([w], "bucket broadcast")
         return checksum
 
     def shutdown(self, *, drain: bool = True) -> None:
@@ -333,14 +333,14 @@ class NCCLWorkerEngine(WorkerEngine):
         def post(b: int) -> tuple[torch.Tensor, Any]:
             # A fresh buffer per bucket: layerwise reload may keep views until a layer is complete.
             buf = torch.empty(align_up(buckets[b].nbytes, ALIGN), dtype=torch.uint8, device=self.device)
-            return buf, self.comm.broadcast(buf, src=0, async_op=True)
+            return buf, self.comm.data.broadcast(buf, 0)
 
         inflight = post(0) if buckets else None
         checksum = received = 0
         for b, bucket in enumerate(buckets):
             buf, work = inflight
             inflight = post(b + 1) if b + 1 < len(buckets) else None  # receive b+1 while applying b
-            self.comm.wait(work, f"bucket {b} broadcast")
+            self.comm.data.wait_all([work], f"bucket {b} broadcast")
             received += bucket.nbytes
             if u.verify:
                 checksum = fold_checksum(checksum, buf[: bucket.nbytes])

@@ -245,7 +245,7 @@ class FSDP2Trainer:
         """Push the current weights to every vLLM worker; returns after they applied them. Colocated
         transports (``Transport.colocated``, e.g. ``weightsync_ipc``): runs with ``torch_memory_saver``'s
         tracking paused, whose VMM memory CUDA IPC cannot export. Collective."""
-        from ...transport.ipc_handles import memory_saver_paused
+        from ...transports.ipc_handles import memory_saver_paused
 
         self._check_awake("sync_weights")
         if getattr(getattr(engine, "source", None), "module", None) is not self.model:

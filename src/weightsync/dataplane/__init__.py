@@ -1,0 +1,9 @@
+"""Data planes: how the bytes of a sync move, behind one typed seam (:class:`~.base.DataPlane`).
+
+One file per implementation: :mod:`.torch_group` (torch process groups: gloo on CPU, NCCL on CUDA).
+The control plane (the store: agreement, verdicts, failures) never shares a data plane's channel.
+"""
+
+from .base import DataPlane, Op, Work
+
+__all__ = ["DataPlane", "Op", "Work"]
