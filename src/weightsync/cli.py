@@ -60,7 +60,7 @@ def sync_and_check(trainers: vllm_cpu.Trainers, handles: list[Any], name: str, *
     check = trainers.check_engines(handles, token_prompts, MAX_TOKENS)[0]
     received = stats[0]["bytes_received_per_worker"]
     per_worker = max(received.values(), default=0)
-    exact = name != "weightsync_m2n" or received == stats[0]["lower_bound_per_worker"]
+    exact = not transport(name).capabilities.shard_exact or received == stats[0]["lower_bound_per_worker"]
     return {"transport": name, "trainers": trainers.n, "mb": per_worker / 1e6, "seconds": seconds,
             "gbps": per_worker / seconds / 1e9, "tokens": check["tokens"][0][0], "hf_equal": check["hf_equal"],
             "verified": not check["differ"] and exact, "differ": check["differ"], "exact_bytes": exact}

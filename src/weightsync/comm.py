@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .control import JOIN_DECISION, join_key
+from .dataplane import DataPlane, PlaneFactory
 from .dataplane.torch_group import TorchGroupPlane
 from .errors import DataPlaneError, SyncAborted
 from .sealed import ForgedValueError, open_store
@@ -88,7 +89,7 @@ class Communicator:
         """Rank in the data plane (None until ``join``)."""
         self.world_size = 0
         self.device = torch.device("cpu")
-        self.plane: TorchGroupPlane | None = None
+        self.plane: DataPlane | None = None
         """The data plane, once joined (None before, and after a failure dropped it)."""
 
     @classmethod
@@ -122,7 +123,7 @@ class Communicator:
                                     secret=self._secret)
 
     @property
-    def data(self) -> TorchGroupPlane:
+    def data(self) -> DataPlane:
         """The data plane joined; ``DataPlaneError`` when a failure dropped it (or before ``join``)."""
         if self.plane is None:
             raise DataPlaneError(f"{self.name}: the data plane was dropped after a failure (re-initialize)")
@@ -139,16 +140,17 @@ class Communicator:
         open_store(host, port, timeout_s, is_master=False, secret=secret).compare_set(_ERROR, "", message)
 
     def join(self, rank: int, world_size: int, *, device: torch.device | str = "cpu",
-             group_name: str = "weightsync") -> None:
-        """Join the data plane as ``rank`` of ``world_size`` (gloo on CPU, NCCL on CUDA). Every member
-        first announces itself; a failure any party reports meanwhile raises at once."""
+             group_name: str = "weightsync", plane: PlaneFactory = TorchGroupPlane) -> None:
+        """Join the data plane ``plane`` (default: a torch group, gloo on CPU, NCCL on CUDA) as ``rank``
+        of ``world_size``. Every member first announces itself; a failure any party reports meanwhile
+        raises at once."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
         self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
         self.publish(join_key(rank), self.name)
         self._agree_to_join(world_size)
-        self.plane = TorchGroupPlane(self.store, rank, world_size, device=self.device, name=self.name,
-                                     timeout_s=self.timeout_s, peer_error=self.peer_error, group_name=group_name)
+        self.plane = plane(self.store, rank, world_size, device=self.device, name=self.name,
+                           timeout_s=self.timeout_s, peer_error=self.peer_error, group_name=group_name)
         self.plane.barrier()  # everyone joined before any data moves
 
     def _agree_to_join(self, world_size: int) -> None:

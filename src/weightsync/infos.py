@@ -205,7 +205,8 @@ class TrainerInitInfo:
     def replica_workers(self, num_replicas: int) -> int:
         """Workers per replica when the client drives ``num_replicas`` engines (``on_engine_failure="drop"``)."""
         raise ValueError(f"{type(self).__name__}.on_engine_failure='drop' needs one sync group per replica, "
-                         f"which {self.backend} does not have (use weightsync_m2n or weightsync_nccl)")
+                         f"which {self.backend} does not have (weightsync.registry.transports_with('elastic') "
+                         f"lists the transports that do)")
 
     def for_replica(self, tp: int, port: int) -> "TrainerInitInfo":
         """This info for one replica of ``tp`` workers, its group's store on ``port``."""

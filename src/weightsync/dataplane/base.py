@@ -18,12 +18,13 @@ Rules an implementation keeps (the shared transport tests check them through a t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
+import torch.distributed as dist
 
-__all__ = ["DataPlane", "Op", "Work"]
+__all__ = ["DataPlane", "Op", "PlaneFactory", "Work"]
 
 Op = tuple[torch.Tensor, int, int]
 """One point-to-point operation: (contiguous tensor, peer rank, tag)."""
@@ -70,3 +71,11 @@ class DataPlane(Protocol):
     def abort(self) -> None:
         """Drop the plane now, releasing peers blocked on this party. Safe to call twice."""
         ...
+
+
+class PlaneFactory(Protocol):
+    """How a party joins a data plane: ``store`` is the sync group's control store (for the plane's own
+    rendezvous), ``peer_error`` reads the group's first reported failure (None while there is none)."""
+
+    def __call__(self, store: dist.Store, rank: int, world_size: int, *, device: torch.device, name: str,
+                 timeout_s: float, peer_error: Callable[[], str | None], group_name: str) -> DataPlane: ...

@@ -318,7 +318,7 @@ class M2NWorkerEngine(WorkerEngine):
 
     def _init(self, info: M2NWorkerInitInfo) -> None:
         w = self.worker_rank
-        self.comm.join(info.num_trainer_ranks + w, info.world_size, device=self.device)
+        self.comm.join(info.num_trainer_ranks + w, info.world_size, device=self.device, plane=self.data_plane)
         sources = sources_from_wire(self.comm.read(m2n_sources(0)))
         try:
             # model agreement and coverage of the plan's regions, before the plan is agreed

@@ -210,20 +210,25 @@ def wrong_checksums(enabled: bool = True) -> None:
     Communicator.publish = publish  # type: ignore[method-assign]
 
 
-def slow_data_plane(seconds: float, count_to: str | None = None) -> None:
-    """Inside a process: every data-plane post (an M2N round), broadcast and control-channel publish
-    (the colocated transport's chunk hand-off) first sleeps ``seconds`` (0 restores). With
-    ``count_to``, each such call first appends a byte to that file: a test can see a sync get under
-    way while the process is busy in it (an actor serves one call at a time)."""
+def slow_data_plane(seconds: float, count_to: str | None = None,
+                    plane: str = "weightsync.dataplane.torch_group:TorchGroupPlane") -> None:
+    """Inside a process: every post (an M2N round) and broadcast of the data plane class ``plane``
+    (``module:Class``), and every control-channel publish (the colocated transport's chunk hand-off),
+    first sleeps ``seconds`` (0 restores). With ``count_to``, each such call first appends a byte to
+    that file: a test can see a sync get under way while the process is busy in it (an actor serves
+    one call at a time)."""
+    import importlib
     import time
 
     from ..comm import Communicator
 
-    names = ("post", "broadcast", "publish")  # exchange posts through post
-    originals = _ORIGINALS.setdefault("comm", tuple(getattr(Communicator, n) for n in names))
+    module, _, name = plane.partition(":")
+    targets = [(getattr(importlib.import_module(module), name), n) for n in ("post", "broadcast")]
+    targets.append((Communicator, "publish"))  # (exchange posts through post)
+    originals = [_ORIGINALS.setdefault(f"{cls.__qualname__}.{n}", getattr(cls, n)) for cls, n in targets]
     if not seconds:
-        for n, fn in zip(names, originals):
-            setattr(Communicator, n, fn)
+        for (cls, n), fn in zip(targets, originals):
+            setattr(cls, n, fn)
         return
 
     def slow(fn: Any) -> Any:
@@ -235,8 +240,8 @@ def slow_data_plane(seconds: float, count_to: str | None = None) -> None:
             return fn(*a, **k)
         return wrapper
 
-    for n, fn in zip(names, originals):
-        setattr(Communicator, n, slow(fn))
+    for (cls, n), fn in zip(targets, originals):
+        setattr(cls, n, slow(fn))
 
 
 HANG_CALLS = ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update")

@@ -35,6 +35,8 @@ from typing import Any, ClassVar
 
 from ..comm import Communicator, describe
 from ..control import INIT_DONE, SyncKeys, gather, init_ack
+from ..dataplane import PlaneFactory
+from ..dataplane.torch_group import TorchGroupPlane
 from ..errors import PoisonedError, Refused, SyncFailed, refusal
 from ..infos import TrainerInitInfo, WorkerInitInfo, WorkerUpdateInfo
 from ..pausing import REFUSED, check_paused, preflight_error
@@ -58,6 +60,8 @@ class TrainerEngine:
     """The transport's declaration (``weightsync.registry.Transport``), set when it is declared."""
     update_info_cls: ClassVar[type[WorkerUpdateInfo]] = WorkerUpdateInfo
     """The workers' update info (an abort is sent as one)."""
+    data_plane: ClassVar[PlaneFactory] = TorchGroupPlane
+    """The data plane this transport's parties join (``_data_rank``); its workers' engine names the same."""
     _chunks = 0  # chunks the last sync handed over on the store (ipc), whose keys ``_forget`` deletes
 
     def __init__(self, init_info: TrainerInitInfo, *, client: Any, source: WeightSource | None) -> None:
@@ -135,7 +139,7 @@ class TrainerEngine:
                 fut = self._watched(lambda: self.client.init_weight_transfer_engine(payload),
                                     "init_weight_transfer_engine")
             if (data := self._data_rank()) is not None:
-                self.comm.join(*data, device=i.device)
+                self.comm.join(*data, device=i.device, plane=self.data_plane)
             self._handshake()
             if fut is not None:
                 client_result(fut, i.timeout_s, "init_weight_transfer_engine")

@@ -24,7 +24,7 @@ from ..infos import MetadataUpdateInfo, TrainerInitInfo, WorkerInitInfo
 from ..stats import SyncStats
 from ..plan.buckets import Bucket, check_bucket_bytes, metadata_digest, plan_buckets
 from ..protocol import ParamMeta, check_metadata, checked
-from ..registry import Transport
+from ..registry import Capabilities, Transport, transports_with
 from ..worker.applier import LayerwiseApplier
 from ..trainer.engine import TrainerEngine
 from ..trainer.waits import client_result
@@ -60,7 +60,7 @@ class IPCTrainerInitInfo(TrainerInitInfo):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.delta:
-            raise ValueError("delta=True is for transports with a wire (weightsync_m2n, weightsync_nccl): "
+            raise ValueError(f"delta=True is for transports with a wire ({', '.join(transports_with('delta'))}): "
                              "weightsync_ipc's workers read the trainer's memory in place")
         if not isinstance(self.num_workers, int) or self.num_workers < 1:
             raise ValueError(f"num_workers must be an int >= 1, got {self.num_workers!r}")
@@ -295,4 +295,5 @@ class IPCWorkerEngine(WorkerEngine):
 TRANSPORT = Transport(
     name="weightsync_ipc", trainer_engine=IPCTrainerEngine, worker_engine=IPCWorkerEngine,
     init_info=IPCTrainerInitInfo, source="full", colocated=True,
-    summary="each trainer rank hands its colocated workers one packed, reusable CUDA IPC (CPU: shared-memory) buffer")
+    summary="each trainer rank hands its colocated workers one packed, reusable CUDA IPC (CPU: shared-memory) buffer",
+    capabilities=Capabilities())

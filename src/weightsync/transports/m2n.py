@@ -6,7 +6,7 @@ Every trainer rank sends only the pieces of its local shards that each worker ne
 
 from __future__ import annotations
 
-from ..registry import Transport
+from ..registry import Capabilities, Transport
 from ..reshard.engines import (M2NSyncStats, M2NTrainerEngine, M2NTrainerInitInfo, M2NUpdateInfo, M2NWorkerEngine,
                                M2NWorkerInitInfo)
 
@@ -16,4 +16,5 @@ __all__ = ["M2NSyncStats", "M2NTrainerEngine", "M2NTrainerInitInfo", "M2NUpdateI
 TRANSPORT = Transport(
     name="weightsync_m2n", trainer_engine=M2NTrainerEngine, worker_engine=M2NWorkerEngine,
     init_info=M2NTrainerInitInfo, source="local", colocated=False,
-    summary="each trainer rank sends only the pieces of its local shards each worker holds, into live parameters")
+    summary="each trainer rank sends only the pieces of its local shards each worker holds, into live parameters",
+    capabilities=Capabilities(shard_exact=True, delta=True, fp8_targets=True, fp8_wire=True, elastic=True))

@@ -32,7 +32,7 @@ from ..infos import MetadataUpdateInfo, TrainerInitInfo, WorkerInitInfo
 from ..plan.buckets import ALIGN, Bucket, check_bucket_bytes, metadata_digest, plan_buckets
 from ..plan.transfer import align_up
 from ..protocol import ParamMeta, check_metadata, checked
-from ..registry import Transport
+from ..registry import Capabilities, Transport
 from ..trainer.engine import TrainerEngine
 from ..reshard.delta import Baseline, decode, diff, encode, patch_pieces, sparse_nbytes, write_pieces
 from ..reshard.packing import fold_checksum, pack, unpack
@@ -277,7 +277,7 @@ class NCCLWorkerEngine(WorkerEngine):
     def _init(self, info: NCCLWorkerInitInfo) -> None:
         self._metas: list[ParamMeta] = []
         self._digest: str | None = None
-        self.comm.join(1 + self.worker_rank, info.world_size, device=self.device)  # rank 0 joins before publishing
+        self.comm.join(1 + self.worker_rank, info.world_size, device=self.device, plane=self.data_plane)  # rank 0 joins before publishing
         dests = self._check_full_tensor_metadata()  # model agreement and coverage, before any bucket
         via = set(dests.via_loader)
         self._pieces: dict[str, list[Any]] = {}
@@ -354,4 +354,5 @@ class NCCLWorkerEngine(WorkerEngine):
 TRANSPORT = Transport(
     name="weightsync_nccl", trainer_engine=NCCLTrainerEngine, worker_engine=NCCLWorkerEngine,
     init_info=NCCLTrainerInitInfo, source="full", colocated=False,
-    summary="trainer rank 0 broadcasts packed buckets of full tensors to every worker of every replica")
+    summary="trainer rank 0 broadcasts packed buckets of full tensors to every worker of every replica",
+    capabilities=Capabilities(delta=True, elastic=True))

@@ -30,9 +30,11 @@ import torch
 
 from ..comm import Communicator, describe
 from ..control import SyncKeys, model_metas
+from ..dataplane import PlaneFactory
+from ..dataplane.torch_group import TorchGroupPlane
 from ..errors import PoisonedError
 from ..infos import TAKEN_OVER, WorkerInitInfo, WorkerUpdateInfo, parse_info
-from ..registry import TRANSPORTS, transport
+from ..registry import TRANSPORTS, transport, transports_with
 from .agreement import fingerprint, weights_changed
 from .applier import LayerwiseApplier
 from .fp8 import refuse_full_tensors
@@ -51,6 +53,8 @@ class WorkerEngine:
     update_info_cls: ClassVar[type[WorkerUpdateInfo]]
     spec: ClassVar[Any]
     """The transport's declaration (``weightsync.registry.Transport``), set when it is declared."""
+    data_plane: ClassVar[PlaneFactory] = TorchGroupPlane
+    """The data plane this worker joins (its trainer engine names the same)."""
     supports_draft_weight_update: ClassVar[bool] = False
     defers_processing: ClassVar[bool] = False
 
@@ -130,7 +134,9 @@ class WorkerEngine:
         digest = metadata_digest(wire)
         if digest != getattr(self, "_checked_digest", None):
             self._dests = self._check_model(wire)
-            refuse_full_tensors(self._dests, type(self).spec.name)  # block-FP8 targets: M2N only (issue 38)
+            spec = type(self).spec
+            if not spec.capabilities.fp8_targets:  # block-FP8 targets need workers that quantize
+                refuse_full_tensors(self._dests, spec.name, transports_with("fp8_targets"))
             self._checked_digest = digest
         return self._dests
 

@@ -81,14 +81,14 @@ def kv_cache_scale(module: Any, attr: str) -> bool:
     return qm is not None and type(qm).__name__.endswith("KVCacheMethod") and attr.endswith("_scale")
 
 
-def refuse_full_tensors(dests: Any, transport: str) -> None:
+def refuse_full_tensors(dests: Any, transport: str, instead: list[str]) -> None:
     """Full-tensor transports hand whole tensors to vLLM's loaders, which would cast the trainer's
     weights into FP8 instead of quantizing them: refused at init, naming the first such tensor."""
     quantized = set(getattr(dests, "quantized", ()))
     hit = next((p for p in dests.placed if p.param in quantized), None)
     if hit is not None:
         raise ValueError(f"parameter {hit.name!r}: vLLM's {hit.param} is block FP8, which {transport} cannot fill "
-                         "(its loaders would cast, not quantize); use weightsync_m2n, whose workers quantize")
+                         f"(its loaders would cast, not quantize); use one whose workers quantize: {', '.join(instead)}")
 
 
 def check_sent_dtype(name: str, dtype: str, param: str) -> None:
