@@ -43,8 +43,16 @@ from typing import Any
 import torch
 
 from weightsync.comm import Communicator, describe
-from weightsync.plan import DestPiece, Region, Shard, TensorSource, align_up, build_plan, mesh_coordinates
-from weightsync.plan import source_regions
+from weightsync.plan import (
+    DestPiece,
+    Region,
+    Shard,
+    TensorSource,
+    align_up,
+    build_plan,
+    mesh_coordinates,
+    source_regions,
+)
 from weightsync.plan.buckets import plan_buckets
 from weightsync.plan.schedule import message_cap
 from weightsync.reshard.handshake import DEPTH, my_messages, run_rounds

@@ -6,8 +6,8 @@ from __future__ import annotations
 from functools import cache
 
 import torch
-
 from plan_scale import _dsv3_model, _linear_experts, _model, _region
+
 from weightsync.plan import DestPiece, Shard
 from weightsync.plan.regions import mesh_coordinates, source_regions
 from weightsync.protocol import ParamMeta

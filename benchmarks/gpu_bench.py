@@ -52,13 +52,13 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
 
+import _gpu_transfer
+
 from weightsync.plan import align_up
 from weightsync.plan.buckets import plan_buckets
-from weightsync.reshard.packing import pack, unpack
 from weightsync.protocol import ParamMeta
+from weightsync.reshard.packing import pack, unpack
 from weightsync.transports.ipc_handles import BufferImporter, ExportedBuffer
-
-import _gpu_transfer
 
 MiB = 1 << 20
 _H, _I, _Q, _KV, HD, _V = 4096, 12288, 32, 8, 128, 151936  # Qwen3-8B

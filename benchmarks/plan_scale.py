@@ -53,9 +53,9 @@ from weightsync.plan import (
     mesh_coordinates,
     source_regions,
 )
-from weightsync.worker.experts import W2, W13, fused_expert_pieces
-from weightsync.plan.transfer import PairItems
 from weightsync.plan.schedule import message_cap, pair_rounds
+from weightsync.plan.transfer import PairItems
+from weightsync.worker.experts import W2, W13, fused_expert_pieces
 
 HIDDEN, HEAD, Q_HEADS, KV_HEADS, INTER, MOE_INTER, VOCAB = 7168, 128, 64, 8, 18432, 2048, 163845
 

@@ -53,13 +53,13 @@ from functools import cache
 from statistics import median
 
 import torch
-
-from _scale_shapes import LABELS, S, SHAPES, _fsdp_rows, _fused, _scaled, _worker_pieces
+from _scale_shapes import LABELS, SHAPES, S, _fsdp_rows, _fused, _scaled, _worker_pieces
 from plan_scale import _fsdp, _reset_peak, _rss_mib
+
 from weightsync.plan import DestPiece, TensorSource, build_plan
 from weightsync.plan.schedule import ALONE, message_cap
-from weightsync.reshard.handshake import my_messages
 from weightsync.reshard.executor import run_rounds
+from weightsync.reshard.handshake import my_messages
 
 STAGING = 256 << 20  # M2N's DEFAULT_STAGING_BYTES
 NVLINK, IB = 450e9, 50e9

@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-
 from typing import TYPE_CHECKING
 
 import torch
@@ -79,7 +78,7 @@ class TrainerRank:
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=lr)
         self.engine = None
 
-    def init_sync(self, llm: "ActorHandle", store_addr: str, store_port: int, num_workers: int,
+    def init_sync(self, llm: ActorHandle, store_addr: str, store_port: int, num_workers: int,
                   bucket_bytes: int) -> None:
         """Collective over the trainer ranks: build the weightsync engine (rank 0 drives vLLM)."""
         info = IPCTrainerInitInfo(rank=self.rank, num_trainer_ranks=self.world, num_workers=num_workers,
@@ -181,7 +180,6 @@ def main() -> None:
     import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
     from vllm import SamplingParams
     from vllm.config import WeightTransferConfig
 

@@ -30,6 +30,8 @@ PROMPTS = ["The capital of France is", "The largest planet in the solar system i
 
 
 def run_gpu(model_name: str) -> None:
+    from contextlib import nullcontext
+
     import ray
     import torch
     import torch.distributed as dist
@@ -37,8 +39,6 @@ def run_gpu(model_name: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import WeightTransferConfig
     from vllm.utils.network_utils import get_ip, get_open_port
-
-    from contextlib import nullcontext
 
     from weightsync import DTensorModuleSource, RayVLLMWeightSyncClient, WeightTransferTrainerFactory
     from weightsync.clients import paused

@@ -27,9 +27,8 @@ import torch
 
 from oracle import iter_items
 from weightsync.integrations.fsdp2 import LossConfig, ModelConfig, OptimConfig, TrainerConfig
-from weightsync.plan.transfer import TransferPlan
-from weightsync.plan.transfer import DestPiece, TensorSource
 from weightsync.plan.regions import Region, box_slices
+from weightsync.plan.transfer import DestPiece, TensorSource, TransferPlan
 from weightsync.registry import transport, transport_names
 from weightsync.testing.actors import STATE
 from weightsync.testing.cluster import Layout

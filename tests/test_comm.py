@@ -28,7 +28,7 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _party(rank: int, port: int, device: str, how: str, out: "mp.Queue", done: Any) -> None:
+def _party(rank: int, port: int, device: str, how: str, out: mp.Queue, done: Any) -> None:
     """Rank 0 fails after the others are blocked on it, and stays alive until the test has every report
     (``done``); the others report how they woke."""
     try:

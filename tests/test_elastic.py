@@ -13,8 +13,8 @@ import tempfile
 import time
 
 import pytest
-from helpers import init_info
 
+from helpers import init_info
 from weightsync.testing.actors import RemoteError
 from weightsync.testing.client import LocalWeightSyncClient
 from weightsync.testing.cluster import Layout, model_config_dir

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from helpers import execute_reference, make_local_shards
-from weightsync.worker.experts import W2, W13, expert_runs, fused_expert_pieces
 from weightsync.plan import Shard, TensorSource, build_plan, mesh_coordinates, source_regions
 from weightsync.testing.cluster import free_port
+from weightsync.worker.experts import W2, W13, expert_runs, fused_expert_pieces
 
 pytestmark = pytest.mark.timeout(300)
 

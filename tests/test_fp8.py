@@ -279,8 +279,8 @@ def test_a_full_tensor_transport_is_refused_for_fp8_targets(cluster):
 
 
 def test_a_shard_that_cuts_a_block_is_refused_naming_the_parameter():
-    from weightsync.plan.transfer import DestPiece
     from weightsync.plan.regions import Region
+    from weightsync.plan.transfer import DestPiece
     from weightsync.worker.fp8 import check_blocks
 
     whole = DestPiece("w", Region((128, 0), (128, 256)), "p", (0, 0))

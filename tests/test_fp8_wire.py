@@ -9,11 +9,17 @@ import pytest
 import torch
 
 from oracle import iter_items
-from weightsync.plan.fp8_blocks import (FP8_SUFFIX, SCALE_SUFFIX, block_count, check_block, split_piece,
-                                        whole_blocks, wire_sources)
-from weightsync.plan.transfer import build_plan
-from weightsync.plan.transfer import DestPiece, TensorSource
+from weightsync.plan.fp8_blocks import (
+    FP8_SUFFIX,
+    SCALE_SUFFIX,
+    block_count,
+    check_block,
+    split_piece,
+    whole_blocks,
+    wire_sources,
+)
 from weightsync.plan.regions import Region, uncovered
+from weightsync.plan.transfer import DestPiece, TensorSource, build_plan
 
 B = (128, 128)
 

@@ -20,10 +20,10 @@ from helpers import HAS_CUDA, init_info, mismatches
 from weightsync.infos import parse_info
 from weightsync.plan.buckets import plan_buckets
 from weightsync.protocol import ParamMeta
+from weightsync.reshard.packing import pack
 from weightsync.testing.actors import RemoteError, gather
 from weightsync.testing.cluster import Layout
 from weightsync.testing.faults import CorruptingClient, JsonRoundTripClient
-from weightsync.reshard.packing import pack
 from weightsync.transports import ipc_handles
 from weightsync.transports.ipc import IPCTrainerInitInfo, IPCUpdateInfo, IPCWorkerInitInfo
 from weightsync.transports.ipc_handles import BufferImporter, ExportedBuffer

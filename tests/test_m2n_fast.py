@@ -18,8 +18,8 @@ import torch
 from helpers import execute_reference, make_local_shards
 from weightsync.plan import DestPiece, Region, Shard, TensorSource, build_plan, mesh_coordinates, source_regions
 from weightsync.reshard import executor as m2n_rounds
-from weightsync.reshard.handshake import my_messages
 from weightsync.reshard.executor import run_rounds
+from weightsync.reshard.handshake import my_messages
 
 RANKS, TP, REPLICAS = 4, 8, 2
 SHAPES = {"norm": ((64,), "bfloat16"), "o": ((32, 16), "bfloat16"), "qkv": ((16, 16), "float32"),

@@ -14,11 +14,11 @@ import torch
 from helpers import execute_reference, make_local_shards
 from oracle import item_rounds
 from weightsync.plan import DestPiece, Region, Shard, TensorSource, build_plan, mesh_coordinates, source_regions
-from weightsync.reshard import executor as m2n_rounds
-from weightsync.plan.transfer import TransferItem
 from weightsync.plan.schedule import Message
-from weightsync.reshard.handshake import my_messages
+from weightsync.plan.transfer import TransferItem
+from weightsync.reshard import executor as m2n_rounds
 from weightsync.reshard.executor import run_rounds
+from weightsync.reshard.handshake import my_messages
 
 
 class Loopback:

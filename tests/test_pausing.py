@@ -62,7 +62,6 @@ def test_a_client_that_cannot_report_pausing_is_refused_unless_allowed():
 
 def test_the_middleware_refuses_resume_while_an_aborted_update_left_weights_partly_applied():
     from test_vllm_http import NCCL_INIT, FakeApp, post
-
     from weightsync.integrations.vllm_http import WeightSyncRequestValidation
 
     app = FakeApp()

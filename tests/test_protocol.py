@@ -4,10 +4,16 @@ import sys
 import pytest
 import torch
 
-from weightsync import (FullTensorSource, ParamMeta, WeightSource, WeightTransferTrainerFactory,
-                        WorkerEngineFactory, transport_names)
-from weightsync.protocol import dtype_from_name, dtype_name
+from weightsync import (
+    FullTensorSource,
+    ParamMeta,
+    WeightSource,
+    WeightTransferTrainerFactory,
+    WorkerEngineFactory,
+    transport_names,
+)
 from weightsync.infos import parse_info
+from weightsync.protocol import dtype_from_name, dtype_name
 from weightsync.transports.nccl import NCCLTrainerInitInfo, NCCLUpdateInfo, NCCLWorkerInitInfo
 
 

@@ -14,8 +14,8 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import until
 
+from helpers import until
 from weightsync.comm import Communicator
 from weightsync.errors import DataPlaneError
 from weightsync.sealed import SECRET_ENV, ForgedValueError

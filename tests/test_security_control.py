@@ -8,8 +8,8 @@ import time
 
 import pytest
 import torch
-from helpers import until
 
+from helpers import until
 from weightsync.testing.actors import RemoteError
 from weightsync.testing.faults import JsonRoundTripClient
 
@@ -121,9 +121,9 @@ def test_the_fingerprint_samples_each_dtype_in_order_and_never_formats_a_tensor(
 
 def _trainer_b(layout, **fields):
     """A second trainer (one rank, in this process) for the same engines, with the model's architecture."""
-    from helpers import init_info
     from transformers import AutoModelForCausalLM
 
+    from helpers import init_info
     from weightsync import FullTensorSource, WeightTransferTrainerFactory
     from weightsync.integrations.fsdp2.model import load_hf_config
     from weightsync.testing.cluster import Layout, model_config_dir

@@ -14,7 +14,14 @@ from .errors import DataPlaneError, EngineDead, PoisonedError, Refused, RemoteCa
 from .infos import TrainerInitInfo, WorkerInitInfo, WorkerUpdateInfo
 from .pausing import WeightsPartlyApplied, paused
 from .protocol import ParamMeta, WeightSource
-from .registry import TRANSPORTS, Transport, WeightTransferTrainerFactory, WorkerEngineFactory, transport, transport_names
+from .registry import (
+    TRANSPORTS,
+    Transport,
+    WeightTransferTrainerFactory,
+    WorkerEngineFactory,
+    transport,
+    transport_names,
+)
 from .stats import DeltaStats, SyncStats
 from .trainer.engine import TrainerEngine
 from .trainer.sources import DTensorModuleSource, FullTensorSource

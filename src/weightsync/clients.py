@@ -16,8 +16,18 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from .errors import EngineDead, RemoteCallError
-from .llm_calls import (call_method, get_partial, is_llm, llm_is_paused, llm_pause, llm_resume, remote_call_error,
-                        set_partial, stop_engine_core, watched)
+from .llm_calls import (
+    call_method,
+    get_partial,
+    is_llm,
+    llm_is_paused,
+    llm_pause,
+    llm_resume,
+    remote_call_error,
+    set_partial,
+    stop_engine_core,
+    watched,
+)
 from .pausing import PAUSE_MODES, UpdateTracker, WeightsPartlyApplied, _check_mode, partly_applied_message, paused
 
 __all__ = ["WeightSyncClient", "EngineMembership", "RemoteCallError", "EngineDead", "per_engine", "HTTPVLLMWeightSyncClient",

@@ -54,7 +54,7 @@ def _pauses() -> Iterator[float]:
         pause = min(2 * pause, _STORE_POLL_S)
 
 
-_HOSTED: "weakref.WeakValueDictionary[int, Communicator]" = weakref.WeakValueDictionary()
+_HOSTED: weakref.WeakValueDictionary[int, Communicator] = weakref.WeakValueDictionary()
 """Port -> this process's store host on it: a failed one (its engine never shut down) is released
 when a new group is hosted on its port."""
 
@@ -94,7 +94,7 @@ class Communicator:
 
     @classmethod
     def connect(cls, host: str, port: int, *, name: str, timeout_s: float = 300.0, host_store: bool = False,
-                secret: Any = None) -> "Communicator":
+                secret: Any = None) -> Communicator:
         """The control channel of the group at ``host:port``; ``host_store`` hosts it, listening on
         ``host`` only (port 0: any free port). ``secret`` (default ``$WEIGHTSYNC_STORE_SECRET``) seals
         the store: every party must have the same one. A failed group of this process on ``port`` is released."""
@@ -116,7 +116,7 @@ class Communicator:
         _HOSTED[comm.port] = comm
         return comm
 
-    def second_channel(self) -> "Communicator":
+    def second_channel(self) -> Communicator:
         """Another connection to this group's store (no data plane), for a thread that must reach the
         store while this party blocks in ``await_keys``: a store client serves one request at a time."""
         return Communicator.connect(self.store.host, self.store.port, name=self.name, timeout_s=self.timeout_s,

@@ -83,7 +83,7 @@ def parse_info(cls: type[T], data: Mapping[str, Any] | T, what: str = "info") ->
         raise ValueError(f"{what} for {cls.__name__}: {e}") from e
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)  # ~0.2 ms a call, once per class
 
@@ -196,7 +196,7 @@ class TrainerInitInfo:
 
     @classmethod
     def for_deployment(cls, *, num_trainer_ranks: int, replicas: int, tp: int, pp: int = 1, rank: int = 0,
-                       buffer_bytes: int | None = None, **fields: Any) -> "TrainerInitInfo":
+                       buffer_bytes: int | None = None, **fields: Any) -> TrainerInitInfo:
         """The init info for ``num_trainer_ranks`` trainer ranks and ``replicas`` engines of ``tp`` x ``pp``
         workers each (``pp``: the engines' ``pipeline_parallel_size``); ``buffer_bytes`` sets the
         transport's staging/bucket size, ``fields`` any other field."""
@@ -208,7 +208,7 @@ class TrainerInitInfo:
                          f"which {self.backend} does not have (weightsync.registry.transports_with('elastic') "
                          f"lists the transports that do)")
 
-    def for_replica(self, tp: int, port: int) -> "TrainerInitInfo":
+    def for_replica(self, tp: int, port: int) -> TrainerInitInfo:
         """This info for one replica of ``tp`` workers, its group's store on ``port``."""
         self.replica_workers(1)  # raises for a transport without per-replica groups
         raise NotImplementedError(f"{type(self).__name__} does not implement for_replica")

@@ -82,7 +82,7 @@ class SyncStats:
         per = max(self.bytes_received_per_worker.values(), default=self.bytes_sent)
         return per / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
-    def timed(self, phase: str) -> "_Timer":
+    def timed(self, phase: str) -> _Timer:
         return _Timer(self, phase)
 
     def __repr__(self) -> str:

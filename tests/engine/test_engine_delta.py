@@ -8,8 +8,8 @@ only move what changed: bytes on the wire per step against the dense sync of the
 from __future__ import annotations
 
 import pytest
-
 from engine_support import EngineConfig, start_engines
+
 from weightsync.testing import vllm_cpu
 
 pytestmark = pytest.mark.timeout(900)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from engine_support import EngineConfig, start_engines
+
 from weightsync.testing import vllm_cpu
 
 pytestmark = pytest.mark.timeout(900)
@@ -30,9 +30,9 @@ def engines(ray_session):
 def _new_engine(ray_session):
     """One more engine actor, as ``RaySession.start_engines`` starts them, without stopping the others."""
     import ray
+    from vllm.config import WeightTransferConfig
 
     from weightsync.testing.llm_actor import EngineActor
-    from vllm.config import WeightTransferConfig
 
     h = ray.remote(num_cpus=0)(EngineActor).remote(
         model=vllm_cpu.config_dir(ENGINE.model), load_format="dummy", enforce_eager=True, skip_tokenizer_init=True,

@@ -12,8 +12,8 @@ between; each read is compared with vLLM's reload of the same weights into the s
 from __future__ import annotations
 
 import pytest
-
 from engine_support import EngineConfig, start_engines
+
 from weightsync.testing import vllm_cpu
 from weightsync.testing.llm_actor import read_computed
 

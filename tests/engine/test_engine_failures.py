@@ -9,8 +9,8 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from engine_support import EngineConfig, start_engines
+
 from weightsync.testing import vllm_cpu
 from weightsync.testing.faults import BAD_NAME
 

@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-
 from engine_support import last_error_line, save_checkpoint
+
 from test_fp8 import quantized_checkpoint
 from weightsync.testing.vllm_cpu import Trainers, config_dir, diff, init_info, prompts
 

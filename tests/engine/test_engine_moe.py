@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-
 from engine_support import last_error_line, save_checkpoint
+
 from weightsync.testing.vllm_cpu import NEAR_TIE, Trainers, diff, init_info, parting, prompts
 
 pytestmark = pytest.mark.timeout(900)

@@ -17,8 +17,8 @@ import os
 import shutil
 
 import pytest
-
 from engine_support import diff, save_checkpoint
+
 from weightsync.registry import transport
 from weightsync.testing.vllm_cpu import Trainers, config_dir, init_info
 
@@ -114,8 +114,8 @@ def test_moe_stages_take_their_experts_as_a_fresh_load_does(ray_session, trainer
 def test_lora_stages_together_hold_the_slots_of_an_engine_without_pp(ray_session, tmp_path):
     import ray
     import torch
-
     from test_engine_lora import _peft_model, _start
+
     from weightsync.testing.fsdp2 import write_checkpoint
     from weightsync.trainer.lora import LoRASource
     from weightsync.transports.lora import LoRASync, worker_slot

@@ -24,8 +24,8 @@ import socket
 import tempfile
 
 import pytest
-
 from engine_support import EngineConfig, start_engines
+
 from weightsync.testing import vllm_cpu
 
 pytestmark = pytest.mark.timeout(900)
@@ -133,6 +133,7 @@ def server(ray_session):
 
 def test_vllm_serve_refuses_unpaused_syncs_and_its_resume_after_a_torn_one(server, trainer_actors):
     from test_vllm_serve import DTYPE, MODEL, SERVED, http
+
     from weightsync import HTTPVLLMWeightSyncClient
     from weightsync.pausing import WeightsPartlyApplied
 
@@ -187,7 +188,6 @@ def _maker(trainers, client):
     from dataclasses import replace
 
     import ray
-
     from engine_support import Case, init_info
     from test_vllm_serve import DTYPE, MODEL
 
@@ -250,8 +250,8 @@ def test_vllm_serve_needs_its_token_and_refuses_an_init_while_an_update_is_activ
     answer 401 without it (inference needs none); an init while an update is active answers 409 (checked
     before the body), and the update goes on and lands."""
     import ray
-
     from test_vllm_serve import DTYPE, MODEL, SERVED, http
+
     from weightsync import HTTPVLLMWeightSyncClient
     from weightsync.errors import RemoteCallError
 

@@ -23,8 +23,8 @@ model) share one engine start (8 starts, not 24); then nccl and M2N into two sep
 from __future__ import annotations
 
 import pytest
-
 from engine_support import Case, diff, run_cases
+
 from weightsync.testing.vllm_cpu import NEAR_TIE, parting
 
 pytestmark = pytest.mark.timeout(900)

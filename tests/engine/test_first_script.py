@@ -103,8 +103,14 @@ def test_a_dead_engine_core_is_reported_as_such_trimmed_and_cleaned_up(ray_sessi
     from vllm import LLM
     from vllm.config import WeightTransferConfig
 
-    from weightsync import EngineDead, FullTensorSource, PoisonedError, RayVLLMWeightSyncClient, SyncFailed
-    from weightsync import WeightTransferTrainerFactory
+    from weightsync import (
+        EngineDead,
+        FullTensorSource,
+        PoisonedError,
+        RayVLLMWeightSyncClient,
+        SyncFailed,
+        WeightTransferTrainerFactory,
+    )
     from weightsync.transports.nccl import NCCLTrainerInitInfo
 
     ray_session.stop_engines()  # one engine at a time on this machine

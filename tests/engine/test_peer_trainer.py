@@ -17,10 +17,8 @@ import sys
 import tempfile
 
 import pytest
-
 from engine_support import Server, config_dir
 from test_vllm_serve import http
-
 
 
 def test_the_adapter_imports_without_trl_and_names_the_extra_when_used():

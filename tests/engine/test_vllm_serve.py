@@ -36,8 +36,8 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-
 from engine_support import Case, Server, config_dir, init_info, prompts, save_checkpoint
+
 from weightsync.testing.vllm_cpu import NEAR_TIE, parting
 
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()

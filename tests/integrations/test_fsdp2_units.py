@@ -9,8 +9,19 @@ import re
 import pytest
 import torch
 
-from weightsync.integrations.fsdp2 import (LossConfig, LRSchedule, ModelConfig, OptimConfig, Sample, TrainerConfig,
-                                           dp_schedule, grpo_advantages, kl_estimate, pack, token_log_probs)
+from weightsync.integrations.fsdp2 import (
+    LossConfig,
+    LRSchedule,
+    ModelConfig,
+    OptimConfig,
+    Sample,
+    TrainerConfig,
+    dp_schedule,
+    grpo_advantages,
+    kl_estimate,
+    pack,
+    token_log_probs,
+)
 from weightsync.integrations.fsdp2.loss import LossTerms, grpo_loss, token_weights
 
 MODEL = ModelConfig(path="/nonexistent/checkpoint")

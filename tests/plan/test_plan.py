@@ -9,8 +9,18 @@ import torch
 
 from helpers import execute_reference, make_local_shards, write_destinations
 from oracle import items_for_dst, items_for_src, iter_items
-from weightsync.plan import (DestPiece, Region, Replicate, Shard, TensorSource, TransferItem, build_plan,
-                               dtype_itemsize, mesh_coordinates, source_regions)
+from weightsync.plan import (
+    DestPiece,
+    Region,
+    Replicate,
+    Shard,
+    TensorSource,
+    TransferItem,
+    build_plan,
+    dtype_itemsize,
+    mesh_coordinates,
+    source_regions,
+)
 
 
 def _fsdp(shape, n, placements=None, mesh=None):

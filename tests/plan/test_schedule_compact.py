@@ -9,12 +9,11 @@ import random
 
 import numpy as np
 import pytest
+from test_schedule import _random_plan_inputs
 
 from oracle import item_rounds
 from weightsync.plan import DestPiece, Region, TensorSource, build_plan, dtype_itemsize
 from weightsync.plan.schedule import CompactRounds, LazyItems, pair_rounds
-
-from test_schedule import _random_plan_inputs
 
 
 def _twins(sources, dests, seed):

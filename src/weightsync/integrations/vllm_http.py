@@ -49,8 +49,8 @@ from typing import Any
 
 from ..infos import parse_info
 from ..pausing import UpdateTracker, partly_applied_message
-from .http_limits import LimitError, check_ranges, loads
 from ..registry import TRANSPORTS, transport
+from .http_limits import LimitError, check_ranges, loads
 
 __all__ = ["WeightSyncRequestValidation", "validate_request", "RequestError", "OUT_OF_ORDER", "TOKEN_ROUTES",
            "TOKEN_ENV", "MAX_BODY_ENV", "TOKEN_HEADER"]

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from weightsync.plan.transfer import DestPiece, TensorSource
 from weightsync.plan.regions import Region, subtract
+from weightsync.plan.transfer import DestPiece, TensorSource
 
 __all__ = ["FP8_SUFFIX", "SCALE_SUFFIX", "QUANTIZABLE", "WIRE_DTYPE", "SCALE_DTYPE", "whole_blocks",
            "block_region", "blocks_shape", "full_block", "wire_sources", "split_piece", "block_count", "check_block"]

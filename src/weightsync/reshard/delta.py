@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from ..plan.transfer import align_up
 from ..plan.regions import box_slices
 from ..plan.schedule import Message
+from ..plan.transfer import align_up
 from ..protocol import dtype_from_name
 
 __all__ = ["sparse_nbytes", "diff", "encode", "decode", "patch", "Baseline", "Encoded", "write_pieces", "patch_pieces"]
@@ -203,7 +203,7 @@ class Baseline:
         """The sync whose values ``tensors`` hold, once that sync completed everywhere (else None)."""
 
     @classmethod
-    def for_engine(cls, info: Any) -> "Baseline | None":
+    def for_engine(cls, info: Any) -> Baseline | None:
         """The baseline a trainer init info asks for (``delta``, ``delta_baseline``), or None."""
         return cls("cpu" if info.delta_baseline == "cpu" else info.device) if info.delta else None
 

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from ..plan.fp8_blocks import FP8_SUFFIX, SCALE_SUFFIX, block_count, split_piece, whole_blocks
-from ..plan.transfer import DestPiece, TensorSource, dtype_itemsize
 from ..plan.regions import Region, box_slices
+from ..plan.transfer import DestPiece, TensorSource, dtype_itemsize
 from ..protocol import dtype_from_name
 from ..worker.fp8 import block_size, quantize_blocks, scale_name
 

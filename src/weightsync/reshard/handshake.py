@@ -12,12 +12,10 @@ from typing import Any
 
 from ..comm import Communicator
 from ..control import m2n_dest
-from ..plan.transfer import PairItems, TransferPlan, build_plan
-from ..plan.transfer import DestPiece, TensorSource, dtype_itemsize
 from ..plan.regions import Region
 from ..plan.schedule import ALONE, PEERS, Message, pair_rounds
-from .executor import DEPTH, run_rounds  # re-exported: the executor's callers import it from here
-from .executor import FastRounds
+from ..plan.transfer import DestPiece, PairItems, TensorSource, TransferPlan, build_plan, dtype_itemsize
+from .executor import FastRounds, run_rounds  # re-exported: the executor's callers import it from here
 from .packing import Spans
 
 __all__ = ["FALLBACK", "sources_to_wire", "sources_from_wire", "sources_digest", "source_name", "show_source",

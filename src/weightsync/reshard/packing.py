@@ -34,8 +34,8 @@ from typing import Any
 import torch
 
 from ..plan.buckets import Bucket, BucketEntry
-from ..plan.transfer import align_up
 from ..plan.schedule import ALIGN
+from ..plan.transfer import align_up
 from ..protocol import dtype_from_name
 
 __all__ = ["CHUNK_BYTES", "ROW_WORDS", "ByteRuns", "Spans", "Staging", "fold_checksum", "fold_value", "pack", "unpack"]

@@ -65,8 +65,12 @@ def engine_classes() -> dict[str, dict[str, Any]]:
     """Inside a receiver: what vLLM's factories build for every weightsync backend name."""
     import torch
     from vllm.config import WeightTransferConfig
-    from vllm.distributed.weight_transfer import (TrainerWeightTransferEngine, WeightTransferEngine,
-                                                  WeightTransferEngineFactory, WeightTransferTrainerFactory)
+    from vllm.distributed.weight_transfer import (
+        TrainerWeightTransferEngine,
+        WeightTransferEngine,
+        WeightTransferEngineFactory,
+        WeightTransferTrainerFactory,
+    )
 
     from ..registry import transport_names
 

@@ -168,8 +168,14 @@ def setup(model_dir: str, *, tp: int, rank: int, replica: int, port: int, dtype:
     os.makedirs(VLLM_CPU_ENV["VLLM_RPC_BASE_PATH"], exist_ok=True)
     torch.set_num_threads(1)
     teardown()
-    from vllm.config import (DeviceConfig, ModelConfig, ParallelConfig, VllmConfig, WeightTransferConfig,
-                             set_current_vllm_config)
+    from vllm.config import (
+        DeviceConfig,
+        ModelConfig,
+        ParallelConfig,
+        VllmConfig,
+        WeightTransferConfig,
+        set_current_vllm_config,
+    )
     from vllm.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory
     from vllm.plugins import load_general_plugins

@@ -224,7 +224,7 @@ class Trainers:
         self.model = self.dtype = None
 
     @classmethod
-    def start(cls, n: int) -> "Trainers":
+    def start(cls, n: int) -> Trainers:
         """``n`` fresh trainer actors (call ``setup`` next)."""
         import ray
 

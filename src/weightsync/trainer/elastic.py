@@ -76,7 +76,7 @@ class ElasticTrainerEngine:
 
     @classmethod
     def trainer_init(cls, engine_cls: type, init_info: TrainerInitInfo, *, client: Any,
-                     source: WeightSource | None) -> "ElasticTrainerEngine":
+                     source: WeightSource | None) -> ElasticTrainerEngine:
         """Host (rank 0) or join the membership store, then add every engine the client drives."""
         i = init_info
         if type(i).replica_workers is TrainerInitInfo.replica_workers:

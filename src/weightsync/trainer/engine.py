@@ -111,7 +111,7 @@ class TrainerEngine:
     # ---- init ---------------------------------------------------------------------------
     @classmethod
     def trainer_init(cls, init_info: TrainerInitInfo, *, client: Any,
-                     source: WeightSource | None = None) -> "TrainerEngine":
+                     source: WeightSource | None = None) -> TrainerEngine:
         """Rendezvous with every worker (collective on every trainer rank)."""
         if not isinstance(init_info, cls.init_info_cls):
             raise TypeError(f"{cls.__name__} needs a {cls.init_info_cls.__name__}, got {type(init_info).__name__}")

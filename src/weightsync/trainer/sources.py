@@ -33,8 +33,8 @@ from functools import cached_property
 
 import torch
 
-from ..plan.transfer import TensorSource
 from ..plan.regions import Replicate, Shard, placements_from_torch, source_regions
+from ..plan.transfer import TensorSource
 from ..protocol import ParamMeta, WeightSource, check_metadata, dtype_name
 
 __all__ = ["FullTensorSource", "DTensorModuleSource", "tensor_sources", "PER_EXPERT", "fuse_expert_metas",

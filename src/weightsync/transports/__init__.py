@@ -1,5 +1,5 @@
-"""Transports, one file each (``m2n``, ``nccl``, ``ipc``), on the shared cores in
-:mod:`weightsync.trainer.engine` and :mod:`weightsync.worker.engine`; each declares itself as
-``TRANSPORT`` and is listed in ``weightsync.registry.TRANSPORTS``."""
+"""Transports, one file each: ``m2n`` (the reshard core over torch groups), ``nccl`` (broadcast of
+buckets), ``ipc`` (colocated hand-off), and LoRA adapters (``lora``). Each declares itself as ``TRANSPORT``
+with its :class:`~weightsync.registry.Capabilities` and is listed in ``weightsync.registry.TRANSPORTS``."""
 
 __all__: list[str] = []

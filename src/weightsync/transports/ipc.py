@@ -19,19 +19,19 @@ from typing import Any, ClassVar
 import torch
 
 from ..control import SyncKeys
-from ..worker.agreement import agree_on_metadata
+from ..errors import SyncFailed
 from ..infos import MetadataUpdateInfo, TrainerInitInfo, WorkerInitInfo
-from ..stats import SyncStats
 from ..plan.buckets import Bucket, check_bucket_bytes, metadata_digest, plan_buckets
 from ..protocol import ParamMeta, check_metadata, checked
 from ..registry import Capabilities, Transport, transports_with
-from ..worker.applier import LayerwiseApplier
+from ..reshard.packing import fold_checksum, pack, unpack
+from ..stats import SyncStats
 from ..trainer.engine import TrainerEngine
 from ..trainer.waits import client_result
-from ..errors import SyncFailed
-from .ipc_handles import BufferImporter, ExportedBuffer, memory_saver_paused
-from ..reshard.packing import fold_checksum, pack, unpack
+from ..worker.agreement import agree_on_metadata
+from ..worker.applier import LayerwiseApplier
 from ..worker.engine import WorkerEngine
+from .ipc_handles import BufferImporter, ExportedBuffer, memory_saver_paused
 
 __all__ = ["IPCTrainerInitInfo", "IPCWorkerInitInfo", "IPCUpdateInfo", "IPCTrainerEngine", "IPCWorkerEngine", "TRANSPORT"]
 
@@ -73,7 +73,7 @@ class IPCTrainerInitInfo(TrainerInitInfo):
 
     @classmethod
     def for_deployment(cls, *, num_trainer_ranks: int, replicas: int, tp: int, pp: int = 1, rank: int = 0,
-                       buffer_bytes: int | None = None, **fields: Any) -> "IPCTrainerInitInfo":
+                       buffer_bytes: int | None = None, **fields: Any) -> IPCTrainerInitInfo:
         if buffer_bytes is not None:
             fields["bucket_bytes"] = buffer_bytes
         return cls(num_trainer_ranks=num_trainer_ranks, num_workers=replicas * tp * pp, rank=rank, **fields)

@@ -146,7 +146,7 @@ def worker_slot(worker: Any, lora_id: int) -> dict[str, torch.Tensor]:
 # ---- trainer side ------------------------------------------------------------------------------
 def _rpc(engine: Any, fn: Any, args: tuple[Any, ...]) -> list[Any]:
     """``collective_rpc`` on an ``LLM`` or a Ray actor handle of one."""
-    call = getattr(engine, "collective_rpc")
+    call = engine.collective_rpc
     if hasattr(call, "remote"):
         import ray
 

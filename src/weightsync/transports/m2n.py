@@ -7,8 +7,14 @@ Every trainer rank sends only the pieces of its local shards that each worker ne
 from __future__ import annotations
 
 from ..registry import Capabilities, Transport
-from ..reshard.engines import (M2NSyncStats, M2NTrainerEngine, M2NTrainerInitInfo, M2NUpdateInfo, M2NWorkerEngine,
-                               M2NWorkerInitInfo)
+from ..reshard.engines import (
+                               M2NSyncStats,
+                               M2NTrainerEngine,
+                               M2NTrainerInitInfo,
+                               M2NUpdateInfo,
+                               M2NWorkerEngine,
+                               M2NWorkerInitInfo,
+)
 
 __all__ = ["M2NSyncStats", "M2NTrainerEngine", "M2NTrainerInitInfo", "M2NUpdateInfo", "M2NWorkerEngine",
            "M2NWorkerInitInfo", "TRANSPORT"]

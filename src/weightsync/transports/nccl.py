@@ -15,27 +15,27 @@ parameters, then the rest follows dense through layerwise reload.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
 from ..control import SyncKeys, nccl_loader
-from ..worker.agreement import agree_on_metadata
-from ..stats import DeltaStats, SyncStats
 from ..infos import MetadataUpdateInfo, TrainerInitInfo, WorkerInitInfo
 from ..plan.buckets import ALIGN, Bucket, check_bucket_bytes, metadata_digest, plan_buckets
 from ..plan.transfer import align_up
 from ..protocol import ParamMeta, check_metadata, checked
 from ..registry import Capabilities, Transport
-from ..trainer.engine import TrainerEngine
 from ..reshard.delta import Baseline, decode, diff, encode, patch_pieces, sparse_nbytes, write_pieces
 from ..reshard.packing import fold_checksum, pack, unpack
+from ..stats import DeltaStats, SyncStats
+from ..trainer.engine import TrainerEngine
+from ..worker.agreement import agree_on_metadata
 from ..worker.applier import LayerwiseApplier
 from ..worker.engine import WorkerEngine
 
@@ -67,7 +67,7 @@ class NCCLTrainerInitInfo(TrainerInitInfo):
 
     @classmethod
     def for_deployment(cls, *, num_trainer_ranks: int, replicas: int, tp: int, pp: int = 1, rank: int = 0,
-                       buffer_bytes: int | None = None, **fields: Any) -> "NCCLTrainerInitInfo":
+                       buffer_bytes: int | None = None, **fields: Any) -> NCCLTrainerInitInfo:
         if buffer_bytes is not None:
             fields["bucket_bytes"] = buffer_bytes
         return cls(num_trainer_ranks=num_trainer_ranks, world_size=1 + replicas * tp * pp, rank=rank, **fields)
@@ -78,7 +78,7 @@ class NCCLTrainerInitInfo(TrainerInitInfo):
                              "the client drives")
         return (self.world_size - 1) // num_replicas
 
-    def for_replica(self, tp: int, port: int) -> "NCCLTrainerInitInfo":
+    def for_replica(self, tp: int, port: int) -> NCCLTrainerInitInfo:
         """One replica's group: trainer rank 0 and that replica's ``tp`` workers (a communicator of its own)."""
         return dataclasses.replace(self, master_port=port, world_size=1 + tp, on_engine_failure="fail")
 

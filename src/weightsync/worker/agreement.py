@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .destinations import UNKNOWN, WorkerDestinations, checkpoint_layout, resolve_destinations
-from .fp8 import check_sent_dtype, kv_cache_scale
 from ..control import Listing, agree, model_digest, model_metas
 from ..plan.buckets import metadata_digest
 from ..plan.regions import Region, format_regions, uncovered
+from .destinations import UNKNOWN, WorkerDestinations, checkpoint_layout, resolve_destinations
+from .fp8 import check_sent_dtype, kv_cache_scale
 
 if TYPE_CHECKING:
     from ..comm import Communicator

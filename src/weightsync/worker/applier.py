@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from .experts import is_fused_moe
-from .fp8 import STAGING_DTYPE, block_size, quantize_into, scale_name
 from ..plan.fp8_blocks import FP8_SUFFIX
 from ..plan.regions import Region
+from .experts import is_fused_moe
+from .fp8 import STAGING_DTYPE, block_size, quantize_into, scale_name
 
 __all__ = ["LayerwiseApplier"]
 

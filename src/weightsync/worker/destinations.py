@@ -33,10 +33,10 @@ from typing import Any
 
 import torch
 
+from ..plan.transfer import DestPiece
 from .experts import ExpertLayers, is_fused_moe
 from .fp8 import block_size, check_blocks, scale_name
 from .placers import FUSED_LAYERS, Placed, Placement, Target, Unplaced, place
-from ..plan.transfer import DestPiece
 
 __all__ = ["Fallback", "WorkerDestinations", "resolve_destinations", "checkpoint_layout", "probe_prefused",
            "UNKNOWN", "on_other_stage"]

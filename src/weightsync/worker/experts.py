@@ -30,10 +30,10 @@ from typing import Any
 
 import torch
 
+from ..plan.regions import Region
+from ..plan.transfer import DestPiece
 from .fp8 import block_size, check_blocks
 from .placers import Placed, Placement, Unplaced
-from ..plan.transfer import DestPiece
-from ..plan.regions import Region
 
 __all__ = ["W13", "W2", "expert_runs", "fused_expert_pieces", "fused_expert_shape", "is_fused_moe", "ExpertLayers",
            "place_fused_experts", "place_per_expert"]

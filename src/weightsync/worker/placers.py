@@ -28,8 +28,8 @@ from typing import Any, NamedTuple, Union
 
 import torch
 
-from ..plan.transfer import DestPiece
 from ..plan.regions import Region
+from ..plan.transfer import DestPiece
 
 __all__ = ["Placed", "Unplaced", "Placement", "Target", "Part", "FUSED_LAYERS", "PLACERS", "place", "fused_parts"]
 

@@ -169,7 +169,7 @@ class LRSchedule:
     decay_style: str = "constant"
 
     @classmethod
-    def from_config(cls, cfg: OptimConfig) -> "LRSchedule":
+    def from_config(cls, cfg: OptimConfig) -> LRSchedule:
         return cls(cfg.lr, cfg.min_lr, cfg.warmup_samples, cfg.decay_samples, cfg.decay_style)
 
     def __call__(self, samples: int) -> float:

@@ -23,15 +23,24 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ...stats import SyncStats
-from ...trainer.engine import TrainerEngine
 from ...infos import TrainerInitInfo
 from ...protocol import WeightSource
+from ...stats import SyncStats
+from ...trainer.engine import TrainerEngine
 from . import checkpoint as ckpt
 from .config import TrainerConfig
 from .data import Sample, dp_schedule, pack
-from .loss import (METRICS, LossTerms, LRSchedule, build_optimizer, clip_gradients, grpo_advantages, grpo_loss,
-                   token_log_probs, token_weights)
+from .loss import (
+    METRICS,
+    LossTerms,
+    LRSchedule,
+    build_optimizer,
+    clip_gradients,
+    grpo_advantages,
+    grpo_loss,
+    token_log_probs,
+    token_weights,
+)
 from .model import build_model, full_state_dict, load_checkpoint_weights
 from .offload import HostOffload, ReferenceWeights, local_tensor, reshard
 
