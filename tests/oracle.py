@@ -18,27 +18,29 @@ from weightsync.plan.schedule import ALIGN, ALONE, PEERS, Message, peer_group, p
 from weightsync.plan.transfer import PairItems, TransferItem, TransferPlan, align_up, new_item
 
 
-def _check(rank: int, n: int) -> None:
+def _listed(plan: TransferPlan, rank: int, *, sender: bool) -> list[TransferItem]:
+    n = plan.num_src_ranks if sender else plan.num_dst_ranks
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < n:
         raise ValueError(f"rank must be an int in [0, {n}), got {rank!r}")
+    c = plan.compact
+    out = []
+    for name, sig, params in zip(c.names, c.tensor_sig, c.params):
+        tpl = c.templates[sig]
+        for peer, region, src_offsets, piece, param_offsets in (
+                tpl.protos_for_src(rank, c.worker_class) if sender else tpl.protos_for_dst(rank, c.worker_class)):
+            src, dst = (rank, peer) if sender else (peer, rank)
+            out.append(new_item(src, dst, name, region, src_offsets, params[piece], param_offsets))
+    return out
 
 
 def items_for_src(plan: TransferPlan, rank: int) -> list[TransferItem]:
     """Everything trainer ``rank`` sends, in the global order."""
-    _check(rank, plan.num_src_ranks)
-    c = plan.compact
-    return [new_item(rank, dst, name, region, src_offsets, params[piece], param_offsets)
-            for name, sig, params in zip(c.names, c.tensor_sig, c.params)
-            for dst, region, src_offsets, piece, param_offsets in c.templates[sig].protos_for_src(rank, c.worker_class)]
+    return _listed(plan, rank, sender=True)
 
 
 def items_for_dst(plan: TransferPlan, rank: int) -> list[TransferItem]:
     """Everything worker ``rank`` receives, in the global order."""
-    _check(rank, plan.num_dst_ranks)
-    c = plan.compact
-    return [new_item(src, rank, name, region, src_offsets, params[piece], param_offsets)
-            for name, sig, params in zip(c.names, c.tensor_sig, c.params)
-            for src, region, src_offsets, piece, param_offsets in c.templates[sig].protos_for_dst(rank, c.worker_class)]
+    return _listed(plan, rank, sender=False)
 
 
 def iter_items(plan: TransferPlan) -> Iterator[TransferItem]:
@@ -62,12 +64,13 @@ def peer_messages(items: Callable[[], Iterable[TransferItem]], *, cap: int, item
     if apart is not None:
         first = peer_messages(lambda: (it for it in items() if not apart(it)), cap=cap, itemsize_of=itemsize_of,
                               alone=alone)
-        index = -1
-        for index, m in enumerate(first):
+        count = 0
+        for m in first:
             yield m
+            count += 1
         for m in peer_messages(lambda: (it for it in items() if apart(it)), cap=cap, itemsize_of=itemsize_of,
                                alone=alone):
-            yield replace(m, index=index + 1 + m.index)
+            yield replace(m, index=count + m.index)
         return
 
     def pieces() -> Iterator[tuple[TransferItem, int, int]]:  # (piece, itemsize, bytes), in order
