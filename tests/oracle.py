@@ -62,12 +62,13 @@ def peer_messages(items: Callable[[], Iterable[TransferItem]], *, cap: int, item
     if apart is not None:
         first = peer_messages(lambda: (it for it in items() if not apart(it)), cap=cap, itemsize_of=itemsize_of,
                               alone=alone)
-        index = -1
-        for index, m in enumerate(first):
+        count = 0  # the messages before the ``apart`` ones
+        for m in first:
             yield m
+            count += 1
         for m in peer_messages(lambda: (it for it in items() if apart(it)), cap=cap, itemsize_of=itemsize_of,
                                alone=alone):
-            yield replace(m, index=index + 1 + m.index)
+            yield replace(m, index=count + m.index)
         return
 
     def pieces() -> Iterator[tuple[TransferItem, int, int]]:  # (piece, itemsize, bytes), in order
