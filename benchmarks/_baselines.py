@@ -175,7 +175,7 @@ def run_paired(cluster: LocalCluster, sc: Scenario, model_dir: str, itemsize: in
     try:
         for i in range(1 + repeats):
             naive = steady(lambda: naive_sync(ts, rs)) if i % 2 else None  # alternate: no side always goes first
-            m2n_first, m2n, st = steady(lambda: cluster.sync(weight_version=f"p{i}"),
+            m2n_first, m2n, st = steady(lambda version=f"p{i}": cluster.sync(weight_version=version),
                                         lambda: on(ts + rs, "timers"))  # from here: each process's CPU seconds
             tim = on(ts + rs, "timers")
             m2n_cpu = sum(t["cpu"] for t in tim) / STEPS

@@ -55,7 +55,8 @@ from weightsync.plan import (
 )
 from weightsync.plan.buckets import plan_buckets
 from weightsync.plan.schedule import message_cap
-from weightsync.reshard.handshake import DEPTH, my_messages, run_rounds
+from weightsync.reshard.executor import DEPTH
+from weightsync.reshard.handshake import my_messages, run_rounds
 from weightsync.reshard.packing import fold_checksum, pack, unpack
 
 MiB = 1 << 20
@@ -203,7 +204,7 @@ def _party_rows(comm: Communicator, device: torch.device, spec: dict) -> dict[st
     out: dict[str, dict] = {}
 
     def m2n() -> None:
-        run_rounds(comm, rounds, staging, sender=sender, peer_rank=(lambda w: 1 + w) if sender else (lambda r: r),
+        run_rounds(comm.data, rounds, staging, sender=sender, peer_rank=(lambda w: 1 + w) if sender else (lambda r: r),
                    dtypes=dtypes, tensor_of=(lambda m, i: tensors[m.items[i].name]) if sender
                    else (lambda m, i: params[m.items[i].param]))
 
@@ -227,7 +228,10 @@ def _party_rows(comm: Communicator, device: torch.device, spec: dict) -> dict[st
     out["p2p_cap"] = _measure(comm, "p2p_cap", raw_p2p(cap), device, spec)
     out["p2p_cap"].update(bytes=lower, note=f"same bytes in {cap // MiB} MiB messages, {DEPTH} in flight")
 
-    out["raw_bcast"] = _measure(comm, "raw_bcast", lambda: comm.data.wait_all([comm.data.broadcast(raw, 0)], "broadcast"), device, spec)
+    def raw_bcast(buf: torch.Tensor) -> Any:  # takes `raw` as an argument: it is freed just below
+        return lambda: comm.data.wait_all([comm.data.broadcast(buf, 0)], "broadcast")
+
+    out["raw_bcast"] = _measure(comm, "raw_bcast", raw_bcast(raw), device, spec)
     out["raw_bcast"].update(bytes=total, note="one broadcast of a buffer of the payload's size")
     del raw
     by_name = {p.name: p for p in pieces}

@@ -1,4 +1,6 @@
-"""Markdown tables and PNG plots for ``transfer_throughput.py`` and ``delta_sync.py`` (pure: results in, text and files out)."""
+"""Markdown tables and PNG plots for ``transfer_throughput.py`` (pure: results in, text and files out).
+
+``delta_sync.py`` builds its own tables and plot, with ``_f`` and ``_legend_below`` from here."""
 
 from __future__ import annotations
 
@@ -6,7 +8,7 @@ import os
 import statistics
 from typing import Any
 
-__all__ = ["TARGETS", "acceptance", "markdown", "plots", "row_line", "delta_markdown", "delta_plot", "delta_tables"]
+__all__ = ["TARGETS", "acceptance", "markdown", "plots", "row_line"]
 
 TARGETS = {"wire_over_lower_bound": 1.00, "speedup_over_naive": 2.0, "fraction_of_p2p": 0.80,
            "trainer_extra_over_staging": 1.0}
@@ -74,7 +76,8 @@ def _range(paired: dict[str, Any], key: str, scale: float = 1.0) -> str:
 
 
 def _targets_table(acc: list[dict[str, Any]]) -> list[str]:
-    lines = ["| model MB | criterion | target | measured | verdict | how it is measured |", "|---:|---|---|---|---|---|"]
+    lines = ["| model MB | criterion | target | measured | verdict | how it is measured |",
+             "|---:|---|---|---|---|---|"]
     for a in acc:
         p = a["paired"]
         wl = a["wire_over_lower_bound"]
@@ -94,12 +97,14 @@ def _targets_table(acc: list[dict[str, Any]]) -> list[str]:
             f"{_verdict(wl is not None and abs(wl - 1) < 5e-3)} | bytes each worker counted / its shard bytes |"),
             (f"| {mb} | speedup over naive | >= 2x | {_f(a['speedup_over_naive'])}x | "
             f"{_verdict(a['speedup_over_naive'] is not None and a['speedup_over_naive'] >= 2)} | {how_speed} |"),
-            (f"| {mb} | fraction of raw p2p | >= 80 % | {_f(a['fraction_of_p2p'] and 100 * a['fraction_of_p2p'], '.0f')} % | "
+            (f"| {mb} | fraction of raw p2p | >= 80 % | "
+            f"{_f(a['fraction_of_p2p'] and 100 * a['fraction_of_p2p'], '.0f')} % | "
             f"{_verdict(a['fraction_of_p2p'] is not None and a['fraction_of_p2p'] >= 0.8)} | {how_p2p} |"),
             *([(f"| {mb} | fraction of the plan's traffic moved raw | >= 80 % | "
                  f"{100 * p['fraction_of_raw_plan']:.0f} % | {_verdict(p['fraction_of_raw_plan'] >= 0.8)} | "
                  f"median (range {_range(p, 'fraction_of_raw_plan', 100)} %) over the same pairs of raw s / "
-                 f"weightsync_m2n s{_trainer_side(p)}, raw = every (trainer, worker) pair's bytes of one sync as one gloo message, "
+                 f"weightsync_m2n s{_trainer_side(p)}, raw = every (trainer, worker) pair's bytes of one sync "
+                 f"as one gloo message, "
                  f"all posted at once, no copies (median {p['raw_plan_s']:.3f} s); {_steps(p)}{_first(p)}; "
                  f"separate rows: "
                  f"{100 * a['fraction_of_p2p_round']:.0f} % of the balanced raw M2N-shaped round |")]
@@ -132,7 +137,8 @@ def _first(paired: dict[str, Any]) -> str:
     if "fraction_of_raw_plan_first" not in paired:
         return ""
     return (f" (M2N's warm-up sync as the driver timed it, the first after the other sides' work: "
-            f"{100 * paired['fraction_of_raw_plan_first']:.0f} %, range {_range(paired, 'fraction_of_raw_plan_first', 100)} %)")
+            f"{100 * paired['fraction_of_raw_plan_first']:.0f} %, "
+            f"range {_range(paired, 'fraction_of_raw_plan_first', 100)} %)")
 
 
 def _cpu_s(r: dict[str, Any]) -> float | None:
@@ -188,7 +194,8 @@ def _cpu(r: dict[str, Any]) -> str:
 
 def _main_table(rows: list[dict[str, Any]]) -> list[str]:
     lines = [("| transport | layout | model MB | bucket MiB | s/sync (median) | GB/s per receiver | MB per worker "
-             "| wire / lower bound | CPU s per sync (trainers + workers) | trainer extra peak MiB | worker extra peak MiB "
+             "| wire / lower bound | CPU s per sync (trainers + workers) | trainer extra peak MiB "
+             "| worker extra peak MiB "
              "| verified |"),
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
@@ -249,7 +256,8 @@ def markdown(result: dict[str, Any]) -> str:
             out += [f"## {title}", ""] + _main_table(sel) + [""]
     timed = [r for r in rows if r["sweep"] != "staging"]
     if timed:
-        out += ["## Time per phase (seconds, median; trainer rank 0 and slowest worker)", ""] + _phase_table(timed) + [""]
+        out += (["## Time per phase (seconds, median; trainer rank 0 and slowest worker)", ""]
+                + _phase_table(timed) + [""])
     if result["p2p"]:
         out += ["## Same-run baselines", "", ("| layout @ M2N staging | raw gloo p2p, one pair (GB/s by message MiB) "
                 "| best | M2N-shaped round: message MiB, GB/s per receiver |"), "|---|---|---:|---|"]
@@ -307,7 +315,8 @@ def plots(result: dict[str, Any], out_dir: str) -> list[str]:
                 a.plot([r["model_mb"] for r in sel], [r["seconds"] for r in sel], "o-", c=colors[t], label=t)
                 b.plot([r["model_mb"] for r in sel], [r["gbps_per_receiver"] for r in sel], "o-", c=colors[t], label=t)
         if p2p_22:
-            b.axhline(max(p["pair_best_gbps"] for p in p2p_22), ls="--", c="gray", label="raw gloo p2p, one pair (best)")
+            b.axhline(max(p["pair_best_gbps"] for p in p2p_22), ls="--", c="gray",
+                      label="raw gloo p2p, one pair (best)")
             b.axhline(max(p["round_gbps_per_receiver"] for p in p2p_22), ls=":", c="gray",
                       label="raw gloo p2p, M2N-shaped 2 -> 2 round (best)")
         for ax, y in ((a, "seconds per sync (median)"), (b, "GB/s per receiver (bytes it received / s)")):
@@ -326,7 +335,8 @@ def plots(result: dict[str, Any], out_dir: str) -> list[str]:
         plt.close(fig)
     lay = [r for r in rows if r["sweep"] == "layout"]
     if lay:
-        lay = [r for r in size_rows if r["size"] == lay[0]["size"] and r["transport"] in {x["transport"] for x in lay}] + lay
+        lay = [r for r in size_rows
+               if r["size"] == lay[0]["size"] and r["transport"] in {x["transport"] for x in lay}] + lay
         lay = sorted(lay, key=lambda r: (r["replicas"], r["trainers"], r["tp"]))
         labels = list(dict.fromkeys(_layout(r) for r in lay))
         fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.5))
@@ -355,7 +365,8 @@ def plots(result: dict[str, Any], out_dir: str) -> list[str]:
             if sel:
                 a.plot([r["model_mb"] for r in sel], [max(r["trainer_extra_mib"]) for r in sel], "o-", c=colors[t],
                        label=t)
-        a.axhline(size_rows[0]["staging_mib"], ls="--", c="gray", label=f"staging bucket ({size_rows[0]['staging_mib']} MiB)")
+        a.axhline(size_rows[0]["staging_mib"], ls="--", c="gray",
+                  label=f"staging bucket ({size_rows[0]['staging_mib']} MiB)")
         a.set_xscale("log")
         a.xaxis.set_major_formatter(plain)
         a.set_xlabel("model size (MB)")

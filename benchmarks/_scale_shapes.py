@@ -91,7 +91,8 @@ def _fused(model: Model) -> tuple[Model, dict[str, list[str]]]:
     params = {n: (k, p) for n, _, k, p in model}
     kinds = {f: _FUSED[params[ms[0]][0]] for f, ms in members.items()}
     return [(m.name, m.shape, *params[m.name]) if m.name not in kinds else
-            (m.name, m.shape, kinds[m.name][0], f"{m.name.rpartition('.')[0]}.{kinds[m.name][1]}") for m in fused], members
+            (m.name, m.shape, kinds[m.name][0], f"{m.name.rpartition('.')[0]}.{kinds[m.name][1]}")
+            for m in fused], members
 
 
 @cache

@@ -7,7 +7,8 @@
 Two ``FSDP2Trainer`` rank processes (``weightsync.testing.fsdp2.FSDP2Ranks``, gloo, fp32 master weights
 and AdamW state) train a seeded random ``small_qwen3`` checkpoint (Qwen3, hidden 512, 4 layers, 16k
 vocabulary, tied embeddings: 20.8 M parameters) and sync into vLLM's own ``Qwen3ForCausalLM`` in bf16
-with TP 2 over gloo (``weightsync.testing.cluster``). The wire is bf16: ``FSDP2Trainer.connect(..., dtype=torch.bfloat16)`` gives the engines
+with TP 2 over gloo (``weightsync.testing.cluster``). The wire is bf16:
+``FSDP2Trainer.connect(..., dtype=torch.bfloat16)`` gives the engines
 ``DTensorModuleSource(trainer.model, world, dtype=torch.bfloat16)``, so each rank casts its fp32 shard as
 it sends, and the delta baseline holds the bf16 values last sent.
 
@@ -274,8 +275,9 @@ def delta_tables(result: dict[str, Any]) -> list[str]:
     rows = result["summary"]
     lines = [("| lr | steps | values changed per step: mean (step 1 -> last) | delta MB / sync (mean) | dense MB "
               "| naive MB | delta / dense: mean (max) | delta / naive | steps sent sparser than dense "
-              "| delta sync s (median) | dense M2N s (median) | diff + encode s (median) | first sync of the delta engine s "
-              "(dense, fills the baseline) | trainer extra MiB / rank | train step s (median) |"),
+              "| delta sync s (median) | dense M2N s (median) | diff + encode s (median) "
+              "| first sync of the delta engine s (dense, fills the baseline) | trainer extra MiB / rank "
+              "| train step s (median) |"),
              "|---:|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(
@@ -327,7 +329,8 @@ def delta_plot(result: dict[str, Any], path: str) -> str:
         dense, naive = runs[0]["steps"][0]["dense_bytes"] / 1e6, runs[0]["naive_bytes"] / 1e6
         b.axhline(dense, ls="--", c="gray", label=f"dense M2N ({dense:.1f} MB)")
         b.axhline(naive, ls=":", c="black", label=f"naive full_tensor + broadcast ({naive:.1f} MB)")
-    a.axhline(100 * 15 / 16, ls="-.", c="C3", label="break-even for bf16 (~94 %: a 1-bit mask per value + 2-byte values)")
+    a.axhline(100 * 15 / 16, ls="-.", c="C3",
+              label="break-even for bf16 (~94 %: a 1-bit mask per value + 2-byte values)")
     for ax, y in ((a, "values changed since the last sync (%)"), (b, "MB on the wire per sync (all trainer ranks)"),
                   (c, "seconds per sync (slowest trainer rank)")):
         ax.set_xlabel("GRPO step (each followed by a sync)")

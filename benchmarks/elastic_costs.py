@@ -53,7 +53,8 @@ def measure(cluster: LocalCluster, backend: str, model: str, repeats: int) -> di
     layout = Layout(trainers=2, tp=1, replicas=3, dtype="bfloat16", model=model, backend=backend)
     cluster.setup(layout, fresh=True)
     rs = cluster.receivers[:3]
-    info = init_info(dataclasses.replace(layout, replicas=2), buffer_bytes=None if backend == "weightsync_m2n" else 64 << 20,
+    info = init_info(dataclasses.replace(layout, replicas=2),
+                     buffer_bytes=None if backend == "weightsync_m2n" else 64 << 20,
                      timeout_s=60.0, on_engine_failure="drop", require_paused=False)
     cluster.make_engines(info, client=LocalWeightSyncClient([[rs[0].address], [rs[1].address]]))
     _sync(cluster, "warm-up")

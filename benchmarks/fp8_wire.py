@@ -89,7 +89,8 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "fp8_wire.json" if t == 2 else f"fp8_wire_t{t}.json"), "w") as f:
         json.dump(result, f, indent=1)
-    print("| target | bytes / worker 0 | FP8 blocks / worker 0 (trainer, worker) | median s / sync |\n|---|---|---|---|")
+    print("| target | bytes / worker 0 | FP8 blocks / worker 0 (trainer, worker) | median s / sync |\n"
+          "|---|---|---|---|")
     for label, r in (("bf16 model", bf16), ("block FP8, mode (a) (bf16 wire, workers quantize)", mode_a),
                      ("block FP8, mode (b) (fp8_wire=True: FP8 + scales, cut blocks bf16)", mode_b)):
         blocks = r["fp8_blocks_per_worker"].get(0) or r["fp8_blocks_per_worker"].get("0") or {}

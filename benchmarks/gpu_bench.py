@@ -46,6 +46,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -177,10 +178,55 @@ def bench_ipc(device: torch.device, bucket: torch.Tensor, exported: ExportedBuff
     return {"seconds": seconds, "open_ms": open_s * 1e3}
 
 
+def local_rows(metas: list[ParamMeta], dtype: torch.dtype, nbytes: int, bucket_bytes: int, device: torch.device,
+               repeats: int, row: Callable[..., None]) -> float:
+    """The rows run in this process (copy, pack, unpack, strided pack, IPC), each passed to ``row``; returns
+    the IPC handle's open milliseconds. Their tensors and buffer are freed on return, before the transfer
+    rows' processes need the memory."""
+    tensors = [torch.randn(m.shape, device=device).to(dtype) for m in metas]
+    buckets = plan_buckets(metas, bucket_bytes)
+    exported = ExportedBuffer(bucket_bytes, device, tag="bench")
+    bucket = exported.tensor
+    row("d2d copy", nbytes, bench_d2d(nbytes, device, repeats), "one copy_ of the payload")
+
+    starts, k = [], 0
+    for b in buckets:
+        starts.append(k)
+        k += len(b.entries)
+
+    def fill(b: int) -> None:
+        for e, t in zip(buckets[b].entries, tensors[starts[b]: starts[b] + len(buckets[b].entries)]):
+            pack(bucket, e, t)
+
+    def pack_all() -> None:
+        for b in range(len(buckets)):
+            fill(b)
+
+    row("pack (bucket)", nbytes, timed(pack_all, device, repeats),
+        f"{len(metas)} tensors, {len(buckets)} buckets of <= {bucket_bytes // MiB} MiB")
+
+    def unpack_clone() -> None:
+        for b in buckets:
+            for _, t in unpack(bucket, b):
+                t.clone()
+
+    row("unpack + clone", nbytes, timed(unpack_clone, device, repeats), "views of one bucket, cloned")
+    row_parallel = [t for m, t in zip(metas, tensors) if m.name.endswith(("o_proj.weight", "down_proj.weight"))]
+    strided = sum(t.numel() * t.element_size() // 2 for t in row_parallel)
+    row("strided slice pack", strided, bench_strided(row_parallel, bucket_bytes, device, repeats),
+        "column halves of o/down_proj")
+    ipc = bench_ipc(device, bucket, exported, [b.nbytes for b in buckets], fill, repeats)
+    row("IPC pack + clone", nbytes, ipc["seconds"], "2 processes, 1 device, ack per chunk")
+    exported.close()
+    return ipc["open_ms"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mib", type=int, default=4096, help="payload (MiB of bf16 tensors; the embedding alone is 1.2 GB)")
-    ap.add_argument("--bucket-mib", type=int, default=512, help="bucket size (the ipc transport's default; the broadcast rows use it too)")
+    ap.add_argument("--mib", type=int, default=4096,
+                    help="payload (MiB of bf16 tensors; the embedding alone is 1.2 GB)")
+    ap.add_argument("--bucket-mib", type=int, default=512,
+                    help="bucket size (the ipc transport's default; the broadcast rows use it too)")
     ap.add_argument("--staging-mib", type=int, default=256, help="M2N staging (the m2n transport's default)")
     ap.add_argument("--peers", default="both", choices=["procs", "threads", "both", "none"],
                     help="how the transfer rows' two ranks run: two processes, two threads of one, both, or not at all")
@@ -197,51 +243,17 @@ def main() -> None:
     dtype, total = torch.bfloat16, args.mib * MiB
     metas = qwen3_8b_metas(total, dtype, 1 if device.type == "cuda" else 8)
     bucket_bytes = align_up(max(args.bucket_mib * MiB, max(m.nbytes for m in metas)), 256)
-    tensors = [torch.randn(m.shape, device=device).to(dtype) for m in metas]
     nbytes = sum(m.nbytes for m in metas)
-    buckets = plan_buckets(metas, bucket_bytes)
-    exported = ExportedBuffer(bucket_bytes, device, tag="bench")
-    bucket = exported.tensor
     rows: list[dict[str, Any]] = []
 
     def row(name: str, moved: int, seconds: float, note: str = "") -> None:
         rows.append({"row": name, "bytes": moved, "seconds": seconds, "gbps": moved / seconds / 1e9, "note": note})
-        print(f"{name:<22} {moved / 1e9:.2f} GB in {seconds * 1e3:.1f} ms: {rows[-1]['gbps']:.1f} GB/s {note}", flush=True)
+        print(f"{name:<22} {moved / 1e9:.2f} GB in {seconds * 1e3:.1f} ms: {rows[-1]['gbps']:.1f} GB/s {note}",
+              flush=True)
 
-    row("d2d copy", nbytes, bench_d2d(nbytes, device, args.repeats), "one copy_ of the payload")
-
-    starts, k = [], 0
-    for b in buckets:
-        starts.append(k)
-        k += len(b.entries)
-
-    def fill(b: int) -> None:
-        for e, t in zip(buckets[b].entries, tensors[starts[b]: starts[b] + len(buckets[b].entries)]):
-            pack(bucket, e, t)
-
-    def pack_all() -> None:
-        for b in range(len(buckets)):
-            fill(b)
-
-    row("pack (bucket)", nbytes, timed(pack_all, device, args.repeats),
-        f"{len(metas)} tensors, {len(buckets)} buckets of <= {bucket_bytes // MiB} MiB")
-
-    def unpack_clone() -> None:
-        for b in buckets:
-            for _, t in unpack(bucket, b):
-                t.clone()
-
-    row("unpack + clone", nbytes, timed(unpack_clone, device, args.repeats), "views of one bucket, cloned")
-    row_parallel = [t for m, t in zip(metas, tensors) if m.name.endswith(("o_proj.weight", "down_proj.weight"))]
-    strided = sum(t.numel() * t.element_size() // 2 for t in row_parallel)
-    row("strided slice pack", strided, bench_strided(row_parallel, bucket_bytes, device, args.repeats),
-        "column halves of o/down_proj")
-    ipc = bench_ipc(device, bucket, exported, [b.nbytes for b in buckets], fill, args.repeats)
-    row("IPC pack + clone", nbytes, ipc["seconds"], "2 processes, 1 device, ack per chunk")
-    rows.append({"row": "IPC handle open", "ms": ipc["open_ms"]})
-    print(f"IPC handle open        {ipc['open_ms']:.1f} ms (first import in the consumer)")
-    exported.close()
-    del tensors, bucket, exported, row_parallel
+    open_ms = local_rows(metas, dtype, nbytes, bucket_bytes, device, args.repeats, row)
+    rows.append({"row": "IPC handle open", "ms": open_ms})
+    print(f"IPC handle open        {open_ms:.1f} ms (first import in the consumer)")
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the transfer rows' processes need the memory
     peers = {"both": ["procs", "threads"], "none": []}.get(args.peers, [args.peers])
@@ -254,11 +266,13 @@ def main() -> None:
             row(r["row"], r["bytes"], r["seconds"], r["note"])
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (plumbing check, not a GPU row)"
-    title = f"GPU rows on {name}, torch {torch.__version__}, payload {nbytes / 1e9:.2f} GB bf16, median of {args.repeats}"
+    title = (f"GPU rows on {name}, torch {torch.__version__}, payload {nbytes / 1e9:.2f} GB bf16, "
+             f"median of {args.repeats}")
     lines = [title, "", "| row | GB | ms | GB/s | note |", "|---|---:|---:|---:|---|"]
     for r in rows:
         if "gbps" in r:
-            lines.append(f"| {r['row']} | {r['bytes'] / 1e9:.2f} | {r['seconds'] * 1e3:.1f} | {r['gbps']:.1f} | {r['note']} |")
+            lines.append(f"| {r['row']} | {r['bytes'] / 1e9:.2f} | {r['seconds'] * 1e3:.1f} | {r['gbps']:.1f} "
+                         f"| {r['note']} |")
         elif "skipped" in r:
             lines.append(f"| {r['row']} | | | | skipped: {r['skipped']} |")
         else:

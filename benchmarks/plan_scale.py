@@ -272,7 +272,8 @@ def measure(args: argparse.Namespace) -> dict:
     n_dst0 = plan.pairs(0, sender=False).count()
     t_dst = time.perf_counter() - t0
     _, peak = _rss_mib()
-    cut = _cut_pass(src0, {s.name: 2 for s in sources}, plan.num_src_ranks, plan.num_dst_ranks) if getattr(args, "cut", False) else {}
+    cut = (_cut_pass(src0, {s.name: 2 for s in sources}, plan.num_src_ranks, plan.num_dst_ranks)
+           if getattr(args, "cut", False) else {})
     t0 = time.perf_counter()
     cov = plan.coverage()
     t_cov = time.perf_counter() - t0
@@ -326,7 +327,8 @@ def cut_line(r: dict) -> str:
     """The ``--cut`` pass of one row, in words (empty without it)."""
     if "cut_s" not in r:
         return ""
-    return (f"{r['model']} {r['layout']}: trainer rank 0's rounds cut from the compact plan into arrays in {r['cut_s']:.2f} s "
+    return (f"{r['model']} {r['layout']}: trainer rank 0's rounds cut from the compact plan into arrays "
+            f"in {r['cut_s']:.2f} s "
             f"({r['cut_rounds']:,} rounds, {r['cut_messages']:,} messages of <= {r['cut_cap'] >> 10} KiB), "
             f"peak +{r['cut_peak_mib']:.0f} MiB")
 

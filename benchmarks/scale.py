@@ -170,7 +170,8 @@ def _side(plan, sources: list[TensorSource], pieces: list[DestPiece], *, sender:
             "kept_mib": rounds.kept_bytes() / 2**20,
             "median_msg": median(nbytes) if nbytes else 0, "min_msg": min(nbytes, default=0),
             "host_cpu_s": cpu, "host_wall_s": wall, "device_s": on_device, "host_work_s": work,
-            "copied_bytes": copied[0], "memcpy_s": copied[0] / _copy_rate(device), "copy_calls": copied[1], "per_tensor_copies": copied[2],
+            "copied_bytes": copied[0], "memcpy_s": copied[0] / _copy_rate(device), "copy_calls": copied[1],
+            "per_tensor_copies": copied[2],
             "list_s": list_s, "list_peak_mib": peak - rss0}
 
 
@@ -204,7 +205,8 @@ def measure(shape: str, quick: bool, device: str = "cpu") -> dict:
     trainer = _side(plan, sources, dests[0], sender=True, cap=cap, members=members, device=device)
     worker = _side(plan, sources, dests[0], sender=False, cap=cap, members=members, device=device)
     return {"shape": shape, "label": LABELS[shape], "device": device, "layers": layers, "full_layers": full,
-            "extrapolate": full / layers, "S": S, "tensors": len(per_expert), "fused_tensors": len(members), "cap_true": cap * S, "items_plan": plan.num_items,
+            "extrapolate": full / layers, "S": S, "tensors": len(per_expert), "fused_tensors": len(members),
+            "cap_true": cap * S, "items_plan": plan.num_items,
             "plan_s": plan_s, "plan_mib": plan_peak - rss0, "busiest_bytes": busiest,
             "src0_bytes": cov.send_bytes[0], "dst0_bytes": cov.recv_bytes[0],
             "wire_nvlink_s": busiest / NVLINK, "wire_ib_s": busiest / IB,
@@ -240,7 +242,8 @@ def targets(rows: list[dict]) -> list[tuple[str, bool]]:
         out.append((f"{r['shape']}: median message {med / 2**20:.2f} MiB >= 1 MiB", med >= 1 << 20))
         if r["shape"] == "k2-tp":
             init = _x(r, max(r["plan_s"] + r[s]["list_s"] for s in ("trainer", "worker")))
-            mib = _x(r, max(r["plan_mib"] + r[s]["list_peak_mib"] + r[s].get("kept_mib", 0) for s in ("trainer", "worker")))
+            mib = _x(r, max(r["plan_mib"] + r[s]["list_peak_mib"] + r[s].get("kept_mib", 0)
+                            for s in ("trainer", "worker")))
             out.append((f"k2-tp: init {init:.2f} s < 5 s and {mib:.0f} MiB < 1024 MiB", init < 5 and mib < 1024))
     return out
 
@@ -252,7 +255,8 @@ def _device(r: dict, s: dict) -> str:
 
 def table(rows: list[dict]) -> str:
     lines = ["| shape | rank | items | messages | staged msgs | rounds | median msg KiB | min msg B "
-             "| host CPU s/sync | without copies | memcpy s | device s | copy calls / per tensor | init s | init MiB | kept MiB "
+             "| host CPU s/sync | without copies | memcpy s | device s | copy calls / per tensor "
+             "| init s | init MiB | kept MiB "
              "| wire s NVLink 450 | wire s IB 50 | anchors s |",
              "|---|---|" + "---:|" * 16 + "---|"]
     for r in rows:
@@ -262,7 +266,8 @@ def table(rows: list[dict]) -> str:
             anchors = ", ".join(f"{k} {v}" for k, v in r["anchors"].items()) if side == "trainer" else ""
             lines.append(
                 f"| {r['label']} | {side} 0 | {q}{_x(r, s['items']):,.0f} | {q}{_x(r, s['messages']):,.0f} "
-                f"| {q}{_x(r, s['staged_messages']):,.0f} | {q}{_x(r, s['rounds']):,.0f} | {s['median_msg'] / 1024:,.0f} "
+                f"| {q}{_x(r, s['staged_messages']):,.0f} | {q}{_x(r, s['rounds']):,.0f} "
+                f"| {s['median_msg'] / 1024:,.0f} "
                 f"| {s['min_msg']:,} | {q}{_x(r, s['host_cpu_s']):.3f} | {q}{_x(r, s.get('host_work_s', 0)):.3f} "
                 f"| {q}{_x(r, s.get('memcpy_s', 0)):.3f} | {_device(r, s)} "
                 f"| {q}{_x(r, s.get('copy_calls', 0)):,.0f} / {_x(r, s.get('per_tensor_copies', 0)):,.0f} "

@@ -249,7 +249,8 @@ def machine() -> dict[str, Any]:
     repo = os.path.dirname(HERE)
     commit = subprocess.run(["git", "-C", repo, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             check=False).stdout.strip()
-    return {"commit": commit, "weightsync": os.path.dirname(weightsync.__file__), "cpu": cpu, "cores": os.cpu_count(), "mem_gib": round(mem / 2**20, 1), "python": platform.python_version(),
+    return {"commit": commit, "weightsync": os.path.dirname(weightsync.__file__), "cpu": cpu, "cores": os.cpu_count(),
+            "mem_gib": round(mem / 2**20, 1), "python": platform.python_version(),
             "torch": torch.__version__, "vllm": vllm.__version__, "backend": "gloo (CPU, loopback)",
             "loadavg_start": os.getloadavg()}
 
@@ -271,7 +272,8 @@ def main() -> None:
     ap.add_argument("--transports", nargs="+", default=list(TRANSPORTS), choices=list(TRANSPORTS))
     ap.add_argument("--sizes", nargs="+", choices=list(SIZES), help="model sizes of the size sweep")
     ap.add_argument("--layouts", nargs="*", default=list(LAYOUTS), help="trainers:TP:replicas of the layout sweep")
-    ap.add_argument("--layout-size", choices=list(SIZES), default="256MB", help="model of the layout and staging sweeps")
+    ap.add_argument("--layout-size", choices=list(SIZES), default="256MB",
+                    help="model of the layout and staging sweeps")
     ap.add_argument("--staging-sweep", type=int, nargs="*", default=[4, 16, 64, 256], help="MiB")
     ap.add_argument("--bucket-mib", type=int, default=64, help="M2N staging and broadcast/IPC bucket")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
@@ -323,7 +325,8 @@ def main() -> None:
                              args.profile and sc is biggest)
             except Exception as e:  # noqa: BLE001 - record it, restart the processes, go on
                 print(f"    FAILED: {type(e).__name__}: {str(e)[:500]}", flush=True)
-                result["errors"].append({"scenario": dataclasses.asdict(sc), "error": f"{type(e).__name__}: {e}"[:2000]})
+                result["errors"].append({"scenario": dataclasses.asdict(sc),
+                                         "error": f"{type(e).__name__}: {e}"[:2000]})
                 cluster.close()
                 cluster = None
             prev = sc
@@ -337,8 +340,8 @@ def main() -> None:
         py = sys.executable
         cov = ["--tp", "2", "--models", "qwen3_0_6b"] if args.quick else []
         result["plan_coverage"] = run_subprocess([py, "benchmarks/plan_coverage.py", *cov], 900)
-        result["plan_scale"] = run_subprocess([py, "benchmarks/plan_scale.py", *(["--layers", "8"] if args.quick else [])],
-                                              600)
+        result["plan_scale"] = run_subprocess(
+            [py, "benchmarks/plan_scale.py", *(["--layers", "8"] if args.quick else [])], 600)
     result["machine"]["loadavg_end"] = os.getloadavg()
     result["seconds_total"] = time.perf_counter() - started
     result["finished"] = time.strftime("%Y-%m-%d %H:%M")

@@ -64,7 +64,7 @@ def peer_messages(items: Callable[[], Iterable[TransferItem]], *, cap: int, item
     if apart is not None:
         first = peer_messages(lambda: (it for it in items() if not apart(it)), cap=cap, itemsize_of=itemsize_of,
                               alone=alone)
-        count = 0
+        count = 0  # the messages before the ``apart`` ones
         for m in first:
             yield m
             count += 1

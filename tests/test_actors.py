@@ -65,7 +65,8 @@ def test_calls_from_many_threads_at_once_lose_no_reply(actors):
     def worker() -> None:
         results.extend(call_many([(a.address, "os:getpid", (), {}) for a in actors], timeout_s=timeout_s))
 
-    threads = [threading.Thread(target=worker, daemon=True) for _ in range(64)]  # daemon: a hang fails, never blocks exit
+    # daemon: a hang fails, never blocks exit
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(64)]
     for t in threads:
         t.start()
     deadline = time.monotonic() + 2 * timeout_s  # every call_many returns by its timeout

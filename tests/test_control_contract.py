@@ -111,7 +111,8 @@ def test_agree_names_both_values_of_a_differing_entry_and_returns_an_agreed_valu
     assert {str(e) for e in _on_every(_parties(2), run)} == {
         "parameter 'b': trainer rank 1's metadata differs from trainer rank 0's at position 1: trainer rank 0 has "
         "size 2, trainer rank 1 has size 5"}
-    assert _on_every(_parties(2), lambda r, c: agree(c, lambda k: f"d/{k}", "x", rank=r, ranks=2, what="d")) == ["x"] * 2
+    assert _on_every(_parties(2),
+                     lambda r, c: agree(c, lambda k: f"d/{k}", "x", rank=r, ranks=2, what="d")) == ["x"] * 2
 
 
 def test_join_decided_as_failed_wakes_a_member_that_saw_every_announcement():
@@ -162,7 +163,8 @@ def test_m2n_trainer_ranks_with_different_metadata_raise_value_error_naming_the_
     futs = [a.submit("weightsync.testing.trainer:make_engine", info, cluster.client(), source="local",
                      fault="rank1_differs") for a in cluster.active_trainers]
     message = (rf"ValueError: parameter '{re.escape(BAD_NAME)}': trainer rank 1's metadata differs from trainer "
-               r"rank 0's at position \d+: trainer rank 0 has float32 \(128, 64\) \(shards \[\(64, 64\), \(64, 64\)\]\), "
+               r"rank 0's at position \d+: trainer rank 0 has float32 \(128, 64\) "
+               r"\(shards \[\(64, 64\), \(64, 64\)\]\), "
                r"trainer rank 1 "
                r"has nothing")
     for f in futs:
@@ -192,8 +194,9 @@ def test_store_key_count_after_100_syncs_equals_the_count_after_2(cluster, case)
     layout, fields = KEY_COUNT_CASES[case]
     cluster.setup(layout)
     wire = {"wire_dtype": "bfloat16"} if fields.get("delta") else {}
-    cluster.make_engines(init_info(layout.backend, layout, buffer_bytes=1 << 15 if layout.backend == "weightsync_m2n" else 1 << 16,
-                                 **fields), **wire)
+    cluster.make_engines(init_info(layout.backend, layout,
+                                   buffer_bytes=1 << 15 if layout.backend == "weightsync_m2n" else 1 << 16,
+                                   **fields), **wire)
     counts = []
     for n in range(1, 101):
         stats = cluster.sync(f"v{n}", verify=n % 2 == 0)

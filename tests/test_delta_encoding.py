@@ -32,7 +32,8 @@ def test_diff_is_bitwise():
 def test_encode_decode_patch_into_strided_targets(dtype, rows, where):
     """Six changes in 67 values go as bitmaps (fewer bytes than 6 positions), in 607 as positions."""
     g = torch.Generator().manual_seed(0)
-    olds = [torch.randint(0, 100, (rows, 10), generator=g).to(dtype), torch.randint(0, 100, (7,), generator=g).to(dtype)]
+    olds = [torch.randint(0, 100, (rows, 10), generator=g).to(dtype),
+            torch.randint(0, 100, (7,), generator=g).to(dtype)]
     news = [o.clone() for o in olds]
     news[0][1, 3:6], news[0][3, 0], news[0][5, 9], news[1][6] = 101, 102, 103, 104
     numels = [o.numel() for o in olds]
@@ -132,7 +133,7 @@ def test_sparse_and_dense_messages_through_run_rounds_match_the_reference(change
     idx = torch.randperm(flat.numel(), generator=g)[:changed]
     flat[idx] = flat[idx] * 2 + 1
     at = 0
-    for n, t in full.items():
+    for t in full.values():
         t.copy_(flat[at : at + t.numel()].view(t.shape))
         at += t.numel()
     shards = make_local_shards(full, sources)[0]
@@ -154,7 +155,8 @@ def test_sparse_and_dense_messages_through_run_rounds_match_the_reference(change
 @pytest.mark.parametrize("backend, fields, message", [
     ("weightsync_m2n", {"delta": True, "cast_dtypes": True}, r"delta needs the wire dtype to be the parameters' dtype"),
     ("weightsync_nccl", {"delta": "yes"}, r"NCCLTrainerInitInfo.delta must be a bool, got 'yes'"),
-    ("weightsync_m2n", {"delta": True, "delta_baseline": "gpu"}, r"delta_baseline must be 'cpu' or 'device', got 'gpu'"),
+    ("weightsync_m2n", {"delta": True, "delta_baseline": "gpu"},
+     r"delta_baseline must be 'cpu' or 'device', got 'gpu'"),
     ("weightsync_ipc", {"delta": True}, r"delta=True is for transports with a wire"),
 ], ids=["with cast_dtypes", "not a bool", "baseline place", "ipc"])
 def test_delta_init_infos_that_cannot_work_are_refused_at_construction(backend, fields, message):

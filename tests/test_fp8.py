@@ -289,8 +289,8 @@ def test_a_shard_that_cuts_a_block_is_refused_naming_the_parameter():
     check_blocks("w", (200, 256), (72, 256), (128, 128), [edge])
     cut = DestPiece("w", Region((64, 0), (64, 256)), "p", (0, 0))
     with pytest.raises(ValueError, match=r"^parameter 'w': this worker's shard \(rows/cols \(64, 0\)\+\(64, 256\) "
-                                         r"at \(0, 0\) of p\) cuts vLLM's FP8 blocks of 128 x 128 \(weight_block_size\) "
-                                         r"along dim 0; TP shards must hold whole blocks$"):
+                                         r"at \(0, 0\) of p\) cuts vLLM's FP8 blocks of 128 x 128 "
+                                         r"\(weight_block_size\) along dim 0; TP shards must hold whole blocks$"):
         check_blocks("w", (128, 256), (64, 256), (128, 128), [cut])
 
 

@@ -91,8 +91,8 @@ def test_block_sizes_are_checked_naming_the_field():
     from weightsync.transports.m2n import M2NTrainerInitInfo
 
     with pytest.raises(ValueError, match=r"^fp8_block must be"):
-        M2NTrainerInitInfo.for_deployment(num_trainer_ranks=2, replicas=1, tp=2, device="cpu", master_port=1, fp8_wire=True,
-                                          fp8_block=(128, -1))
+        M2NTrainerInitInfo.for_deployment(num_trainer_ranks=2, replicas=1, tp=2, device="cpu", master_port=1,
+                                          fp8_wire=True, fp8_block=(128, -1))
     with pytest.raises(ValueError, match=r"^fp8_wire must be a bool, got 'yes'"):
         M2NTrainerInitInfo.for_deployment(num_trainer_ranks=2, replicas=1, tp=2, device="cpu", master_port=1,
                                           fp8_wire="yes")

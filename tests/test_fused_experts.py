@@ -16,9 +16,10 @@ from weightsync.trainer.sources import fuse_expert_metas
 
 _EXPERTS = "model.layers.0.mlp.experts"
 _W13 = f"{_EXPERTS}.routed_experts.w13_weight"
+_ROWS = (Shard(0),)
 
 
-def _meta(name: str, shape=(8, 4), placements=(Shard(0),), dtype=None) -> ParamMeta:
+def _meta(name: str, shape=(8, 4), placements=_ROWS, dtype=None) -> ParamMeta:
     return ParamMeta(name, dtype or torch.bfloat16, shape, mesh_shape=(2,), placements=placements,
                      rank_coordinates=((0,), (1,)))
 

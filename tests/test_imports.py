@@ -1,6 +1,7 @@
-"""Package structure: no import cycle in src/ (function-level imports count), no module over 1,000 lines (a backstop: modules are cut by concept)
-(the package's, and the tests', benchmarks', examples' and scripts' files) and no function in src/ with
-a body over 80 lines; no torch object collective (they pickle) in src/."""
+"""Package structure: no import cycle in src/ (function-level imports count), no module over 1,000 lines
+(a backstop: modules are cut by concept) (the package's, and the tests', benchmarks', examples' and
+scripts' files) and no function in src/ with a body over 80 lines; no torch object collective (they
+pickle) in src/."""
 
 from __future__ import annotations
 
@@ -91,7 +92,8 @@ def _body_lines(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
     """Lines of ``fn``'s body, its docstring aside: from the first statement after it to the end
     (nested functions and classes count in the function that holds them)."""
     body = fn.body
-    if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+    if (isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)):
         body = body[1:]
     return fn.end_lineno - body[0].lineno + 1 if body else 0
 

@@ -160,7 +160,8 @@ def test_a_worker_rejecting_a_chunk_fails_every_rank_and_all_workers_roll_back(c
     bad = CorruptingClient(cluster.client(), chunk=2, worker=1, field="trainer_rank", value=7)
     info = dataclasses.replace(ipc_info(COLOCATED), rollback=True)  # the opt-in restore (default: poisoned, paused)
     cluster.make_engines(info, client=bad)  # worker 0 applies chunks 0-2, worker 1 refuses chunk 2
-    futures = [a.submit("weightsync.testing.trainer:send_weights", "bad", timeout_s=120) for a in cluster.active_trainers]
+    futures = [a.submit("weightsync.testing.trainer:send_weights", "bad", timeout_s=120)
+               for a in cluster.active_trainers]
     for f in futures:
         with pytest.raises(RemoteError, match="SyncFailed: weight sync 1 failed: worker 1: ValueError: "
                                               "update_info.handles has no handle from trainer rank 1 for worker 1"):
@@ -185,7 +186,8 @@ def test_50_syncs_leak_no_shared_memory_fds_or_rss(cluster):
         now = resources()
         for a, s, n in zip(procs, start, now):
             # no growth: an fd the process closes meanwhile (an old engine's socket collected) is fine
-            assert n["fds"] <= s["fds"] and (n["shm"], n["own_buffers"]) == (s["shm"], s["own_buffers"]), (i, a.name, s, n)
+            assert n["fds"] <= s["fds"] and (n["shm"], n["own_buffers"]) == (s["shm"], s["own_buffers"]), \
+                (i, a.name, s, n)
     end = resources(collect=True)
     assert mismatches(cluster) == {}
     assert imports(cluster) == [1, 1], "one import per export"

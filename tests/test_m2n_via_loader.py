@@ -140,7 +140,8 @@ def applier_open_abort_finish() -> dict:
         out[f"{how}_same_param"] = layer.weight is weight and layer.weight.numel() == 0
         # bitwise: a model not yet synced holds uninitialized memory, which may hold NaNs
         out[f"{how}_packed_is_old"] = torch.equal(layer._packed.view(torch.uint8), packed.view(torch.uint8))
-        out[f"{how}_packed_is_new"] = torch.equal(layer._packed.flatten(), torch.arange(packed.numel(), dtype=packed.dtype))
+        out[f"{how}_packed_is_new"] = torch.equal(layer._packed.flatten(),
+                                                  torch.arange(packed.numel(), dtype=packed.dtype))
     out["packed_shape"] = tuple(packed.shape)
     return out
 

@@ -45,7 +45,8 @@ def test_qwen3_moe_fsdp_1_2_3_to_tp(cluster, tp):
         dests = check_moe_sync(cluster, Layout(trainers=trainers, tp=tp, dtype="bfloat16", model="tiny_qwen3_moe",
                                                backend="weightsync_m2n"), seed=20 + trainers)
     w13 = [p for p in dests[-1].pieces if p.name == f"{_EXPERTS}.gate_up_proj"]
-    assert [(p.param, p.region.sizes) for p in w13] == [(f"{_EXPERTS}.routed_experts.w13_weight", (5, 32 // tp, 64))] * 2
+    assert [(p.param, p.region.sizes) for p in w13] == \
+        [(f"{_EXPERTS}.routed_experts.w13_weight", (5, 32 // tp, 64))] * 2
     assert f"{_EXPERTS}.routed_experts.w13_weight" in dests[-1].via_loader  # vLLM's processing re-runs
 
 

@@ -99,7 +99,7 @@ def test_full_tensor_source_name_map_skips_and_rejects_collisions():
     src = FullTensorSource(m, name_map=lambda n: None if n == "bias" else f"model.{n}")
     assert [p.name for p in src.metadata] == ["model.weight"]
     with pytest.raises(ValueError, match=r"name_map maps several parameters to the same name\(s\): \['x'\]"):
-        FullTensorSource(m, name_map=lambda n: "x").metadata
+        _ = FullTensorSource(m, name_map=lambda n: "x").metadata
 
 
 def test_paused_keeps_generation_paused_only_after_a_sync_that_may_have_torn_the_weights():
@@ -157,7 +157,8 @@ def test_sources_send_a_compiled_checkpoint_wrapped_model_under_its_unwrapped_na
     wrapped, model = _wrapped_model()
     raw = [n for n, _ in wrapped.named_parameters()]
     assert raw[0] == "_orig_mod.model.layers.0._checkpoint_wrapped_module.mlp.experts.0.gate_proj.weight"
-    want = [f"model.layers.{i}.mlp.experts.{e}.gate_proj.weight" for i in range(2) for e in range(2)] + ["lm_head.weight"]
+    want = ([f"model.layers.{i}.mlp.experts.{e}.gate_proj.weight" for i in range(2) for e in range(2)]
+            + ["lm_head.weight"])
     assert [m.name for m in FullTensorSource(wrapped).metadata] == want
     local = DTensorModuleSource(wrapped, 1)
     assert [m.name for m in local.metadata] == want
@@ -166,6 +167,7 @@ def test_sources_send_a_compiled_checkpoint_wrapped_model_under_its_unwrapped_na
     mapped = FullTensorSource(wrapped, name_map=lambda n: seen.append(n) or (None if n.startswith("lm_head") else n))
     assert [m.name for m in mapped.metadata] == want[:-1] and seen == want  # name_map sees unwrapped names
     fused = DTensorModuleSource(wrapped, 1, fuse_experts=True)
-    assert [m.name for m in fused.metadata] == [f"model.layers.{i}.mlp.experts.gate_proj" for i in range(2)] + ["lm_head.weight"]
+    assert [m.name for m in fused.metadata] == \
+        [f"model.layers.{i}.mlp.experts.gate_proj" for i in range(2)] + ["lm_head.weight"]
     stacked = dict(fused.iter_local())["model.layers.1.mlp.experts.gate_proj"]
     assert torch.equal(stacked, torch.stack([model.model.layers[1].mlp.experts[e].gate_proj.weight for e in range(2)]))

@@ -33,7 +33,8 @@ def duplicate_one_piece(on: bool) -> None:
         if rank == 0:
             first = next(i for i, it in enumerate(items) if (it.dst_rank if sender else it.src_rank) == 0)
             items.insert(first + 1, items[first])
-        listed = Listed(rounds(pair_messages(items, by="dst" if sender else "src", cap=cap, itemsize_of=size.__getitem__)))
+        listed = Listed(rounds(pair_messages(items, by="dst" if sender else "src", cap=cap,
+                                             itemsize_of=size.__getitem__)))
         listed.nbytes = sum(m.nbytes for r in listed for m in r)
         return listed
 

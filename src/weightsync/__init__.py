@@ -30,7 +30,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ParamMeta", "WeightSource", "FullTensorSource", "DTensorModuleSource", "TrainerInitInfo", "WorkerInitInfo",
-    "WorkerUpdateInfo", "TrainerEngine", "SyncStats", "DeltaStats", "WeightTransferTrainerFactory", "WorkerEngineFactory",
+    "WorkerUpdateInfo", "TrainerEngine", "SyncStats", "DeltaStats", "WeightTransferTrainerFactory",
+    "WorkerEngineFactory",
     "WeightSyncClient", "HTTPVLLMWeightSyncClient", "RayVLLMWeightSyncClient", "Transport", "transport",
     "transport_names", "SyncFailed", "PoisonedError", "DataPlaneError", "SyncAborted", "RemoteCallError", "Refused",
     "EngineDead", "WeightsPartlyApplied", "paused", "configs",

@@ -33,9 +33,9 @@ class Channel(Protocol):
 
     def read_all(self, keys: list[str], timeout_s: float | None = None) -> list[Any]: ...
 
-__all__ = ["JOIN_DECISION", "join_key", "INIT_DONE", "trainer_left", "SyncKeys", "Listing", "agree", "gather", "init_ack", "model_metas", "model_digest",
-           "m2n_sources", "m2n_sources_digest", "m2n_dest", "m2n_plan_digest", "nccl_loader", "membership_change",
-           "replica_dropped"]
+__all__ = ["JOIN_DECISION", "join_key", "INIT_DONE", "trainer_left", "SyncKeys", "Listing", "agree", "gather",
+           "init_ack", "model_metas", "model_digest", "m2n_sources", "m2n_sources_digest", "m2n_dest",
+           "m2n_plan_digest", "nccl_loader", "membership_change", "replica_dropped"]
 
 # ---- init keys ----------------------------------------------------------------------------
 def join_key(rank: int) -> str:
@@ -177,7 +177,8 @@ class SyncKeys:
         reads them again."""
         per_rank = [k(r) for r in range(ranks) for k in (self.preflight, self.sent, self.ack, self.sizes, self.sums)]
         per_worker = [k(w) for w in range(workers) for k in (self.recv, self.phases)]
-        chunked = [self.chunk(b, r) for b in range(chunks) for r in range(ranks)] + [self.applied(b) for b in range(chunks)]
+        chunked = ([self.chunk(b, r) for b in range(chunks) for r in range(ranks)]
+                   + [self.applied(b) for b in range(chunks)])
         return [self.started, self.verdict, self.delta, self.sum, *per_rank, *per_worker, *chunked]
 
 

@@ -1,6 +1,7 @@
 """The weight-sync protocol, data side: parameter metadata, the dtypes that move, weight sources.
 
-The engine side (init/update infos, stats, the trainer engine) is :mod:`weightsync.infos`, :mod:`weightsync.stats` and :mod:`weightsync.trainer.engine`.
+The engine side (init/update infos, stats, the trainer engine) is :mod:`weightsync.infos`,
+:mod:`weightsync.stats` and :mod:`weightsync.trainer.engine`.
 Nothing here imports vLLM, Ray or nccl-extensions.
 """
 
@@ -133,7 +134,8 @@ def check_metadata(metas: list[ParamMeta]) -> None:
         seen.add(m.name)
 
 
-def checked(source_iter: Iterator[tuple[str, torch.Tensor]], metas: list[ParamMeta]) -> Iterator[tuple[ParamMeta, torch.Tensor]]:
+def checked(source_iter: Iterator[tuple[str, torch.Tensor]],
+            metas: list[ParamMeta]) -> Iterator[tuple[ParamMeta, torch.Tensor]]:
     """Yield ``(meta, tensor)``; ``ValueError`` naming the parameter when iteration and metadata differ."""
     i = 0
     for name, t in source_iter:

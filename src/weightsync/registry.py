@@ -60,7 +60,8 @@ class Transport:
     init_info: type[TrainerInitInfo]
     """Trainer init info; ``init_info.for_deployment(...)`` builds one for a deployment."""
     source: Literal["local", "full"]
-    """What it reads: ``"local"`` FSDP2 shards (``DTensorModuleSource``) or ``"full"`` tensors (``FullTensorSource``)."""
+    """What it reads: ``"local"`` FSDP2 shards (``DTensorModuleSource``) or ``"full"`` tensors
+    (``FullTensorSource``)."""
     colocated: bool
     """Trainer and vLLM share devices (memory is handed over, not sent)."""
     summary: str
@@ -146,7 +147,8 @@ class WeightTransferTrainerFactory:
         return transport(name).trainer_engine
 
     @classmethod
-    def trainer_init(cls, init_info: TrainerInitInfo, *, client: Any, source: WeightSource | None = None) -> TrainerEngine:
+    def trainer_init(cls, init_info: TrainerInitInfo, *, client: Any,
+                     source: WeightSource | None = None) -> TrainerEngine:
         """Build and rendezvous the trainer engine for ``init_info``; call on every trainer rank."""
         if not isinstance(init_info, TrainerInitInfo):
             raise TypeError(f"init_info must be a TrainerInitInfo, got {type(init_info).__name__}")

@@ -8,8 +8,9 @@ as an HF checkpoint (config.json + model.safetensors, ``load_format="auto"``), s
 went through vLLM's first-load processing (for the fused-MoE layers on CPU: intermediate padding
 where TP splits it below the kernel's alignment, VNNI prepack). Reading it back gives the oracle
 (every live tensor and greedy tokens). Then, per transport (M2N; M2N from a trainer with per-expert
-modules, fused at the source; and nccl, a full-tensor transport that goes through vLLM's loader), the trainer moves the engine away from ``W1`` (another seed plus an
-optimizer step: checked against HF transformers' greedy tokens) and back to ``W1``; the tests check:
+modules, fused at the source; and nccl, a full-tensor transport that goes through vLLM's loader), the
+trainer moves the engine away from ``W1`` (another seed plus an optimizer step: checked against HF
+transformers' greedy tokens) and back to ``W1``; the tests check:
 
 * every tensor the engine computes with (parameters, the prepacked expert weights, the linear
   kernels' weights) equals the fresh load's, and the away sync changed every expert tensor;
@@ -213,7 +214,8 @@ def test_vllms_own_reload_leaves_moe_layers_unprocessed(moe):
     moe.check()
     if moe.vllm_reload is None:  # TP 2: vLLM padded the intermediate dim; its reload fails, the engine is broken
         print(f"tp{moe.tp}: vLLM's reload_weights failed: {moe.vllm_reload_error}")
-        assert "size" in moe.vllm_reload_error, moe.vllm_reload_error  # 0.32: "The size of tensor a (64) must match ..."
+        # 0.32: "The size of tensor a (64) must match ..."
+        assert "size" in moe.vllm_reload_error, moe.vllm_reload_error
         return
     for w, (got, oracle) in enumerate(zip(moe.vllm_reload, moe.oracle, strict=True)):
         differ = diff(got, oracle)

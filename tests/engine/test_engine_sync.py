@@ -35,7 +35,8 @@ CASES = [Case(t, tp, dtype, model, TRAINERS[t] or tp)
          for tp in (1, 2) for dtype in ("bfloat16", "float32") for model in ("tiny_qwen3", "tiny_llama")
          for t in ("m2n", "nccl", "ipc")]
 # two separate engines (one LLM actor each) as replicas of one deployment
-CASES += [Case("nccl", 1, "bfloat16", "tiny_llama", 1, replicas=2), Case("m2n", 1, "bfloat16", "tiny_llama", 2, replicas=2)]
+CASES += [Case("nccl", 1, "bfloat16", "tiny_llama", 1, replicas=2),
+          Case("m2n", 1, "bfloat16", "tiny_llama", 2, replicas=2)]
 
 
 def cells(check: str, transport: str | None = None) -> list:
@@ -64,7 +65,7 @@ def test_every_live_tensor_equals_vllms_own_reload(outcome):
         for step in (0, 1):
             for w, (got, ref) in enumerate(zip(obs.synced[step], obs.reference[step], strict=True)):
                 assert diff(got, ref) == [], f"engine {e} worker {w} after sync v{step + 1}"
-        for w, (before, v1, v2) in enumerate(zip(obs.before, obs.reference[0], obs.reference[1], strict=True)):
+        for before, v1, v2 in zip(obs.before, obs.reference[0], obs.reference[1], strict=True):
             params = {n for n in v1 if "#" not in n}
             assert params <= set(diff(before, v1)), "every parameter changed from what the engine held before"
             assert diff(v1, v2), "the optimizer step changed the weights between the syncs"
@@ -95,7 +96,8 @@ def test_repacked_kernels_apply_the_trainer_weights(outcome):
                 kernels = [n for n in got if n.endswith("#kernel")]
                 assert kernels, "the engine's linear layers expose their CPU kernels"
                 for k in kernels:
-                    assert not obs.before[w][k].equal(got[k]), f"engine {e} worker {w} v{step + 1}: {k} kept the old weights"
+                    assert not obs.before[w][k].equal(got[k]), \
+                        f"engine {e} worker {w} v{step + 1}: {k} kept the old weights"
                     p = _kernel_param(k, got)
                     if p is not None:  # layer.weight kept (bf16 here): the kernel must apply exactly it
                         assert got[k].equal(got[p][: got[k].shape[0]]), f"engine {e} worker {w}: {k} != {p}"
@@ -107,7 +109,8 @@ def test_greedy_tokens_match_hf_transformers(outcome):
     tokens within ``NEAR_TIE`` in logprob): the same weights, different kernels."""
     outcome.check()
     for e, obs in enumerate(outcome.engines):
-        assert [t for t, _ in obs.before_tokens] != outcome.hf_tokens[0], "the weights held before generate other tokens"
+        assert [t for t, _ in obs.before_tokens] != outcome.hf_tokens[0], \
+            "the weights held before generate other tokens"
         for step, (got, want) in enumerate(zip(obs.tokens, outcome.hf_tokens, strict=True)):
             for p, (out, hf) in enumerate(zip(got, want, strict=True)):
                 i = parting(out, hf, outcome.case.dtype)

@@ -33,7 +33,7 @@ def test_demo_prints_generation_before_and_after_and_every_transport_verified_in
     assert any(line.startswith("greedy tokens before any sync (vLLM's dummy weights): [") for line in lines)
     rows = {line.split("|")[1].strip(): line for line in lines if line.startswith("| weightsync_")}
     assert sorted(rows) == TRANSPORTS, out.stdout
-    for name, row in rows.items():
+    for row in rows.values():
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert cells[-2:] == ["yes", "verified"], row
         assert float(cells[2]) > 0 and float(cells[3]) > 0 and re.fullmatch(r"\[[\d, ]+\]", cells[5]), row

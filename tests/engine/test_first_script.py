@@ -114,7 +114,6 @@ def test_a_dead_engine_core_is_reported_as_such_trimmed_and_cleaned_up(ray_sessi
     from weightsync.transports.nccl import NCCLTrainerInitInfo
 
     ray_session.stop_engines()  # one engine at a time on this machine
-    before = set(os.listdir("/dev/shm"))
     path = weightsync.configs.path("tiny_qwen3")
     llm = ray.remote(num_cpus=0)(LLM).remote(
         model=path, load_format="dummy", skip_tokenizer_init=True, dtype="float32", enforce_eager=True,

@@ -290,9 +290,11 @@ class Trainers:
         return check_engines(handles, state, hf, self.dtype, token_prompts, max_tokens)
 
     def teardown(self) -> None:
+        import ray
+
         try:
             self._all("weightsync.testing.trainer:teardown")
-        except Exception:  # a rank stuck after a failed scenario: the session kills the actors at the end
+        except ray.exceptions.RayError:  # a rank stuck after a failed scenario: the session kills the actors at the end
             pass
 
 
@@ -353,10 +355,12 @@ def check_sync(trainers: Trainers, handles: list[Any], stats: dict[str, Any], ve
     checks = trainers.check_engines(handles, token_prompts, 8)
     received = stats["bytes_received_per_worker"]
     exact = received == stats["lower_bound_per_worker"]
-    ok = all(c["hf_equal"] and not c["differ"] and c["version"] == version for c in checks) and (exact or not exact_bytes)
+    ok = (all(c["hf_equal"] and not c["differ"] and c["version"] == version for c in checks)
+          and (exact or not exact_bytes))
     shard = f" (exactly its shard: {exact})" if exact_bytes else ""
     line = (f"synced in {stats['seconds']:.3f} s; bytes per worker {list(received.values())}{shard}; "
             f"engine{'s' if len(handles) > 1 else ''} at {[c['version'] for c in checks]}, greedy tokens "
             f"{checks[0]['tokens'][0][0]}, = HF transformers: {all(c['hf_equal'] for c in checks)}; "
-            + ("verified" if ok else f"MISMATCH: tensors differing from vLLM's reload {[c['differ'][:3] for c in checks]}"))
+            + ("verified" if ok
+               else f"MISMATCH: tensors differing from vLLM's reload {[c['differ'][:3] for c in checks]}"))
     return ok, line

@@ -249,8 +249,9 @@ def resolve_destinations(model: torch.nn.Module, metas: Sequence[tuple[str, str,
                               tuple(quantized.values()))
 
 
-def _post_processed(view: _ModelView, pieces: list[DestPiece], sizes: dict[str, int], shapes: dict[str, tuple[int, ...]],
-                    dtypes: dict[str, str], quantized: dict[str, str]) -> tuple[list[DestPiece], list[Fallback], list[str]]:
+def _post_processed(view: _ModelView, pieces: list[DestPiece], sizes: dict[str, int],
+                    shapes: dict[str, tuple[int, ...]], dtypes: dict[str, str],
+                    quantized: dict[str, str]) -> tuple[list[DestPiece], list[Fallback], list[str]]:
     """Modules whose live tensors are not the checkpoint layout (post-processed, fused MoE, block FP8)
     go via the loader: their parameters are received in checkpoint layout (``shapes``/``dtypes``
     updated; a block-FP8 weight in float32, then quantized, its scales computed: ``quantized``) and
@@ -328,7 +329,8 @@ def _probe(model: torch.nn.Module, wanted: dict[str, tuple[Any, torch.Tensor]],
     calls: dict[str, list[tuple[Any, tuple, dict]]] = {n: [] for n in wanted}
     saved = []
     for name, (_, param) in wanted.items():
-        saved.append((param, {k: param.__dict__[k] for k in ("weight_loader", "_weight_loader") if k in param.__dict__}))
+        saved.append((param, {k: param.__dict__[k] for k in ("weight_loader", "_weight_loader")
+                              if k in param.__dict__}))
         param.weight_loader = lambda p, w, *a, _n=name, **k: calls[_n].append((w, a, k))
     try:
         model.load_weights(iter(probes.items()))

@@ -88,7 +88,8 @@ def refuse_full_tensors(dests: Any, transport: str, instead: list[str]) -> None:
     hit = next((p for p in dests.placed if p.param in quantized), None)
     if hit is not None:
         raise ValueError(f"parameter {hit.name!r}: vLLM's {hit.param} is block FP8, which {transport} cannot fill "
-                         f"(its loaders would cast, not quantize); use one whose workers quantize: {', '.join(instead)}")
+                         f"(its loaders would cast, not quantize); use one whose workers quantize: "
+                         f"{', '.join(instead)}")
 
 
 def check_sent_dtype(name: str, dtype: str, param: str) -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Union
+from typing import Any, NamedTuple
 
 import torch
 
@@ -50,7 +50,7 @@ class Unplaced:
     param: str | None = None  # the vLLM parameter that loader writes (None: no parameter known)
 
 
-Placement = Union[Placed, Unplaced]
+Placement = Placed | Unplaced
 
 FUSED_LAYERS = ("QKVParallelLinear", "MergedColumnParallelLinear")
 """The fused layers whose splitting this module knows (exact classes: a subclass may split otherwise)."""
