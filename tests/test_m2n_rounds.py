@@ -161,7 +161,7 @@ def test_direct_messages_go_early_and_whole_rounds_on_an_ordered_plane(ordered):
         recv = Loopback({(SRC, k): plane.wire[(1 + w, k)] for k in range(4)})
         run_rounds(recv, my_messages(plan, sources, rank=w, sender=False, cap=cap),
                    torch.empty(2 * cap, dtype=torch.uint8), sender=False, peer_rank=lambda r: r,
-                   dtypes={"t": "float32"}, tensor_of=lambda m, i: param, sums=(got := {}))
+                   dtypes={"t": "float32"}, tensor_of=lambda m, i, param=param: param, sums=(got := {}))
         assert torch.equal(param, want[w])
         recv_sums[w] = got[0]
     assert sums == recv_sums
@@ -261,7 +261,8 @@ def test_byte_runs_views_equal_the_boxes_bytes_and_grouped_views_equal_single_on
         v = runs.box(t, off, size)
         want = t[box_slices(off, size)].contiguous().reshape(-1).view(torch.uint8)
         assert torch.equal(v.reshape(-1), want), (off, size)
-        assert (v.dim() == 1) == ((off, size) in (((1, 0, 0), (2, 6, 5)), ((2, 3, 0), (1, 2, 5)), ((3, 5, 4), (1, 1, 1))))
+        runs_whole = (((1, 0, 0), (2, 6, 5)), ((2, 3, 0), (1, 2, 5)), ((3, 5, 4), (1, 1, 1)))
+        assert (v.dim() == 1) == ((off, size) in runs_whole)
         views.append(v)
     assert runs.box(t.transpose(0, 2), (0, 0, 0), (1, 1, 1)) is None
     same = [runs.box(t, (0, 0, 0), (2, 2, 2)), runs.box(t, (1, 0, 0), (2, 2, 2)), runs.box(t, (2, 1, 0), (2, 2, 2))]
@@ -280,14 +281,17 @@ def test_byte_runs_views_equal_the_boxes_bytes_and_grouped_views_equal_single_on
 
 def test_spans_found_on_the_first_sync_serve_the_next_ones_and_yield_to_a_new_layout():
     """A staged message's byte spans, and where a direct one is in its tensor, are found once
-    (``Rounds.spans``) and cut from each sync's own tensors after: three syncs of new values into new tensors give the reference's values each
-    time (a box that is not one run of its tensor too, as a strided view); when a target's layout changes (here: a transposed copy, not contiguous) its message is
-    applied item by item again, still exactly."""
+    (``Rounds.spans``) and cut from each sync's own tensors after: three syncs of new values into new
+    tensors give the reference's values each time (a box that is not one run of its tensor too, as a
+    strided view); when a target's layout changes (here: a transposed copy, not contiguous) its message
+    is applied item by item again, still exactly."""
     shapes = {"a": (6, 4), "b": (3, 8), "c": (5,), "d": (2, 3, 4)}
     sources = [TensorSource(n, s, "float32", source_regions(s, (1,), [Shard(0)], mesh_coordinates((1,))))
                for n, s in shapes.items()]
-    pieces = [DestPiece("a", Region((0, 0), (6, 4)), "pa", (1, 0)), DestPiece("b", Region((1, 0), (2, 8)), "pb", (0, 0)),
-              DestPiece("c", Region((0,), (5,)), "pc", (2,)), DestPiece("d", Region((0, 1, 0), (2, 2, 4)), "pd", (0, 0, 0))]
+    pieces = [DestPiece("a", Region((0, 0), (6, 4)), "pa", (1, 0)),
+              DestPiece("b", Region((1, 0), (2, 8)), "pb", (0, 0)),
+              DestPiece("c", Region((0,), (5,)), "pc", (2,)),
+              DestPiece("d", Region((0, 1, 0), (2, 2, 4)), "pd", (0, 0, 0))]
     params = {"pa": (7, 4), "pb": (2, 8), "pc": (7,), "pd": (2, 2, 4)}
     plan = build_plan(sources, [pieces])
     send, recv = (my_messages(plan, sources, rank=0, sender=s, cap=1 << 10, alone=96) for s in (True, False))
@@ -305,9 +309,10 @@ def test_spans_found_on_the_first_sync_serve_the_next_ones_and_yield_to_a_new_la
         staging = torch.empty(1 << 11, dtype=torch.uint8)
         plane = Loopback()
         run_rounds(plane, send, staging, sender=True, peer_rank=lambda w: 1 + w, dtypes=wire_dtypes,
-                   tensor_of=lambda m, i: shards[m.items[i].name])
+                   tensor_of=lambda m, i, shards=shards: shards[m.items[i].name])
         run_rounds(Loopback({(SRC, tag): t for (_, tag), t in plane.wire.items()}), recv, torch.empty_like(staging),
-                   sender=False, peer_rank=lambda r: r, dtypes=wire_dtypes, tensor_of=lambda m, i: got[m.items[i].param])
+                   sender=False, peer_rank=lambda r: r, dtypes=wire_dtypes,
+                   tensor_of=lambda m, i, got=got: got[m.items[i].param])
         for n in params:
             assert torch.equal(got[n], want[n]), (sync, n)
         assert send.spans._of and recv.spans._of and send.spans._direct and recv.spans._direct

@@ -177,7 +177,8 @@ def _cell_map(item):
     for cell in _cells(item.region):
         shift = [c - o for c, o in zip(cell, item.region.offsets)]
         out[(item.name, item.param, item.src_rank, item.dst_rank, cell)] = (
-            tuple(o + d for o, d in zip(item.src_offsets, shift)), tuple(o + d for o, d in zip(item.param_offsets, shift)))
+            tuple(o + d for o, d in zip(item.src_offsets, shift)),
+            tuple(o + d for o, d in zip(item.param_offsets, shift)))
     return out
 
 
@@ -210,7 +211,7 @@ def test_random_schedule(seed, alone):
 
     for side in (send, recv):
         for peers in side:
-            for peer, msgs in peers.items():
+            for msgs in peers.values():
                 for k, m in enumerate(msgs):
                     # (c) no message exceeds the cap; items element-aligned, packed without gaps
                     # between items of one dtype, in bounds and disjoint
@@ -225,7 +226,7 @@ def test_random_schedule(seed, alone):
     send_rounds = [rounds(s) for s in send]
     recv_rounds = [rounds(r) for r in recv]
     for rank_rounds, by in ((send_rounds, "dst"), (recv_rounds, "src")):
-        for rank, rnds in enumerate(rank_rounds):
+        for rnds in rank_rounds:
             for k, msgs in enumerate(rnds):
                 peers = [getattr(m, by) for m in msgs]
                 assert len(set(peers)) == len(peers) and all(m.index == k for m in msgs)
@@ -284,7 +285,8 @@ def test_slabs_cut_a_3d_item_into_one_index_slabs_only_when_a_slab_is_at_least_a
         ((2 + i, 4, 0), (1, 4, 8), (i, 4, 0), (5 + i, 0, 0)) for i in range(3)]
     assert slabs(item, 2, 65) == [item]  # small slabs: packed whole
     flat = _it("f", (0, 0), (6, 8))
-    assert slabs(flat, 2, 1) == [flat] and slabs(_it("g", (0, 0, 0), (1, 4, 8)), 2, 1) == [_it("g", (0, 0, 0), (1, 4, 8))]
+    one = _it("g", (0, 0, 0), (1, 4, 8))
+    assert slabs(flat, 2, 1) == [flat] and slabs(one, 2, 1) == [one]
 
 
 def test_message_cap_and_peer_groups_bound_the_peers_of_a_round():

@@ -277,7 +277,8 @@ def _answer(conn: Connection) -> bool:
     try:
         payload = ForkingPickler.dumps(reply)
     except Exception as e:  # noqa: BLE001 - a result that cannot be pickled
-        payload = ForkingPickler.dumps(("err", f"{fn} returned a result that could not be sent: {type(e).__name__}: {e}"))
+        payload = ForkingPickler.dumps(
+            ("err", f"{fn} returned a result that could not be sent: {type(e).__name__}: {e}"))
     try:
         conn.send_bytes(payload)
     except (OSError, EOFError):  # the caller went away (broken pipe, reset)

@@ -33,7 +33,8 @@ from ..worker.applier import LayerwiseApplier
 from ..worker.engine import WorkerEngine
 from .ipc_handles import BufferImporter, ExportedBuffer, memory_saver_paused
 
-__all__ = ["IPCTrainerInitInfo", "IPCWorkerInitInfo", "IPCUpdateInfo", "IPCTrainerEngine", "IPCWorkerEngine", "TRANSPORT"]
+__all__ = ["IPCTrainerInitInfo", "IPCWorkerInitInfo", "IPCUpdateInfo", "IPCTrainerEngine", "IPCWorkerEngine",
+           "TRANSPORT"]
 
 DEFAULT_BUCKET_BYTES = 512 << 20
 
@@ -164,7 +165,7 @@ class IPCTrainerEngine(TrainerEngine):
                         packed = [mine] + [self.comm.read(keys.chunk(b, r))
                                            for r in range(1, self.init_info.num_trainer_ranks)]
                         payload = self._update(packed, b, len(buckets), digest, metas, verify)
-                        client_result(self._pool.submit(lambda: self.client.update_weights(payload)),
+                        client_result(self._pool.submit(lambda payload=payload: self.client.update_weights(payload)),
                                       self.init_info.timeout_s, "update_weights")  # (not the client's own timeout)
                         failure = self.comm.peer_error()  # a worker reports its failure instead of raising
                         if failure is not None:

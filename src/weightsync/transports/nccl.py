@@ -277,7 +277,8 @@ class NCCLWorkerEngine(WorkerEngine):
     def _init(self, info: NCCLWorkerInitInfo) -> None:
         self._metas: list[ParamMeta] = []
         self._digest: str | None = None
-        self.comm.join(1 + self.worker_rank, info.world_size, device=self.device, plane=self.data_plane)  # rank 0 joins before publishing
+        # (rank 0 joins before publishing)
+        self.comm.join(1 + self.worker_rank, info.world_size, device=self.device, plane=self.data_plane)
         dests = self._check_full_tensor_metadata()  # model agreement and coverage, before any bucket
         via = set(dests.via_loader)
         self._pieces: dict[str, list[Any]] = {}
