@@ -6,16 +6,6 @@ The item-by-item listings and schedule, and the single-process reference executo
 transport is tested against, live with the tests (``tests/oracle.py``, ``tests/helpers.py``).
 """
 
-from weightsync.plan.transfer import (
-    DestPiece,
-    PlanCoverage,
-    TensorSource,
-    TransferItem,
-    TransferPlan,
-    align_up,
-    build_plan,
-    dtype_itemsize,
-)
 from weightsync.plan.regions import (
     Placement,
     Region,
@@ -25,6 +15,16 @@ from weightsync.plan.regions import (
     mesh_coordinates,
     placements_from_torch,
     source_regions,
+)
+from weightsync.plan.transfer import (
+    DestPiece,
+    PlanCoverage,
+    TensorSource,
+    TransferItem,
+    TransferPlan,
+    align_up,
+    build_plan,
+    dtype_itemsize,
 )
 
 __all__ = [

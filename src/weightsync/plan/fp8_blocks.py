@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from weightsync.plan.transfer import DestPiece, TensorSource
 from weightsync.plan.regions import Region, subtract
+from weightsync.plan.transfer import DestPiece, TensorSource
 
 __all__ = ["FP8_SUFFIX", "SCALE_SUFFIX", "QUANTIZABLE", "WIRE_DTYPE", "SCALE_DTYPE", "whole_blocks",
            "block_region", "blocks_shape", "full_block", "wire_sources", "split_piece", "block_count", "check_block"]
@@ -91,7 +91,8 @@ def wire_sources(sources: Sequence[TensorSource], block: Sequence[int]) -> list[
     """``sources`` followed by the derived ``X@fp8`` and ``X@scale`` of each 2-D or 3-D quantizable ``X``;
     ``ValueError`` naming the parameter where a trainer tensor already has a derived name."""
     names = {s.name for s in sources}
-    shared: dict[tuple, tuple[tuple[Region, ...], tuple[Region, ...]]] = {}  # one tuple per layout (fast plans)
+    # one tuple per layout (fast plans): (shape, regions) -> (whole blocks, their block regions)
+    shared: dict[tuple[tuple[int, ...], tuple[Region, ...]], tuple[tuple[Region, ...], tuple[Region, ...]]] = {}
     out = list(sources)
     for s in sources:
         if len(s.shape) not in (2, 3) or s.dtype not in QUANTIZABLE:
