@@ -77,5 +77,5 @@ class PlaneFactory(Protocol):
     """How a party joins a data plane: ``store`` is the sync group's control store (for the plane's own
     rendezvous), ``peer_error`` reads the group's first reported failure (None while there is none)."""
 
-    def __call__(self, store: dist.Store, rank: int, world_size: int, *, device: torch.device, name: str,
-                 timeout_s: float, peer_error: Callable[[], str | None], group_name: str) -> DataPlane: ...
+    def __call__(self, store: dist.distributed_c10d.Store, rank: int, world_size: int, *, device: torch.device,
+                 name: str, timeout_s: float, peer_error: Callable[[], str | None], group_name: str) -> DataPlane: ...

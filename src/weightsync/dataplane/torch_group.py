@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,25 @@ __all__ = ["TorchGroupPlane"]
 _CHECK_S = 0.005  # the longest pause between two looks at the control plane while an NCCL work runs
 _NCCL_ENV = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_BLOCKING_WAIT")
 _ENV_LOCK = threading.Lock()
+
+
+class _Backend(Protocol):
+    """What this plane calls on its backend (``ProcessGroupNCCL`` or ``ProcessGroupGloo``). torch's
+    stubs declare these on ``ProcessGroup`` only; the backends' bindings have them too."""
+
+    def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int) -> dist.Work: ...
+
+    def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int) -> dist.Work: ...
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: dist.BroadcastOptions) -> dist.Work: ...
+
+    def allreduce(self, tensors: list[torch.Tensor]) -> dist.Work: ...
+
+    def _start_coalescing(self, device: torch.device) -> None: ...
+
+    def _end_coalescing(self, device: torch.device) -> dist.Work: ...
+
+    def abort(self) -> None: ...
 
 
 @contextmanager
@@ -51,37 +71,40 @@ def _nccl_env() -> Iterator[None]:
                     os.environ[k] = v
 
 
-def _nccl_group(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> dist.ProcessGroup:
+def _nccl_group(store: dist.distributed_c10d.Store, rank: int, world_size: int, timeout: timedelta) -> _Backend:
     """ProcessGroupNCCL whose errors and timeouts raise in the caller (no watchdog teardown)."""
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timeout
     with _nccl_env():
-        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+        # torch's stubs make ProcessGroupNCCL a Backend without send/recv/...; its binding has them
+        return dist.ProcessGroupNCCL(store, rank, world_size, opts)  # type: ignore[return-value]
 
 
 class TorchGroupPlane:
     """One party's end of a torch process group (see the module docstring). ``peer_error`` reads
     the control plane's first reported failure (None while there is none)."""
 
-    def __init__(self, store: dist.Store, rank: int, world_size: int, *, device: torch.device, name: str,
-                 timeout_s: float, peer_error: Callable[[], str | None], group_name: str = "weightsync") -> None:
+    def __init__(self, store: dist.distributed_c10d.Store, rank: int, world_size: int, *, device: torch.device,
+                 name: str, timeout_s: float, peer_error: Callable[[], str | None],
+                 group_name: str = "weightsync") -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
         self.rank, self.world_size, self.device = rank, world_size, device
         self.name, self.timeout_s, self._peer_error = name, timeout_s, peer_error
-        prefixed = dist.PrefixStore(f"{group_name}/", store)
+        prefixed = dist.distributed_c10d.PrefixStore(f"{group_name}/", store)
         timeout = timedelta(seconds=timeout_s)
         if device.type == "cuda":
-            self._pg: dist.ProcessGroup | None = _nccl_group(prefixed, rank, world_size, timeout)
+            self._pg: _Backend | None = _nccl_group(prefixed, rank, world_size, timeout)
         else:
-            self._pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+            # torch's stubs make ProcessGroupGloo a Backend without send/recv/...; its binding has them
+            self._pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)  # type: ignore[assignment]
 
     @property
     def ordered(self) -> bool:
         """NCCL runs a party's point-to-point ops in issue order (one stream); gloo runs each on its own."""
         return self.device.type == "cuda"
 
-    def _live(self) -> dist.ProcessGroup:
+    def _live(self) -> _Backend:
         if self._pg is None:
             raise DataPlaneError(f"{self.name}: the data plane was dropped after a failure (re-initialize)")
         return self._pg

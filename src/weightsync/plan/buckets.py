@@ -19,7 +19,7 @@ import json
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol, TypedDict
 
 from weightsync.plan.transfer import align_up, dtype_itemsize
 
@@ -30,14 +30,34 @@ ALIGN = 256
 
 
 class TensorMeta(Protocol):
-    """What :func:`plan_buckets` reads of a tensor's metadata."""
+    """What :func:`plan_buckets` reads of a tensor's metadata (read only: a frozen record fits)."""
+
+    @property
+    def name(self) -> str:
+        """HF tensor name."""
+        ...
+
+    @property
+    def dtype(self) -> object:
+        """A torch.dtype, or its name ("bfloat16" / "torch.bfloat16"): read through ``str`` only, so
+        plan/ needs no torch import (``tests/test_imports.py``)."""
+        ...
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Full shape."""
+        ...
+
+
+class WireMeta(TypedDict):
+    """One tensor's JSON-safe metadata, as ``ParamMeta.wire()`` makes it and the store carries it."""
 
     # HF tensor name
     name: str
-    # a torch.dtype, or its name ("bfloat16" / "torch.bfloat16")
-    dtype: Any
-    # full shape
-    shape: tuple[int, ...]
+    # wire dtype name, e.g. "bfloat16"
+    dtype: str
+    # full shape (a list once it crossed JSON)
+    shape: Sequence[int]
 
 
 @dataclass(frozen=True)
@@ -66,7 +86,7 @@ class Bucket:
     nbytes: int
 
 
-def _dtype_name(dtype: Any) -> str:
+def _dtype_name(dtype: object) -> str:
     """``torch.bfloat16`` or ``"torch.bfloat16"`` or ``"bfloat16"`` -> ``"bfloat16"``."""
     return str(dtype).removeprefix("torch.")
 
@@ -110,7 +130,7 @@ def plan_buckets(metas: Sequence[TensorMeta], bucket_bytes: int) -> list[Bucket]
     return buckets
 
 
-def metadata_digest(wire: Iterable[dict[str, Any]]) -> str:
+def metadata_digest(wire: Iterable[WireMeta]) -> str:
     """sha256 over JSON-safe ``{name, dtype, shape}`` records (order matters)."""
     h = hashlib.sha256()
     for rec in wire:

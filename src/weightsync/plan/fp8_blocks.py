@@ -91,7 +91,8 @@ def wire_sources(sources: Sequence[TensorSource], block: Sequence[int]) -> list[
     """``sources`` followed by the derived ``X@fp8`` and ``X@scale`` of each 2-D or 3-D quantizable ``X``;
     ``ValueError`` naming the parameter where a trainer tensor already has a derived name."""
     names = {s.name for s in sources}
-    shared: dict[tuple, tuple[tuple[Region, ...], tuple[Region, ...]]] = {}  # one tuple per layout (fast plans)
+    # one tuple per layout (fast plans): (shape, regions) -> (whole blocks, their block regions)
+    shared: dict[tuple[tuple[int, ...], tuple[Region, ...]], tuple[tuple[Region, ...], tuple[Region, ...]]] = {}
     out = list(sources)
     for s in sources:
         if len(s.shape) not in (2, 3) or s.dtype not in QUANTIZABLE:

@@ -19,7 +19,7 @@ import itertools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol, cast
 
 __all__ = [
     "Placement",
@@ -37,8 +37,8 @@ __all__ = [
 ]
 
 
-def _int_tuple(value: Any, param: str) -> tuple[int, ...]:
-    """Return ``value`` as a tuple of ints or raise TypeError naming ``param``."""
+def _int_tuple(value: Iterable[int], param: str) -> tuple[int, ...]:
+    """Return ``value`` as a tuple of ints or raise TypeError naming ``param`` (checked: callers may be untyped)."""
     try:
         out = tuple(value)
     except TypeError:
@@ -136,12 +136,12 @@ class Region:
             for o1, s1, o2, s2 in zip(self.offsets, self.sizes, other.offsets, other.sizes)
         )
 
-    def slices(self) -> tuple[slice, ...]:
+    def slices(self) -> tuple[slice[int, int, None], ...]:
         """Python slices that select this region from the global tensor (``t[region.slices()]``)."""
         return box_slices(self.offsets, self.sizes)
 
 
-def box_slices(offsets: Sequence[int], sizes: Sequence[int]) -> tuple[slice, ...]:
+def box_slices(offsets: Sequence[int], sizes: Sequence[int]) -> tuple[slice[int, int, None], ...]:
     """Python slices that select the box at ``offsets`` of ``sizes`` (``t[box_slices(o, s)]``)."""
     return tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
 
@@ -174,7 +174,23 @@ class Replicate:
 Placement = Shard | Replicate
 
 
-def placements_from_torch(placements: Sequence[Any]) -> tuple[Placement, ...]:
+class TorchPlacement(Protocol):
+    """What is read of a DTensor placement (``torch.distributed.tensor.Placement``), duck-typed so
+    torch is not imported: ``is_shard()`` / ``is_replicate()``, and ``dim`` where ``is_shard()``."""
+
+    def is_shard(self) -> bool: ...
+
+    def is_replicate(self) -> bool: ...
+
+
+class _TorchShard(TorchPlacement, Protocol):
+    """A DTensor ``Shard``: a placement whose ``is_shard()`` is true."""
+
+    @property
+    def dim(self) -> int: ...
+
+
+def placements_from_torch(placements: Sequence[Placement | TorchPlacement]) -> tuple[Placement, ...]:
     """Convert DTensor placements (or ours) to :class:`Shard` / :class:`Replicate`.
 
     Duck-typed on ``is_shard()`` / ``is_replicate()`` and ``dim`` so torch is not imported.
@@ -187,7 +203,7 @@ def placements_from_torch(placements: Sequence[Any]) -> tuple[Placement, ...]:
         elif getattr(p, "split_factor", None) is not None:
             raise ValueError(f"placements[{i}] is a strided shard, which is not supported: {p!r}")
         elif hasattr(p, "is_shard") and p.is_shard():
-            out.append(Shard(p.dim))
+            out.append(Shard(cast("_TorchShard", p).dim))
         elif hasattr(p, "is_replicate") and p.is_replicate():
             out.append(Replicate())
         else:
@@ -209,7 +225,7 @@ def local_region(
     global_shape: Sequence[int],
     mesh_shape: Sequence[int],
     coordinate: Sequence[int],
-    placements: Sequence[Any],
+    placements: Sequence[Placement | TorchPlacement],
 ) -> Region:
     """The region of a DTensor of ``global_shape`` held by the rank at ``coordinate`` in the mesh.
 
@@ -258,7 +274,7 @@ def mesh_coordinates(mesh_shape: Sequence[int]) -> tuple[tuple[int, ...], ...]:
 def source_regions(
     global_shape: Sequence[int],
     mesh_shape: Sequence[int],
-    placements: Sequence[Any],
+    placements: Sequence[Placement | TorchPlacement],
     rank_coordinates: Sequence[Sequence[int]],
 ) -> tuple[Region, ...]:
     """One :func:`local_region` per trainer rank, ``rank_coordinates[r]`` being rank r's mesh coordinate.

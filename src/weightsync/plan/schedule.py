@@ -27,15 +27,27 @@ Pure: numpy and plain data in, arrays out; no torch import.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from itertools import pairwise
-from typing import Any
+from typing import TYPE_CHECKING, Protocol, cast, overload
 
 import numpy as np
 
 from weightsync.plan.regions import Region
 from weightsync.plan.transfer import PairItems, TransferItem, align_up, new_item
+
+if TYPE_CHECKING:
+    import numpy.typing as npt
+
+    from weightsync.plan.template import RecvProto, SendProto
+
+    _I32 = npt.NDArray[np.int32]
+    _I64 = npt.NDArray[np.int64]
+    _Ints = npt.NDArray[np.int32 | np.int64]  # a column of ints: int32 where they fit, else int64
+    _Proto = SendProto | RecvProto  # one planned copy, its peer first (PairItems.runs)
+    _Run = tuple[int, Sequence[_Proto]]  # one signature's planned copies with a peer
+    _Slice = slice[int | None, int | None, int | None]
 
 __all__ = ["ALIGN", "ALONE", "PEERS", "CompactRounds", "LazyItems", "Message", "message_cap", "pair_rounds",
            "peer_group", "peer_groups", "slabs", "split_item"]
@@ -138,7 +150,13 @@ def peer_groups(num_src: int, num_dst: int, peers: int = PEERS) -> int:
     return max(1, -(-max(num_src, num_dst) // peers))
 
 
-def peer_group(src: int, dst: int, groups: int, num_src: int) -> int:
+@overload
+def peer_group(src: int, dst: int, groups: int, num_src: int) -> int: ...
+@overload
+def peer_group(src: _Ints, dst: int, groups: int, num_src: int) -> _Ints: ...
+@overload
+def peer_group(src: int, dst: _Ints, groups: int, num_src: int) -> _Ints: ...
+def peer_group(src: int | _Ints, dst: int | _Ints, groups: int, num_src: int) -> int | _Ints:
     """The group of pair (trainer ``src``, worker ``dst``) of ``num_src`` trainers: equal on both ends
     (either rank may be a numpy array of ranks)."""
     return (src // -(-num_src // groups) + dst) % groups
@@ -148,7 +166,18 @@ def peer_group(src: int, dst: int, groups: int, num_src: int) -> int:
 
 
 
-Piece = tuple[Any, tuple[int, ...], int, tuple[int, ...]]  # (region, src_offsets, piece index, param_offsets)
+Piece = tuple[Region, tuple[int, ...], int, tuple[int, ...]]  # (region, src_offsets, piece index, param_offsets)
+
+
+class ItemProbe(Protocol):
+    """What ``apart`` reads of an item: its param and its worker (a :class:`TransferItem` has both;
+    the cut passes a probe, not the item)."""
+
+    @property
+    def param(self) -> str: ...
+
+    @property
+    def dst_rank(self) -> int: ...
 
 
 class _Pieces:
@@ -159,7 +188,7 @@ class _Pieces:
         self.rows: list[Piece] = []
         self._of: dict[tuple[int, int], tuple[list[int], list[int]]] = {}  # (id(proto), itemsize) -> ids, bytes
 
-    def of(self, proto: Any, itemsize: int) -> tuple[list[int], list[int]]:
+    def of(self, proto: _Proto, itemsize: int) -> tuple[list[int], list[int]]:
         """Piece ids and bytes ``proto`` is cut into (the PairItems keep every proto alive)."""
         key = (id(proto), itemsize)
         got = self._of.get(key)
@@ -187,10 +216,10 @@ class _Probe:
         self.param, self.dst_rank = param, dst_rank
 
 
-def _columns(runs: Sequence[tuple[int, Sequence[Any]]], members: Sequence[Sequence[int]], sizes: Sequence[int],
-             pieces: _Pieces) -> tuple[np.ndarray, ...]:
-    """One pair's pieces in pair order as columns: tensor, piece id, bytes, itemsize."""
-    cols: list[list[np.ndarray]] = [[], [], [], []]
+def _columns(runs: Sequence[_Run], members: Sequence[Sequence[int]], sizes: Sequence[int],
+             pieces: _Pieces) -> tuple[_I32, _I32, _I64, _I64]:
+    """One pair's pieces in pair order as columns: tensor, piece id (int32), bytes, itemsize (int64)."""
+    cols: list[list[_Ints]] = [[], [], [], []]
     for sig, protos in runs:
         size, ts = sizes[sig], np.asarray(members[sig], dtype=np.int32)
         ids: list[int] = []
@@ -203,10 +232,10 @@ def _columns(runs: Sequence[tuple[int, Sequence[Any]]], members: Sequence[Sequen
         cols[1].append(np.tile(np.asarray(ids, dtype=np.int32), len(ts)))
         cols[2].append(np.tile(np.asarray(nbs, dtype=np.int64), len(ts)))
         cols[3].append(np.full(len(ids) * len(ts), size, dtype=np.int64))
-    return tuple(np.concatenate(c) for c in cols)
+    return cast("tuple[_I32, _I32, _I64, _I64]", tuple(np.concatenate(c) for c in cols))
 
 
-def _pack(nb: np.ndarray, isz: np.ndarray, cap: int) -> tuple[list[int], np.ndarray, list[int]]:
+def _pack(nb: _I64, isz: _I64, cap: int) -> tuple[list[int], _I64, list[int]]:
     """Pack pieces (their bytes ``nb`` and itemsizes ``isz``, in order) as the item-by-item cut does:
     each at the next offset aligned to its itemsize, a new message when it would end past ``cap``.
     Returns each message's piece count, each piece's offset in its message and each message's bytes."""
@@ -242,7 +271,8 @@ def _pack(nb: np.ndarray, isz: np.ndarray, cap: int) -> tuple[list[int], np.ndar
     return counts, offs, used_of
 
 
-def _cut_pair(nb: np.ndarray, isz: np.ndarray, apart: np.ndarray | None, cap: int, alone: int) -> tuple[np.ndarray, ...]:
+def _cut_pair(nb: _I64, isz: _I64, apart: npt.NDArray[np.bool_] | None, cap: int,
+              alone: int) -> tuple[_I64, ...]:
     """One pair's messages: (order of its pieces in message order, count per message, offset per
     piece, bytes per message); the pieces ``apart`` marks are cut after the others, apart from them."""
     parts = [np.arange(len(nb))] if apart is None else [np.flatnonzero(~apart), np.flatnonzero(apart)]
@@ -261,10 +291,11 @@ def _cut_pair(nb: np.ndarray, isz: np.ndarray, apart: np.ndarray | None, cap: in
     return tuple(np.concatenate(x) for x in (order, counts, offs, sizes))
 
 
-def _apart_mask(runs: Sequence[tuple[int, Sequence[Any]]], members: Sequence[Sequence[int]], params: Sequence[Any],
-                pieces: _Pieces, tensor: np.ndarray, pid: np.ndarray, dst: int,
-                apart: Callable[[Any], bool]) -> np.ndarray:
+def _apart_mask(runs: Sequence[_Run], members: Sequence[Sequence[int]], params: Sequence[Sequence[str]],
+                pieces: _Pieces, tensor: _Ints, pid: _Ints, dst: int,
+                apart: Callable[[ItemProbe], bool]) -> npt.NDArray[np.bool_]:
     """``apart`` of each piece of one pair (asked once per (tensor, piece index))."""
+    seen: dict[tuple[int, int], bool]
     rows, seen, out = pieces.rows, {}, np.empty(len(tensor), dtype=bool)
     for i, (t, p) in enumerate(zip(tensor.tolist(), pid.tolist())):
         key = (t, rows[p][2])
@@ -277,24 +308,29 @@ def _apart_mask(runs: Sequence[tuple[int, Sequence[Any]]], members: Sequence[Seq
 
 def cut_rounds(*, rank: int, sender: bool, num_src: int, num_dst: int, names: Sequence[str],
                params: Sequence[Sequence[str]], members: Sequence[Sequence[int]],
-               runs: dict[int, Sequence[tuple[int, Sequence[Any]]]], sig_itemsize: Sequence[int], cap: int,
-               alone: int, peers: int, apart: Callable[[Any], bool] | None = None) -> CompactRounds:
+               runs: Mapping[int, Sequence[_Run]], sig_itemsize: Sequence[int], cap: int,
+               alone: int, peers: int, apart: Callable[[ItemProbe], bool] | None = None) -> CompactRounds:
     """This rank's rounds as arrays (see the module docstring); ``runs``: per peer, ascending, its
     (signature, protos) in pair order (``PairItems``); the rest as :func:`pair_rounds`."""
     if cap < ALIGN:
         raise ValueError(f"cap must be >= {ALIGN} bytes, got {cap}")
     pieces = _Pieces(cap, alone)
     small = np.int32 if cap < 1 << 31 else np.int64
-    cols: list[list[np.ndarray]] = [[] for _ in range(7)]  # tensor, pid, offset | peer, index, count, nbytes
+    cols: list[list[_Ints]] = [[] for _ in range(7)]  # tensor, pid, offset | peer, index, count, nbytes
+    tensor: _Ints  # per pair in the loop, then of all pairs (as pid, offs)
+    pid: _Ints
+    offs: _Ints
+    peer: int | _Ints  # a rank in the loop, then the column of each message's peer
     for peer, prs in runs.items():
         tensor, pid, nb, isz = _columns(prs, members, sig_itemsize, pieces)
         mask = None
         if apart is not None:
             mask = _apart_mask(prs, members, params, pieces, tensor, pid, peer if sender else rank, apart)
         order, counts, offs, sizes = _cut_pair(nb, isz, mask, cap, alone)
-        for c, v in zip(cols, (tensor[order], pid[order], offs.astype(small), np.full(len(counts), peer, dtype=np.int32),
-                               np.arange(len(counts), dtype=np.int32), counts, sizes)):
-            c.append(v)
+        for c, v in zip(cols, (tensor[order], pid[order], offs.astype(small),
+                               np.full(len(counts), peer, dtype=np.int32), np.arange(len(counts), dtype=np.int32),
+                               counts, sizes)):
+            c.append(v)  # type: ignore[arg-type]  # numpy's stubs: offs.astype(int32 or int64) is of "generic"
         del tensor, pid, nb, isz, order, offs
     tensor, pid, offs, peer, index, count, nbytes = (
         np.concatenate(c) if c else np.zeros(0, dtype=np.int64) for c in cols)
@@ -312,10 +348,12 @@ def cut_rounds(*, rank: int, sender: bool, num_src: int, num_dst: int, names: Se
                          peer[perm], index[perm], nbytes[perm], first[perm], count[perm], round_first)
 
 
-class LazyItems(Sequence):
+class LazyItems(Sequence[TransferItem]):
     """A message's items (:class:`TransferItem`), made from the arrays when first read."""
 
     __slots__ = ("_r", "_lo", "_hi", "_peer", "_made", "_keys")
+    _made: tuple[TransferItem, ...] | None
+    _keys: list[int] | None
 
     def __init__(self, rounds: CompactRounds, lo: int, hi: int, peer: int) -> None:
         self._r, self._lo, self._hi, self._peer, self._made, self._keys = rounds, lo, hi, peer, None, None
@@ -328,7 +366,11 @@ class LazyItems(Sequence):
             self._made = self._r.items_of(self._lo, self._hi, self._peer)
         return self._made
 
-    def __getitem__(self, i: Any) -> Any:
+    @overload
+    def __getitem__(self, i: int) -> TransferItem: ...
+    @overload
+    def __getitem__(self, i: _Slice) -> tuple[TransferItem, ...]: ...
+    def __getitem__(self, i: int | _Slice) -> TransferItem | tuple[TransferItem, ...]:
         if self._made is None and isinstance(i, int) and 0 <= i < self._hi - self._lo:  # just this one
             return self._r.items_of(self._lo + i, self._lo + i + 1, self._peer)[0]
         return self._items()[i]
@@ -344,7 +386,7 @@ class LazyItems(Sequence):
 
     def tensors(self) -> list[int]:
         """Each item's tensor (its index in the plan's sources), with no item made."""
-        return self._r.tensor[self._lo : self._hi].tolist()
+        return cast("list[int]", self._r.tensor[self._lo : self._hi].tolist())
 
     def keys(self) -> list[int]:
         """Per item one int; two items with one key have one tensor name and one param name (what
@@ -362,15 +404,15 @@ class CompactRounds:
     each round a list of :class:`Message` made as it is reached; ``len`` is the number of rounds."""
 
     def __init__(self, rank: int, sender: bool, names: Sequence[str], params: Sequence[Sequence[str]],
-                 pieces: list[Piece], tensor: np.ndarray, pid: np.ndarray, offset: np.ndarray, peer: np.ndarray,
-                 index: np.ndarray, nbytes: np.ndarray, first: np.ndarray, count: np.ndarray,
-                 round_first: np.ndarray) -> None:
+                 pieces: list[Piece], tensor: _I32, pid: _I32, offset: _Ints, peer: _Ints,
+                 index: _Ints, nbytes: _Ints, first: _I64, count: _Ints,
+                 round_first: _I64) -> None:
         self.rank, self.sender, self.names, self.params, self.pieces = rank, sender, names, params, pieces
         self.tensor, self.pid, self.offset = tensor, pid, offset  # per item: pairs ascending, each in message order
         self.peer, self.index, self.nbytes = peer, index, nbytes  # per message, in round order
         self.first, self.count = first, count  # per message: its items are [first, first + count)
         self.round_first = round_first  # per round: its first message (and the end)
-        self._piece_of: np.ndarray | None = None  # per piece id: its piece index (for keys)
+        self._piece_of: _I64 | None = None  # per piece id: its piece index (for keys)
         self._piece_list: list[int] = []
         self._alone: dict[int, Message] = {}  # one-item messages, made on the first pass and kept
         self._per = 1
@@ -428,7 +470,8 @@ class CompactRounds:
         if hi - lo <= 4:  # a few items: plain ints beat numpy's per-call cost
             t, p, per, pl = self.tensor, self.pid, self._per, self._piece_list
             return [int(t[i]) * per + pl[p[i]] for i in range(lo, hi)]
-        return (self.tensor[lo:hi].astype(np.int64) * self._per + self._piece_of[self.pid[lo:hi]]).tolist()
+        return cast("list[int]",
+                    (self.tensor[lo:hi].astype(np.int64) * self._per + self._piece_of[self.pid[lo:hi]]).tolist())
 
     def key_names(self, key: int) -> tuple[str, str]:
         """The tensor name and param of a :meth:`keys` key."""
@@ -444,7 +487,7 @@ class CompactRounds:
 
 
 def pair_rounds(pairs: PairItems, *, cap: int, itemsize_of: Callable[[str], int],
-                apart: Callable[[TransferItem], bool] | None = None, alone: int = ALONE,
+                apart: Callable[[ItemProbe], bool] | None = None, alone: int = ALONE,
                 peers: int = PEERS) -> CompactRounds:
     """The rounds of ``pairs``' rank (see the module docstring): ``itemsize_of`` maps a tensor name
     to bytes per element; with ``apart``, the small pieces it marks are packed after the others,

@@ -14,7 +14,7 @@ import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from weightsync.plan.regions import Region
 
@@ -96,7 +96,7 @@ class SourceLayout:
         return self.order[lo:hi]
 
 
-def source_layout(name: str, shape: tuple[int, ...], regions: Sequence[Any]) -> SourceLayout:
+def source_layout(name: str, shape: tuple[int, ...], regions: Sequence[Region]) -> SourceLayout:
     """Validate one tensor's source regions and index them (raises ValueError naming tensor and rank)."""
     distinct: dict[Region, list[int]] = {}
     for rank, region in enumerate(regions):

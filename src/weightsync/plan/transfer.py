@@ -25,14 +25,14 @@ Pure: no torch import.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from itertools import chain, repeat
 from operator import attrgetter, le, lt
-from typing import Any, NamedTuple
+from typing import Generic, NamedTuple, TypeVar, cast
 
 from weightsync.plan.regions import Region, _int_tuple
-from weightsync.plan.template import SourceLayout, Template, plan_template, source_layout
+from weightsync.plan.template import RecvProto, SendProto, SourceLayout, Template, plan_template, source_layout
 
 __all__ = [
     "Compact",
@@ -230,15 +230,18 @@ class Compact:
     digest: str
 
 
-class _Interner:
+_H = TypeVar("_H", bound=Hashable)
+
+
+class _Interner(Generic[_H]):
     """Map values to small ints; ``by_id`` memoizes by identity (callers keep the objects alive)."""
 
     def __init__(self) -> None:
         self.by_id: dict[int, int] = {}
-        self.by_value: dict[Any, int] = {}
-        self.values: list[Any] = []
+        self.by_value: dict[_H, int] = {}
+        self.values: list[_H] = []
 
-    def intern(self, value: Any) -> int:
+    def intern(self, value: _H) -> int:
         """Index of ``value`` (equal values get equal indices)."""
         idx = self.by_value.get(value)
         if idx is None:
@@ -247,7 +250,7 @@ class _Interner:
         self.by_id[id(value)] = idx
         return idx
 
-    def ids_by_identity(self, objs: list[Any]) -> list[int]:
+    def ids_by_identity(self, objs: list[_H]) -> list[int]:
         """Indices of ``objs``, interning each distinct object once (C-level passes otherwise)."""
         by_id = self.by_id
         for key, obj in dict(zip(map(id, objs), objs)).items():
@@ -255,7 +258,7 @@ class _Interner:
                 self.intern(obj)
         return list(map(by_id.__getitem__, map(id, objs)))
 
-    def ids_by_value(self, objs: list[Any]) -> list[int]:
+    def ids_by_value(self, objs: list[_H]) -> list[int]:
         """Indices of ``objs``, hashing values (for cheap-to-hash values such as int tuples)."""
         by_value = self.by_value
         for obj in dict.fromkeys(objs):
@@ -300,9 +303,9 @@ class _Classes(NamedTuple):
     # per class: its workers, ascending
     workers: list[list[int]]
     # the distinct regions of all pieces
-    regions: _Interner
+    regions: _Interner[Region]
     # the distinct param offsets of all pieces
-    offsets: _Interner
+    offsets: _Interner[tuple[int, ...]]
 
 
 class _SigKey(NamedTuple):
@@ -325,13 +328,13 @@ class _Signatures(NamedTuple):
     keys: list[_SigKey]
     # per signature: index of its first tensor (names it in errors)
     first: list[int]
-    # per signature: number of tensors
-    count: list[int]
+    # per signature: number of tensors (not ``count``: a tuple's method)
+    counts: list[int]
     # per tensor: index of its signature
     of_tensor: list[int]
 
 
-def _index_sources(sources: Sequence[Any]) -> _Sources:
+def _index_sources(sources: Sequence[TensorSource]) -> _Sources:
     """Step 1: check the sources and validate each distinct (shape, regions) layout once.
 
     Layouts are recognized by the identity of the ``regions`` tuple first, then by value.
@@ -339,7 +342,7 @@ def _index_sources(sources: Sequence[Any]) -> _Sources:
     name_index: dict[str, int] = {}
     layouts: list[SourceLayout] = []
     by_id: dict[tuple[int, tuple[int, ...]], int] = {}
-    by_value: dict[tuple[Any, ...], int] = {}
+    by_value: dict[tuple[tuple[int, ...], tuple[Region, ...]], int] = {}
     layout_of = []
     num_src = len(sources[0].regions) if sources else 0
     for i, s in enumerate(sources):
@@ -367,7 +370,11 @@ _NAME, _REGION, _OFFSETS, _PARAM = (attrgetter(a) for a in ("name", "region", "p
 
 
 def _worker_entries(
-    w: int, pieces: Sequence[Any], name_index: dict[str, int], regions: _Interner, offsets: _Interner
+    w: int,
+    pieces: Sequence[DestPiece],
+    name_index: dict[str, int],
+    regions: _Interner[Region],
+    offsets: _Interner[tuple[int, ...]],
 ) -> _Entries:
     """Compact one worker's destination list (C-level passes: this runs on ~10^6 pieces)."""
     pieces = list(pieces)
@@ -376,27 +383,31 @@ def _worker_entries(
         if bad is not None:
             raise TypeError(f"destinations[{w}] must hold DestPiece objects, got {bad!r}")
     names = list(map(_NAME, pieces))
-    ts: list[Any] = list(map(name_index.get, names))
+    ts = cast("list[int]", list(map(name_index.get, names)))  # None where a name is unknown: raises below
     if None in ts:
-        p = pieces[ts.index(None)]
+        p = pieces[cast("list[int | None]", ts).index(None)]
         raise ValueError(f"destination piece on worker {w} names unknown tensor {p.name!r} (param {p.param!r})")
     rids = regions.ids_by_identity(list(map(_REGION, pieces)))
     oids = offsets.ids_by_value(list(map(_OFFSETS, pieces)))
-    params: list[Any] = list(map(_PARAM, pieces))
+    params: list[str] = list(map(_PARAM, pieces))
     if not all(map(le, ts, ts[1:])):
         order = sorted(range(len(ts)), key=ts.__getitem__)
-        ts, rids, oids, params = ([col[j] for j in order] for col in (ts, rids, oids, params))
+        ts, rids, oids, params = cast(  # each column reordered alike (a generator: one type per column)
+            "tuple[list[int], list[int], list[int], list[str]]",
+            ([col[j] for j in order] for col in (ts, rids, oids, params)))
     return _Entries(ts, rids, oids, params)
 
 
-def _group_workers(destinations: Sequence[Sequence[Any]], name_index: dict[str, int]) -> _Classes:
+def _group_workers(destinations: Sequence[Sequence[DestPiece]], name_index: dict[str, int]) -> _Classes:
     """Step 2: group workers whose destination lists are equal into classes.
 
     One list object shared by several workers is compacted once (recognized by identity).
     """
+    regions: _Interner[Region]
+    offsets: _Interner[tuple[int, ...]]
     regions, offsets = _Interner(), _Interner()
     class_of_list: dict[int, int] = {}
-    class_by_key: dict[tuple[Any, ...], int] = {}
+    class_by_key: dict[tuple[tuple[int | str, ...], ...], int] = {}
     entries: list[_Entries] = []
     worker_class = []
     for w, pieces in enumerate(destinations):
@@ -420,11 +431,11 @@ def _flatten(n: int, classes: Sequence[_Entries]) -> tuple[list[tuple[int, ...]]
     ts0 = classes[0].tensors if classes else []
     if all(e.tensors == ts0 for e in classes) and all(map(lt, ts0, ts0[1:])):
         # Common case: every class takes each tensor at most once, in one order: zip the columns.
-        cols: list[Any] = []
+        cols: list[Iterable[int]] = []
         for c, e in enumerate(classes):
             cols += (repeat(c), e.region_ids, e.offset_ids)
-        flats: Any = zip(*cols)
-        pns: Any = zip(*(e.params for e in classes))
+        flats: Iterator[tuple[int, ...]] = zip(*cols)
+        pns: Iterator[tuple[str, ...]] = zip(*(e.params for e in classes))
         if ts0 == list(range(n)):
             return list(flats), list(pns)
         flat_of: list[tuple[int, ...]] = [()] * n
@@ -446,9 +457,11 @@ def _flat_pieces(flat: tuple[int, ...]) -> Iterator[tuple[int, int, int]]:
     return zip(flat[0::3], flat[1::3], flat[2::3])
 
 
-def _group_tensors(sources: Sequence[Any], layout_of: Sequence[int], flat: Sequence[tuple[int, ...]]) -> _Signatures:
+def _group_tensors(
+    sources: Sequence[TensorSource], layout_of: Sequence[int], flat: Sequence[tuple[int, ...]]
+) -> _Signatures:
     """Step 3: group tensors with equal signatures (shape, dtype, source layout, flat pieces)."""
-    index: dict[tuple[Any, ...], int] = {}
+    index: dict[tuple[tuple[int, ...], str, int, tuple[int, ...]], int] = {}
     sigs = _Signatures([], [], [], [])
     for t, (s, lid, fl) in enumerate(zip(sources, layout_of, flat)):
         key = (s.shape, s.dtype, lid, fl)
@@ -456,14 +469,14 @@ def _group_tensors(sources: Sequence[Any], layout_of: Sequence[int], flat: Seque
         if sig == len(sigs.keys):
             sigs.keys.append(_SigKey(*key))
             sigs.first.append(t)
-            sigs.count.append(0)
-        sigs.count[sig] += 1
+            sigs.counts.append(0)
+        sigs.counts[sig] += 1
         sigs.of_tensor.append(sig)
     return sigs
 
 
 def _plan_signatures(
-    sources: Sequence[Any], src: _Sources, classes: _Classes, sigs: _Signatures, itemsizes: dict[str, int]
+    sources: Sequence[TensorSource], src: _Sources, classes: _Classes, sigs: _Signatures, itemsizes: dict[str, int]
 ) -> tuple[list[Template], list[tuple[int, ...]]]:
     """Step 4: plan each signature once, in order (sender load accumulates across signatures).
 
@@ -473,7 +486,7 @@ def _plan_signatures(
     overlap_cache: dict[tuple[int, Region], list[tuple[int, Region]]] = {}
     regions, offsets = classes.regions.values, classes.offsets.values
     templates, dst_numel = [], []
-    for key, first, count in zip(sigs.keys, sigs.first, sigs.count):
+    for key, first, count in zip(sigs.keys, sigs.first, sigs.counts):
         class_pieces: list[list[tuple[int, Region, tuple[int, ...]]]] = [[] for _ in classes.entries]
         for piece, (c, rid, oid) in enumerate(_flat_pieces(key.flat)):
             class_pieces[c].append((piece, regions[rid], offsets[oid]))
@@ -486,7 +499,7 @@ def _plan_signatures(
 
 
 def compact_plan(
-    sources: Sequence[Any], destinations: Sequence[Sequence[Any]], itemsize_of: Callable[[str], int]
+    sources: Sequence[TensorSource], destinations: Sequence[Sequence[DestPiece]], itemsize_of: Callable[[str], int]
 ) -> Compact:
     """Validate, group and plan; see :func:`weightsync.plan.transfer.build_plan` for the rules.
 
@@ -512,7 +525,7 @@ def compact_plan(
         tensor_sig=tuple(sigs.of_tensor),
         params=tuple(pnames),
         templates=tuple(templates),
-        sig_tensors=tuple(sigs.count),
+        sig_tensors=tuple(sigs.counts),
         sig_dst_numel=tuple(dst_numel),
         sig_dtype=tuple(k.dtype for k in sigs.keys),
         digest=digest,
@@ -523,7 +536,7 @@ def _digest(
     src: _Sources,
     classes: _Classes,
     itemsizes: dict[str, int],
-    sources: Sequence[Any],
+    sources: Sequence[TensorSource],
     sigs: _Signatures,
     pnames: Sequence[Sequence[str]],
 ) -> str:
@@ -657,16 +670,16 @@ class PairItems:
 
     def __init__(self, compact: Compact, members: Sequence[tuple[int, ...]], rank: int, *, sender: bool) -> None:
         self.compact, self.members, self.rank, self.sender = compact, members, rank, sender
-        runs: dict[int, list[tuple[int, tuple[Any, ...]]]] = {}
+        runs: dict[int, list[tuple[int, tuple[SendProto | RecvProto, ...]]]] = {}
         wc = compact.worker_class
         for sig, tpl in enumerate(compact.templates):
             protos = tpl.protos_for_src(rank, wc) if sender else tpl.protos_for_dst(rank, wc)
-            by_peer: dict[int, list[Any]] = {}
+            by_peer: dict[int, list[SendProto | RecvProto]] = {}
             for p in protos:  # SendProto.dst / RecvProto.src first: the peer
                 by_peer.setdefault(p[0], []).append(p)
             for peer, ps in by_peer.items():
                 runs.setdefault(peer, []).append((sig, tuple(ps)))
-        self.runs: dict[int, tuple[tuple[int, tuple[Any, ...]], ...]] = {
+        self.runs: dict[int, tuple[tuple[int, tuple[SendProto | RecvProto, ...]], ...]] = {
             peer: tuple(runs[peer]) for peer in sorted(runs)}
         """Per peer (ascending): its (signature, planned copies) in pair order."""
 
