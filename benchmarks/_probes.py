@@ -100,12 +100,13 @@ def _timed(obj: Any, name: str, key: str) -> None:
 
 def instrument() -> None:
     """Time the engine's data-plane waits (``wire``) and, on workers, each engine method.
-    Call after the engine's init (its communicator exists then)."""
+    Call after the engine's init (its data plane is joined then)."""
     engine = STATE.get("engine")
-    comm = getattr(engine, "comm", None)
-    if comm is not None:
+    plane = getattr(getattr(engine, "comm", None), "plane", None)  # the data plane joined (None: control only)
+    if plane is not None:
         for name in ("exchange", "wait", "broadcast"):
-            _timed(comm, name, "wire")
+            if hasattr(plane, name):
+                _timed(plane, name, "wire")
     if engine is not None and hasattr(engine, "send_weights"):
         _timed(engine, "send_weights", "send")
     if engine is not None and hasattr(engine, "receive_weights"):

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from weightsync.dataplane import Op, Work
 from weightsync.errors import DataPlaneError
+from weightsync import registry
 from weightsync.registry import Capabilities, Transport, register_transport, transport
 from weightsync.testing.actors import RemoteError
 from weightsync.testing.cluster import Layout
@@ -117,8 +118,29 @@ TRANSPORT = Transport(name=NAME, trainer_engine=StoreTrainerEngine, worker_engin
                       init_info=StoreTrainerInitInfo, source="local", colocated=False,
                       summary="the reshard core over a data plane that moves bytes through the store",
                       capabilities=Capabilities(shard_exact=True))
-register_transport(NAME, __name__)
 SERVING = Layout(trainers=2, tp=2, backend="weightsync")  # the worker backend that serves any transport
+
+
+def forget() -> None:
+    """Inside a process: this transport is registered no more (the other tests list every transport)."""
+    registry.TRANSPORTS.pop(NAME, None)
+
+
+@pytest.fixture(autouse=True)
+def registered():
+    """Registered in this process for the test, and in every cluster process it registers in (``_on_store_plane``)."""
+    register_transport(NAME, __name__)
+    yield
+    forget()
+
+
+@pytest.fixture
+def store_cluster(cluster):
+    """The shared cluster; afterwards no process of it knows this transport any more."""
+    yield cluster
+    for a in [*cluster.trainers, *cluster.receivers]:
+        if a.alive():
+            a.call(f"{__name__}:forget")
 
 
 def _on_store_plane(cluster, layout: Layout = SERVING, *, fresh: bool = False) -> None:
@@ -147,7 +169,8 @@ def test_registered_by_name_with_what_it_declares():
         register_transport(NAME, "elsewhere")
 
 
-def test_syncs_bit_exact_and_shard_exact(cluster):
+def test_syncs_bit_exact_and_shard_exact(store_cluster):
+    cluster = store_cluster
     _on_store_plane(cluster)
     cluster.make_engines(_info())
     cluster.train_step(3)
@@ -157,7 +180,8 @@ def test_syncs_bit_exact_and_shard_exact(cluster):
     assert cluster.client().weight_versions() == ["v1"] * SERVING.num_workers
 
 
-def test_bad_input_refused_on_every_rank_before_data_moves(cluster):
+def test_bad_input_refused_on_every_rank_before_data_moves(store_cluster):
+    cluster = store_cluster
     _on_store_plane(cluster)
     cluster.make_engines(_info())
     cluster.sync(weight_version="good")
@@ -172,7 +196,8 @@ def test_bad_input_refused_on_every_rank_before_data_moves(cluster):
     assert cluster.client().weight_versions() == ["good"] * SERVING.num_workers
 
 
-def test_a_killed_worker_fails_every_trainer_rank_within_the_timeout(cluster):
+def test_a_killed_worker_fails_every_trainer_rank_within_the_timeout(store_cluster):
+    cluster = store_cluster
     timeout = 10.0
     _on_store_plane(cluster, fresh=True)
     cluster.make_engines(_info(timeout_s=timeout))
