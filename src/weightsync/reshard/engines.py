@@ -30,20 +30,30 @@ from typing import Any, ClassVar
 import torch
 
 from ..comm import Communicator
-from ..stats import DeltaStats, SyncStats
+from ..control import Listing, SyncKeys, agree, m2n_dest, m2n_plan_digest, m2n_sources, m2n_sources_digest
 from ..infos import TrainerInitInfo, WorkerInitInfo, WorkerUpdateInfo
 from ..plan.fp8_blocks import check_block, wire_sources
 from ..plan.regions import Region, uncovered
 from ..plan.schedule import message_cap
+from ..stats import DeltaStats, SyncStats
+from ..trainer.engine import TrainerEngine
 from ..trainer.sources import tensor_sources
 from ..worker.applier import LayerwiseApplier
-from ..trainer.engine import TrainerEngine
+from ..worker.engine import WorkerEngine
 from .delta import Baseline
 from .fp8 import TrainerWire, split_dests, wire_stats, with_pieces
-from .handshake import (FALLBACK, dests_to_wire, gather_plan, my_messages, run_rounds, show_source, source_name,
-                       sources_digest, sources_from_wire, sources_to_wire)
-from ..control import Listing, SyncKeys, agree, m2n_dest, m2n_plan_digest, m2n_sources, m2n_sources_digest
-from ..worker.engine import WorkerEngine
+from .handshake import (
+    FALLBACK,
+    dests_to_wire,
+    gather_plan,
+    my_messages,
+    run_rounds,
+    show_source,
+    source_name,
+    sources_digest,
+    sources_from_wire,
+    sources_to_wire,
+)
 
 __all__ = ["M2NSyncStats", "M2NTrainerInitInfo", "M2NWorkerInitInfo", "M2NUpdateInfo", "M2NTrainerEngine",
            "M2NWorkerEngine"]
@@ -86,7 +96,7 @@ class M2NTrainerInitInfo(TrainerInitInfo):
 
     @classmethod
     def for_deployment(cls, *, num_trainer_ranks: int, replicas: int, tp: int, pp: int = 1, rank: int = 0,
-                       buffer_bytes: int | None = None, **fields: Any) -> "M2NTrainerInitInfo":
+                       buffer_bytes: int | None = None, **fields: Any) -> M2NTrainerInitInfo:
         if buffer_bytes is not None:
             fields["staging_bytes"] = buffer_bytes
         return cls(num_trainer_ranks=num_trainer_ranks, world_size=num_trainer_ranks + replicas * tp * pp,
@@ -98,7 +108,7 @@ class M2NTrainerInitInfo(TrainerInitInfo):
                              f"client drives {num_replicas} engine(s)")
         return self.dst_mesh_dims[1]
 
-    def for_replica(self, tp: int, port: int) -> "M2NTrainerInitInfo":
+    def for_replica(self, tp: int, port: int) -> M2NTrainerInitInfo:
         """One replica's group: every trainer rank and that replica's ``tp`` workers (its pairs only)."""
         return dataclasses.replace(self, master_port=port, world_size=self.num_trainer_ranks + tp,
                                    dst_mesh_dims=(1, tp), on_engine_failure="fail")
