@@ -77,7 +77,7 @@ class WorkerWire:
 
 
 def split_dests(model: torch.nn.Module, dests: WorkerDestinations, sources: Sequence[TensorSource],
-                block: tuple[int, int] | None) -> WorkerWire:
+                block: Sequence[int] | None) -> WorkerWire:
     """Worker side: ``dests``' pieces with those into block-FP8 weights split for FP8 on the wire
     (``block``: the trainer's ``fp8_block``; None: mode (a), nothing split, the blocks counted).
     ``ValueError`` naming the parameter where the model's blocks are not the trainer's."""
