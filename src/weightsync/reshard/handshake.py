@@ -8,20 +8,20 @@ import hashlib
 import json
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TypedDict, cast
+from typing import Protocol, TypedDict, cast
 
 from ..comm import Communicator
 from ..control import m2n_dest
 from ..plan.regions import Region
 from ..plan.schedule import ALONE, PEERS, Message, pair_rounds
-from ..plan.transfer import DestPiece, PairItems, TensorSource, TransferItem, TransferPlan, build_plan, dtype_itemsize
+from ..plan.transfer import DestPiece, PairItems, TensorSource, TransferPlan, build_plan, dtype_itemsize
 from ..worker.destinations import WorkerDestinations
-from .executor import FastRounds, run_rounds  # re-exported: the executor's callers import it from here
+from .executor import DEPTH, FastRounds, run_rounds  # DEPTH, run_rounds re-exported: callers import them from here
 from .packing import Spans
 
-__all__ = ["FALLBACK", "DestsWire", "SourceWire", "sources_to_wire", "sources_from_wire", "sources_digest",
-           "source_name", "show_source",
-           "dests_to_wire", "Gathered", "gather_plan", "Rounds", "my_messages", "run_rounds"]
+__all__ = ["DEPTH", "FALLBACK", "DestsWire", "SourceWire", "sources_to_wire", "sources_from_wire", "sources_digest",
+           "source_name", "show_source", "dests_to_wire", "Gathered", "gather_plan", "Rounds", "my_messages",
+           "run_rounds"]
 
 FALLBACK = "fallback:"
 """Prefix of the pseudo-parameter a fallback tensor lands in (whole), before ``load_weights``."""
@@ -122,13 +122,23 @@ def gather_plan(comm: Communicator, sources: list[TensorSource], num_workers: in
     return Gathered(build_plan(sources, pieces), pieces, fallbacks, via, fp8)
 
 
+class _Probe(Protocol):
+    """What ``apart`` reads of an item: its param and its worker (as the schedule's cut probes it)."""
+
+    @property
+    def param(self) -> str: ...
+
+    @property
+    def dst_rank(self) -> int: ...
+
+
 class Rounds:
     """This rank's messages grouped into rounds (the same cuts as its peers'), cut once from the
     compact plan (:func:`~weightsync.plan.schedule.pair_rounds`) into numeric arrays, whatever the item count:
     iterable any number of times, each pass making its :class:`Message` s from the arrays."""
 
     def __init__(self, pairs: PairItems, itemsize_of: Callable[[str], int], cap: int,
-                 apart: Callable[[TransferItem], bool] | None = None, alone: int = ALONE, peers: int = PEERS) -> None:
+                 apart: Callable[[_Probe], bool] | None = None, alone: int = ALONE, peers: int = PEERS) -> None:
         self.compact = pair_rounds(pairs, cap=cap, itemsize_of=itemsize_of, apart=apart, alone=alone, peers=peers)
         self.items = pairs.count()  # the plan's items (the pieces a large one is cut into: compact.num_items)
         self.spans = Spans()  # the staged messages' byte spans, found on the first sync (the executor's)
@@ -156,6 +166,6 @@ def my_messages(plan: TransferPlan, sources: list[TensorSource], *, rank: int, s
     size = {s.name: dtype_itemsize(s.dtype) for s in sources}
     apart = None
     if any(dense_only):
-        def apart(item: TransferItem) -> bool:
+        def apart(item: _Probe) -> bool:
             return item.param in dense_only[item.dst_rank]
     return Rounds(plan.pairs(rank, sender=sender), size.__getitem__, cap, apart, alone, peers)
