@@ -25,9 +25,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from weightsync import registry
 from weightsync.dataplane import Op, Work
 from weightsync.errors import DataPlaneError
-from weightsync import registry
 from weightsync.registry import Capabilities, Transport, register_transport, transport
 from weightsync.testing.actors import RemoteError
 from weightsync.testing.cluster import Layout

@@ -25,13 +25,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import cast
 
 import torch
 
+from ..infos import TrainerInitInfo
 from ..plan.regions import box_slices
 from ..plan.schedule import Message
-from ..plan.transfer import align_up
+from ..plan.transfer import DestPiece, align_up
 from ..protocol import dtype_from_name
 
 __all__ = ["sparse_nbytes", "diff", "encode", "decode", "patch", "Baseline", "Encoded", "write_pieces", "patch_pieces"]
@@ -203,7 +204,7 @@ class Baseline:
         """The sync whose values ``tensors`` hold, once that sync completed everywhere (else None)."""
 
     @classmethod
-    def for_engine(cls, info: Any) -> Baseline | None:
+    def for_engine(cls, info: TrainerInitInfo) -> Baseline | None:
         """The baseline a trainer init info asks for (``delta``, ``delta_baseline``), or None."""
         return cls("cpu" if info.delta_baseline == "cpu" else info.device) if info.delta else None
 
@@ -228,7 +229,8 @@ class Baseline:
         version afterwards: the caller sets it once every worker holds this sync."""
         enc, against, self.version = Encoded(), self.version, None
         todo: dict[str, list[tuple[Message, int]]] = {}
-        parts: dict[tuple[int, int], list] = {}  # (worker, index) -> per item diff(), until the message is encoded
+        parts: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor] | None]] = {}  # (worker, index) -> per
+        # item diff(), until the message is encoded
         left: dict[tuple[int, int], int] = {}  # items not compared yet
         size: dict[tuple[int, int], int] = {}
         numels: dict[tuple[int, int], list[int]] = {}
@@ -249,7 +251,7 @@ class Baseline:
                 item = m.items[i]
                 sl = box_slices(item.src_offsets, item.region.sizes)
                 a = _bits(new[sl])
-                changed = a != _bits(base[sl].to(new.device))
+                changed = a != _bits(cast(torch.Tensor, base)[sl].to(new.device))  # (a versioned baseline has it)
                 n = int(changed.count_nonzero())
                 enc.changed += n
                 enc.compared += item.region.numel
@@ -263,7 +265,8 @@ class Baseline:
                 parts[key][i] = (changed, a[changed])
                 left[key] -= 1
                 if not left[key]:  # every item compared: encode now, keep only the payload
-                    enc.payloads[key] = encode(parts.pop(key), wire.itemsize)
+                    done = cast("list[tuple[torch.Tensor, torch.Tensor]]", parts.pop(key))  # (no None left)
+                    enc.payloads[key] = encode(done, wire.itemsize)
                     enc.counts.setdefault(str(key[0]), {})[str(key[1])] = size[key]
             self.keep(name, new)
         return enc
@@ -276,13 +279,13 @@ def _uniform(m: Message, dtypes: Mapping[str, str]) -> bool:
 
 
 # ---- whole tensors onto a worker's destination pieces (the broadcast transport) ----------------
-def write_pieces(full: torch.Tensor, pieces: Iterable[Any], params: Mapping[str, torch.Tensor]) -> None:
+def write_pieces(full: torch.Tensor, pieces: Iterable[DestPiece], params: Mapping[str, torch.Tensor]) -> None:
     """Copy each piece's region of the full tensor ``full`` into its place in ``params``."""
     for p in pieces:
         params[p.param][box_slices(p.param_offsets, p.region.sizes)].copy_(full[p.region.slices()])
 
 
-def patch_pieces(shape: tuple[int, ...], positions: torch.Tensor, values: torch.Tensor, pieces: Iterable[Any],
+def patch_pieces(shape: tuple[int, ...], positions: torch.Tensor, values: torch.Tensor, pieces: Iterable[DestPiece],
                  params: Mapping[str, torch.Tensor]) -> None:
     """Write the changed values of a full tensor of ``shape`` (flat ``positions``, value bits) that
     fall in each piece's region into its place in ``params``."""

@@ -23,9 +23,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar
+from typing import ClassVar, TypedDict, cast
 
 import torch
 
@@ -34,7 +34,9 @@ from ..control import Listing, SyncKeys, agree, m2n_dest, m2n_plan_digest, m2n_s
 from ..infos import TrainerInitInfo, WorkerInitInfo, WorkerUpdateInfo
 from ..plan.fp8_blocks import check_block, wire_sources
 from ..plan.regions import Region, uncovered
-from ..plan.schedule import message_cap
+from ..plan.schedule import Message, message_cap
+from ..plan.transfer import DestPiece, TensorSource
+from ..protocol import WeightSource
 from ..stats import DeltaStats, SyncStats
 from ..trainer.engine import TrainerEngine
 from ..trainer.sources import tensor_sources
@@ -59,6 +61,33 @@ __all__ = ["M2NSyncStats", "M2NTrainerInitInfo", "M2NWorkerInitInfo", "M2NUpdate
            "M2NWorkerEngine"]
 
 DEFAULT_STAGING_BYTES = 256 << 20
+
+
+class DeploymentFields(TypedDict, total=False):
+    """The fields :meth:`M2NTrainerInitInfo.for_deployment` passes on as they are."""
+
+    master_address: str
+    master_port: int | None
+    timeout_s: float
+    rollback: bool
+    device: str
+    cast_dtypes: bool
+    partial: tuple[str, ...]
+    delta: bool
+    delta_baseline: str
+    take_over: bool
+    require_paused: bool
+    on_engine_failure: str
+    staging_bytes: int
+    fp8_wire: bool
+    fp8_block: tuple[int, int]
+
+
+class _DeltaFields(TypedDict, total=False):
+    """An update info's delta fields (``M2NUpdateInfo``), for a delta sync."""
+
+    delta_base: int | None
+    delta_workers: list[int]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -96,11 +125,12 @@ class M2NTrainerInitInfo(TrainerInitInfo):
 
     @classmethod
     def for_deployment(cls, *, num_trainer_ranks: int, replicas: int, tp: int, pp: int = 1, rank: int = 0,
-                       buffer_bytes: int | None = None, **fields: Any) -> M2NTrainerInitInfo:
+                       buffer_bytes: int | None = None, **fields: object) -> M2NTrainerInitInfo:
+        """``fields``: any of :class:`DeploymentFields` (another is refused, as by the constructor)."""
         if buffer_bytes is not None:
             fields["staging_bytes"] = buffer_bytes
         return cls(num_trainer_ranks=num_trainer_ranks, world_size=num_trainer_ranks + replicas * tp * pp,
-                   dst_mesh_dims=(replicas, tp * pp), rank=rank, **fields)
+                   dst_mesh_dims=(replicas, tp * pp), rank=rank, **cast(DeploymentFields, fields))
 
     def replica_workers(self, num_replicas: int) -> int:
         if self.dst_mesh_dims[0] != num_replicas:
@@ -156,13 +186,14 @@ class M2NSyncStats(SyncStats):
 class _Plan:
     """What both engines keep from the handshake."""
 
-    def __init__(self, comm: Communicator, sources: list[Any], num_trainers: int, num_workers: int,
+    def __init__(self, comm: Communicator, sources: list[TensorSource], num_trainers: int, num_workers: int,
                  staging_bytes: int, *, rank: int, sender: bool) -> None:
         self.sources = sources
         self.dtypes = {s.name: s.dtype for s in sources}
         self.gathered = gather_plan(comm, sources, num_workers)
         self.digest = self.gathered.plan.digest
-        agree(comm, m2n_plan_digest, self.digest, rank=comm.rank, ranks=comm.world_size, what="plan digest")
+        joined = cast(int, comm.rank)  # (its rank in the data plane it joined)
+        agree(comm, m2n_plan_digest, self.digest, rank=joined, ranks=comm.world_size, what="plan digest")
         cap = message_cap(staging_bytes, num_trainers, num_workers, buffers=2)  # a round stages <= half of it
         g = self.gathered
         self.dense_only = [{*via, *(FALLBACK + n for n, _ in fb)} for via, fb in zip(g.via_loader, g.fallbacks)]
@@ -176,6 +207,9 @@ class M2NTrainerEngine(TrainerEngine):
 
     init_info_cls = M2NTrainerInitInfo
     update_info_cls = M2NUpdateInfo
+    init_info: M2NTrainerInitInfo  # (trainer_init refuses any other)
+    source: WeightSource  # (trainer_init refuses None: the transport reads its local shards)
+    comm: Communicator  # (connected before any hook runs)
 
     def _worker_init_info(self, port: int) -> M2NWorkerInitInfo:
         i = self.init_info
@@ -189,7 +223,8 @@ class M2NTrainerEngine(TrainerEngine):
     def _handshake(self) -> None:
         i = self.init_info
         sources = tensor_sources(self.source.metadata)  # raises on every rank alike for a source without layout
-        wire = sources_to_wire(sources)  # the ranks' tensor lists agree before any plan (the workers plan from rank 0's)
+        wire = sources_to_wire(sources)  # the ranks' tensor lists agree before any plan (the workers plan
+        # from rank 0's)
         agree(self.comm, m2n_sources_digest, sources_digest(wire), rank=i.rank, ranks=i.num_trainer_ranks,
               what="metadata", who="trainer rank", listing=Listing(m2n_sources, wire, source_name, show_source))
         self._names = [s.name for s in sources]
@@ -237,7 +272,7 @@ class M2NTrainerEngine(TrainerEngine):
     def _decide_delta(self) -> tuple[int | None, list[int]]:
         """Rank 0, before the update starts: the base version of this delta sync and the workers that
         hold it (from what each reported at its last finish), published for every rank."""
-        base = self._baseline.version
+        base = cast(Baseline, self._baseline).version  # (a delta sync: there is a baseline)
         holders = self._holding(base, math.prod(self.init_info.dst_mesh_dims))
         self.comm.publish(SyncKeys(self.sync_id).delta, [base, holders])
         return base, holders
@@ -247,23 +282,25 @@ class M2NTrainerEngine(TrainerEngine):
         base, holders = self.comm.read(SyncKeys(self.sync_id).delta)
         return base, holders
 
-    def _encode(self, shards: dict[str, torch.Tensor], base: int | None, holders: list[int], stats: SyncStats) -> Any:
+    def _encode(self, shards: dict[str, torch.Tensor], base: int | None, holders: list[int],
+                stats: SyncStats) -> dict[tuple[int, int], torch.Tensor]:
         """This rank's sparse payloads for the workers in ``holders`` (published: the workers size their
         receives from them); the shards become the baseline."""
         t0, takers, dense_only = time.perf_counter(), set(holders), self.plan.dense_only
+        baseline = cast(Baseline, self._baseline)  # (a delta sync: there is one)
 
-        def eligible(m: Any) -> bool:  # into live parameters of a worker that holds the base
+        def eligible(m: Message) -> bool:  # into live parameters of a worker that holds the base
             return m.dst in takers and not any(it.param in dense_only[m.dst] for it in m.items)
 
-        enc = self._baseline.encode(self.plan.rounds, shards, self.plan.dtypes, eligible=eligible)
+        enc = baseline.encode(self.plan.rounds, shards, self.plan.dtypes, eligible=eligible)
         self.comm.publish(SyncKeys(self.sync_id).sizes(self.rank), enc.counts)
         stats.delta = DeltaStats(base=base, workers=holders, changed=enc.changed, compared=enc.compared,
                                  dense_bytes=self.plan.nbytes,
-                                 diff_seconds=time.perf_counter() - t0, baseline_bytes=self._baseline.nbytes)
+                                 diff_seconds=time.perf_counter() - t0, baseline_bytes=baseline.nbytes)
         return enc.payloads
 
     def _update_info(self, shards: dict[str, torch.Tensor], verify: bool) -> M2NUpdateInfo:
-        delta = {}
+        delta: _DeltaFields = {}
         if self._baseline is not None:
             base, holders = self._decide_delta()
             delta = {"delta_base": base, "delta_workers": holders}
@@ -291,14 +328,15 @@ class M2NTrainerEngine(TrainerEngine):
         stats.num_tensors, stats.num_steps = len(self._names), len(self.plan.rounds)
 
 
-def _covered(pieces: Any) -> dict[str, int]:
+def _covered(pieces: Iterable[DestPiece]) -> dict[str, int]:
     covered: dict[str, int] = {}
     for p in pieces:
         covered[p.param] = covered.get(p.param, 0) + p.region.numel
     return covered
 
 
-def _unwritten(model: torch.nn.Module, pieces: Any) -> list[tuple[str, tuple[slice, ...]]]:
+def _unwritten(model: torch.nn.Module,
+               pieces: Iterable[DestPiece]) -> list[tuple[str, tuple[slice[int, int, None], ...]]]:
     """The boxes of each directly-written parameter that no piece writes (vocabulary padding rows)."""
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     written: dict[str, list[Region]] = {}
@@ -308,7 +346,7 @@ def _unwritten(model: torch.nn.Module, pieces: Any) -> list[tuple[str, tuple[sli
 
 
 @torch.no_grad()
-def _zero_unwritten(model: torch.nn.Module, boxes: list[tuple[str, tuple[slice, ...]]]) -> None:
+def _zero_unwritten(model: torch.nn.Module, boxes: list[tuple[str, tuple[slice[int, int, None], ...]]]) -> None:
     """Zero what no piece writes, as vLLM's loader does at every load, so the live parameters equal
     what ``load_weights`` gives whatever they held before (dummy weights, a lost base)."""
     params = dict(model.named_parameters())
@@ -322,6 +360,7 @@ class M2NWorkerEngine(WorkerEngine):
 
     init_info_cls = M2NWorkerInitInfo
     update_info_cls = M2NUpdateInfo
+    comm: Communicator  # (connected before _init runs)
 
     def _expected_workers(self, info: M2NWorkerInitInfo) -> tuple[int, str]:
         return math.prod(info.dst_mesh_dims), f"dst_mesh_dims={tuple(info.dst_mesh_dims)}"
@@ -340,7 +379,7 @@ class M2NWorkerEngine(WorkerEngine):
             self.comm.publish(m2n_dest(w), {"error": f"{type(e).__name__}: {e}"})
             raise
         if info.fp8_wire:
-            sources = wire_sources(sources, block)
+            sources = wire_sources(sources, cast("tuple[int, ...]", block))  # (fp8_wire: its block)
         self._staged = wire.staged if info.fp8_wire else None  # FP8 weight -> boxes this worker quantizes
         self.plan = _Plan(self.comm, sources, info.num_trainer_ranks, math.prod(info.dst_mesh_dims),
                           info.staging_bytes, rank=w, sender=False)
@@ -360,8 +399,9 @@ class M2NWorkerEngine(WorkerEngine):
             raise ValueError(f"update_info.digest {u.digest!r} is not this worker's plan digest "
                              f"{self.plan.digest!r}; re-run init_weight_transfer_engine")
         params = {n: p.data for n, p in self.model.named_parameters()}
+        applier = cast(LayerwiseApplier, self._applier)  # (a receive runs in an update: start opened it)
         if self._via_modules:  # post-processed modules: their checkpoint layout, processed at finish
-            staging = self._applier.open_modules(self._via_modules, staged=self._staged)
+            staging = applier.open_modules(self._via_modules, staged=self._staged)
             for n in self._via_partial:
                 staging[n].zero_()
             params.update({n: t.data for n, t in staging.items()})
@@ -379,8 +419,8 @@ class M2NWorkerEngine(WorkerEngine):
         # as load_weights does, a delta keeps it (this touches the padding elements only)
         _zero_unwritten(self.model, self._unwritten)
         if self.fallbacks:
-            self._applier.begin_layerwise()
-            self._applier.load([(n, params.pop(FALLBACK + n)) for n, _ in self.fallbacks])
+            applier.begin_layerwise()
+            applier.load([(n, params.pop(FALLBACK + n)) for n, _ in self.fallbacks])
         return received
 
     def _sparse(self, u: M2NUpdateInfo) -> dict[tuple[int, int], int]:

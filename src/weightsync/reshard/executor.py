@@ -13,44 +13,84 @@ An item's tensor comes from the caller's ``tensor_of(m, i)``, asked once per syn
 spans are known.
 
 The compiled path. After a dense sync (no checksums, no delta) over rounds kept as arrays,
-:func:`compile_rounds` turns what that sync found (each message direct or staged, each staged item's bytes in its tensor and in
-the message: :class:`~.packing.Spans`) into per-round parts: the ops' peers and tags, the byte
-ranges of every view the round needs (deduplicated, adjacent items merged into one copy) and the
-split of its staging span. A later dense sync asks ``tensor_of`` once per tensor (not per item),
-checks that every tensor has the layout it had (shape, byte strides, dtype) and that ``peer_rank``
-gives the same ranks, cuts all views at once and posts each round from lists, with one grouped
-copy per staged round; if anything differs it runs the general path (which compiles anew).
-Decisions are the general path's own, so the ops, their order and the bytes are the same
+:func:`compile_rounds` turns what that sync found (each message direct or staged, each staged item's
+bytes in its tensor and in the message: :class:`~.packing.Spans`) into per-round parts: the ops'
+peers and tags, the byte ranges of every view the round needs (deduplicated, adjacent items merged
+into one copy) and the split of its staging span. A later dense sync asks ``tensor_of`` once per
+tensor (not per item), checks that every tensor has the layout it had (shape, byte strides, dtype)
+and that ``peer_rank`` gives the same ranks, cuts all views at once and posts each round from lists,
+with one grouped copy per staged round; if anything differs it runs the general path (which compiles
+anew). Decisions are the general path's own, so the ops, their order and the bytes are the same
 (``tests/test_m2n_fast.py``); a sender's staged messages that are equal within a round (the same
-items for each engine replica) are packed once and sent from one span, so it stages and copies
-less. Nothing holding a tensor is kept across syncs.
+items for each engine replica) are packed once and sent from one span, so it stages and copies less.
+Nothing holding a tensor is kept across syncs.
 """
 
 from __future__ import annotations
 
 import enum
 import gc
+from array import array
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain
-from typing import Any
+from typing import Generic, Protocol, TypeVar, cast
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
-from ..dataplane import DataPlane
+from ..dataplane import DataPlane, Op, Work
 from ..plan.regions import box_slices
-from ..plan.schedule import ALIGN, PEERS, Message
-from ..plan.transfer import align_up
+from ..plan.schedule import ALIGN, PEERS, CompactRounds, Message
+from ..plan.transfer import TransferItem, align_up
 from ..protocol import dtype_from_name
 from .delta import decode, patch, sparse_nbytes
-from .packing import ByteRuns, Spans, Staging, fold_checksum, fold_value  # Staging: re-exported
+from .packing import ByteRuns, Flat, Layout, Spans, Staging, fold_checksum, fold_value  # Staging: re-exported
 
-__all__ = ["DEPTH", "FAST_ITEMS", "FastRounds", "SlotKind", "Staging", "TensorOf", "compile_rounds", "item_view",
-           "itemsize_of_message", "numels", "run_rounds"]
+__all__ = ["DEPTH", "FAST_ITEMS", "FastRounds", "ItemKey", "ItemsOf", "SlotKind", "Sparse", "Staging", "TensorOf",
+           "compile_rounds", "item_view", "itemsize_of_message", "numels", "run_rounds"]
 
-TensorOf = Callable[[Message, int], torch.Tensor]
+
+class ItemKey(Protocol):
+    """What ``tensor_of`` may read of an item: its tensor name and its param."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def param(self) -> str: ...
+
+
+class ItemsOf(Protocol):
+    """What ``tensor_of`` may read of a message: its items' :class:`ItemKey` (a :class:`Message`, or
+    the stand-in a compiled sync asks with)."""
+
+    @property
+    def items(self) -> Sequence[ItemKey]: ...
+
+
+TensorOf = Callable[[ItemsOf, int], torch.Tensor]
+"""``tensor_of(m, i)``: item ``i``'s tensor, picked by its tensor name or param only (see :func:`run_rounds`)."""
+
+Sparse = Mapping[tuple[int, int], torch.Tensor] | Mapping[tuple[int, int], int]
+"""A delta sync's sparse messages by (peer, message index): the sender's payloads, the receiver's
+counts of changed values (:mod:`~weightsync.reshard.delta`)."""
+
+_SparseT = TypeVar("_SparseT", torch.Tensor, int)  # an end's sparse slot: a payload (sender), a count (receiver)
+_Memo = tuple[torch.Tensor, Flat]  # an item key's tensor and its flat bytes, this sync
+_Shape = tuple[tuple[int, ...], tuple[int, ...], int]  # a strided view's (shape, strides, element width)
+_Row = tuple[int, int, int, int]  # a view: (tensor slot, start, end, strided shape id or -1)
+_Group = tuple[int, int, list[int], list[int] | None]  # a tensor's split: (slot, start, sizes, picks or None)
+_Copy = tuple[int, int, int, int, int, int]  # a staged item: (slot, start, end, shape id, offset in span, bytes)
+_Msg = tuple[int, int, int, int, list[_Copy] | None]  # (peer, index, nbytes, direct view id or -1, items)
+
+
+class _Kept(Protocol):
+    """Rounds kept across syncs (``handshake.Rounds``), as far as the executor compiles them."""
+
+    fast: FastRounds | None
 
 DEPTH = 8
 """Staged rounds a rank keeps posted at once (they share the staging buffer, each its own span)."""
@@ -68,37 +108,39 @@ class Posted:
     """A round's messages (or its early part) with their buffers, their ops' works and its span; a
     compiled part has no messages (``rnd`` None), its byte count and, at a receiver, its copies."""
 
-    rnd: Any
+    rnd: list[Message] | None
     bufs: list[torch.Tensor]
-    kinds: Any
-    works: list[Any]
+    kinds: list[SlotKind] | None
+    works: list[Work]
     span: tuple[int, int] = (0, 0)  # staging bytes [start, end) it holds; empty for an early part
     moved: int = 0
     copies: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
 
 
-class _Executor:
+class _Executor(Generic[_SparseT]):
     """One end of the rounds (see :func:`run_rounds`): what both ends do alike. A subclass says who
     its peer is, what a sparse slot is, which slots need no staging, how it posts, what it does to a
     round before posting it (:meth:`_prepare`) and once it was waited for (:meth:`_finish`)."""
 
     sender: bool
+    sparse: Mapping[tuple[int, int], _SparseT]
 
     def __init__(self, plane: DataPlane, staging: torch.Tensor, *, peer_rank: Callable[[int], int],
                  dtypes: Mapping[str, str], tensor_of: TensorOf, sums: dict[int, int] | None,
-                 sparse: Mapping[tuple[int, int], Any] | None, ready: Callable[[], Any] | None,
+                 sparse: Mapping[tuple[int, int], torch.Tensor | int] | None, ready: Callable[[], object] | None,
                  spans: Spans | None = None) -> None:
         self.plane, self.peer_rank, self.dtypes, self.tensor_of = plane, peer_rank, dtypes, tensor_of
         self.spans = Spans() if spans is None else spans  # kept across syncs by the caller's rounds
-        self.sums, self.sparse, self.ready = sums, sparse or {}, ready
+        # (a sender's sparse slots are payloads, a receiver's counts: run_rounds' caller says which)
+        self.sums, self.sparse, self.ready = sums, cast("Mapping[tuple[int, int], _SparseT]", sparse or {}), ready
         self.staging = Staging(staging)
         self.runs = ByteRuns()  # this sync's tensors' bytes, flat: an item is one view of them
         self.wire: dict[str, torch.dtype] = {}  # tensor name -> its wire dtype
-        self.memo: dict[int, Any] = {}  # an item key -> its tensor and flat bytes, this sync (_tensors)
+        self.memo: dict[int, _Memo] = {}  # an item key -> its tensor and flat bytes, this sync (_tensors)
         self.whole_rounds = plane.ordered
         self.folded: dict[tuple[int, int], int] = {}  # (peer, message index) -> that message's checksum
         self.moved = 0
-        self.held: list[tuple[list[Any], list[Any]]] | None = None if ready is None else []  # ops, works
+        self.held: list[tuple[list[Op], list[Work]]] | None = None if ready is None else []  # ops, works
         self.in_flight: deque[Posted] = deque()  # staged rounds, oldest first
         self.early: list[Posted] = []  # messages in this rank's own memory, waited for at the end
 
@@ -113,14 +155,14 @@ class _Executor:
             dt = self.wire[name] = dtype_from_name(self.dtypes[name])
         return dt
 
-    def _at(self, item: Any) -> tuple[int, ...]:
+    def _at(self, item: TransferItem) -> tuple[int, ...]:
         return item.src_offsets if self.sender else item.param_offsets
 
-    def _tensors(self, m: Message) -> tuple[list[torch.Tensor], list[Any] | None]:
+    def _tensors(self, m: Message) -> tuple[list[torch.Tensor], list[Flat] | None]:
         """Each item's tensor and, where the items give keys, its :meth:`ByteRuns.flat` (else None):
         ``tensor_of`` is then asked once per key and sync (it picks a tensor by the item's name or
         param only), else once per item."""
-        keys = getattr(m.items, "keys", None)
+        keys: Callable[[], list[int]] | None = getattr(m.items, "keys", None)
         if keys is None:
             return [self.tensor_of(m, i) for i in range(len(m.items))], None
         memo, ks = self.memo, keys()
@@ -129,7 +171,8 @@ class _Executor:
             if t is None:
                 tensor = self.tensor_of(m, i)
                 got[i] = memo[ks[i]] = (tensor, self.runs.flat(tensor))
-        return [g[0] for g in got], [g[1] for g in got]
+        done = cast("list[_Memo]", got)  # (each None was filled)
+        return [g[0] for g in done], [g[1] for g in done]
 
     def _pairs(self, m: Message, buf: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(this rank's side, ``buf``'s side) of each item of staged message ``m``: byte views where
@@ -155,7 +198,7 @@ class _Executor:
                 item = items[i]
                 mine[i] = tensors[i][box_slices(self._at(item), item.region.sizes)]
                 theirs[i] = item_view(buf, m.offsets[i], item, self.dtypes)
-        return mine, theirs
+        return cast("list[torch.Tensor]", mine), cast("list[torch.Tensor]", theirs)  # (each None was filled)
 
     def _direct(self, m: Message) -> torch.Tensor | None:
         """The bytes of message ``m`` in this rank's own tensor, when ``m`` is one item contiguous
@@ -174,13 +217,13 @@ class _Executor:
         return self.spans.direct((self.sender, self.peer(m), m.index), flat, layout, m.nbytes,
                                  lambda: self.runs.box(tensor, at, item.region.sizes))
 
-    def _sparse_slot(self, m: Message, sp: Any) -> torch.Tensor | int:
+    def _sparse_slot(self, m: Message, sp: _SparseT) -> torch.Tensor | int:
         raise NotImplementedError
 
     def _own(self, kind: SlotKind) -> bool:
         raise NotImplementedError
 
-    def _post_ops(self, ops: list[Any]) -> list[Any]:
+    def _post_ops(self, ops: list[Op]) -> list[Work]:
         raise NotImplementedError
 
     def _prepare(self, posted: Posted) -> None:
@@ -219,7 +262,7 @@ class _Executor:
             need = staged.need
             while need and (start := staging.spot(need, (p.span for p in in_flight))) is None:
                 self._complete(in_flight.popleft())
-            bufs, mine, theirs, reps = staged.cut(staging.buf, start if need else 0, views)
+            bufs, mine, theirs, reps = staged.cut(staging.buf, cast(int, start) if need else 0, views)  # (found)
             copies = None
             if self.sender:
                 torch._foreach_copy_(theirs, mine)
@@ -227,7 +270,8 @@ class _Executor:
                     torch._foreach_copy_(reps[1], reps[0])
             elif mine:
                 copies = (mine, theirs)
-            posted = Posted(None, bufs, None, [], (start, start + need) if need else (0, 0), staged.moved, copies)
+            span = (cast(int, start), cast(int, start) + need) if need else (0, 0)
+            posted = Posted(None, bufs, None, [], span, staged.moved, copies)
             in_flight.append(self._post(posted, list(zip(bufs, staged.ranks, staged.index))))
             if len(in_flight) == DEPTH:
                 self._complete(in_flight.popleft())
@@ -244,14 +288,18 @@ class _Executor:
         own = [self._own(kind) for kind in kinds]
         if all(own) or (any(own) and not self.whole_rounds):
             e_rnd, e_bufs, e_kinds = ([x[i] for i, o in enumerate(own) if o] for x in (rnd, slots, kinds))
-            self.early.append(self._post(Posted(e_rnd, e_bufs, e_kinds, [])))
+            self.early.append(self._post(Posted(cast("list[Message]", e_rnd), cast("list[torch.Tensor]", e_bufs),
+                                                cast("list[SlotKind]", e_kinds), [])))  # (own slots: tensors)
             if all(own):
                 return
-            rnd, slots, kinds = ([x[i] for i, o in enumerate(own) if not o] for x in (rnd, slots, kinds))
+            r_rnd, r_slots, r_kinds = ([x[i] for i, o in enumerate(own) if not o] for x in (rnd, slots, kinds))
+            rnd, slots = cast("list[Message]", r_rnd), cast("list[torch.Tensor | int]", r_slots)
+            kinds = cast("list[SlotKind]", r_kinds)
         need = self.staging.need(slots)
-        start = 0
+        start: int | None = 0
         while need and (start := self.staging.spot(need, (p.span for p in self.in_flight))) is None:
             self._complete(self.in_flight.popleft())  # the oldest round frees its span first
+        start = cast(int, start)  # (a spot was found, or none was needed)
         bufs = self.staging.place(slots, start, need)
         self.in_flight.append(self._post(Posted(rnd, bufs, kinds, [], (start, start + need))))
         if len(self.in_flight) == DEPTH:
@@ -260,7 +308,7 @@ class _Executor:
     def _slots(self, rnd: list[Message]) -> tuple[list[torch.Tensor | int], list[SlotKind]]:
         """The round's buffers and their kinds; a slot still to place in staging is its byte count."""
         bufs: list[torch.Tensor | int] = []
-        kinds = []
+        kinds: list[SlotKind] = []
         for m in rnd:
             if (sp := self.sparse.get(self.key(m))) is not None:
                 kinds.append(SlotKind.SPARSE)
@@ -273,12 +321,13 @@ class _Executor:
                 bufs.append(m.nbytes)
         return bufs, kinds
 
-    def _post(self, posted: Posted, ops: list[Any] | None = None) -> Posted:
+    def _post(self, posted: Posted, ops: list[Op] | None = None) -> Posted:
         """Prepare and post ``posted``'s ops (a compiled part's: ``ops``); with ``ready`` still to
         call, hold them back instead (its works are filled in by :meth:`_release`)."""
         if ops is None:
             self._prepare(posted)
-            ops = [(buf, self.peer_rank(self.peer(m)), m.index) for m, buf in zip(posted.rnd, posted.bufs)]
+            rnd = cast("list[Message]", posted.rnd)  # (only a compiled part comes with its ops)
+            ops = [(buf, self.peer_rank(self.peer(m)), m.index) for m, buf in zip(rnd, posted.bufs)]
         if self.held is not None:
             self.held.append((ops, posted.works))
         else:
@@ -288,7 +337,7 @@ class _Executor:
     def _release(self) -> None:
         """Once: call ``ready()``, then post every op held back, in order."""
         if self.held is not None:
-            self.ready()
+            cast("Callable[[], object]", self.ready)()  # (ops are held only while there is a ready to call)
             for ops, works in self.held:
                 works.extend(self._post_ops(ops))
             self.held = None
@@ -311,7 +360,7 @@ class _Executor:
         self.folded[self.key(m)] = acc
 
 
-class _Sender(_Executor):
+class _Sender(_Executor[torch.Tensor]):
     """Packs each staged item's region of its shard into the span and posts while the earlier
     rounds are on the wire; direct messages and sparse payloads go from where they are."""
 
@@ -320,20 +369,21 @@ class _Sender(_Executor):
     def peer(self, m: Message) -> int:
         return m.dst
 
-    def _sparse_slot(self, m: Message, sp: Any) -> torch.Tensor | int:
+    def _sparse_slot(self, m: Message, sp: torch.Tensor) -> torch.Tensor | int:
         return sp
 
     def _own(self, kind: SlotKind) -> bool:
         return kind is not SlotKind.STAGED
 
-    def _post_ops(self, ops: list[Any]) -> list[Any]:
+    def _post_ops(self, ops: list[Op]) -> list[Work]:
         return self.plane.post(ops, [])
 
     def _drain_order(self) -> list[Posted]:
         return [*reversed(self.in_flight), *reversed(self.early)]  # the earlier ones are done by then
 
     def _prepare(self, posted: Posted) -> None:
-        for m, buf, kind in zip(posted.rnd, posted.bufs, posted.kinds):
+        rnd, kinds = cast("list[Message]", posted.rnd), cast("list[SlotKind]", posted.kinds)  # (a round, not a part)
+        for m, buf, kind in zip(rnd, posted.bufs, kinds):
             if kind is SlotKind.STAGED or self.sums is not None:  # else: the shard's own bytes / a ready payload
                 self._pack(m, buf, kind)
 
@@ -344,7 +394,7 @@ class _Sender(_Executor):
             srcs, dsts = self._pairs(m, buf)
             torch._foreach_copy_(dsts, srcs)
             return
-        views = []
+        views: list[torch.Tensor] = []
         for i, (item, off) in enumerate(zip(m.items, m.offsets)):
             if kind is SlotKind.SPARSE:  # the checksum is of the values the payload makes
                 src = tensor_of(m, i)[box_slices(item.src_offsets, item.region.sizes)]
@@ -359,7 +409,7 @@ class _Sender(_Executor):
             self._fold(m, views)
 
 
-class _Receiver(_Executor):
+class _Receiver(_Executor[int]):
     """When a staged round completes, copies each item into its target region (dtype cast if
     needed) while the later rounds arrive; direct messages arrive in place."""
 
@@ -368,26 +418,28 @@ class _Receiver(_Executor):
     def peer(self, m: Message) -> int:
         return m.src
 
-    def _sparse_slot(self, m: Message, sp: Any) -> torch.Tensor | int:
+    def _sparse_slot(self, m: Message, sp: int) -> torch.Tensor | int:
         return sparse_nbytes(numels(m), sp, itemsize_of_message(m, self.dtypes), [it.name for it in m.items])
 
     def _own(self, kind: SlotKind) -> bool:
         return kind is SlotKind.DIRECT
 
-    def _post_ops(self, ops: list[Any]) -> list[Any]:
+    def _post_ops(self, ops: list[Op]) -> list[Work]:
         return self.plane.post([], ops)
 
     def _drain_order(self) -> list[Posted]:
         return [*self.in_flight, *reversed(self.early)]  # staged rounds applied in order
 
     def _finish(self, posted: Posted) -> None:
-        for m, buf, kind in zip(posted.rnd, posted.bufs, posted.kinds):
+        rnd, kinds = cast("list[Message]", posted.rnd), cast("list[SlotKind]", posted.kinds)  # (a round, not a part)
+        for m, buf, kind in zip(rnd, posted.bufs, kinds):
             if kind is not SlotKind.DIRECT or self.sums is not None:  # else: it arrived in place
                 self._apply(m, buf, kind)
 
     def _apply(self, m: Message, buf: torch.Tensor, kind: SlotKind) -> None:
         """Copy (or patch) a received message's items into their targets; with ``sums``, fold what
         was applied (in the wire dtype)."""
+        received: list[torch.Tensor] | torch.Tensor
         tensor_of, dtypes = self.tensor_of, self.dtypes
         if kind is SlotKind.STAGED and self.sums is None:
             targets, received = self._pairs(m, buf)
@@ -397,7 +449,7 @@ class _Receiver(_Executor):
         if kind is SlotKind.SPARSE:
             patches = decode(buf, numels(m), self.sparse[self.key(m)], itemsize_of_message(m, dtypes),
                              [it.name for it in m.items])
-        views = []
+        views: list[torch.Tensor] = []
         for i, (item, off) in enumerate(zip(m.items, m.offsets)):
             target = tensor_of(m, i)[box_slices(item.param_offsets, item.region.sizes)]
             if patches is not None:
@@ -412,10 +464,13 @@ class _Receiver(_Executor):
             self._fold(m, views)
 
 
+_End = _Sender | _Receiver  # one end of the rounds
+
+
 def run_rounds(plane: DataPlane, plan_rounds: Iterable[list[Message]], staging: torch.Tensor, *, sender: bool,
                peer_rank: Callable[[int], int], dtypes: Mapping[str, str], tensor_of: TensorOf,
-               sums: dict[int, int] | None = None, sparse: Mapping[tuple[int, int], Any] | None = None,
-               ready: Callable[[], Any] | None = None) -> int:
+               sums: dict[int, int] | None = None, sparse: Sparse | None = None,
+               ready: Callable[[], object] | None = None) -> int:
     """Execute rounds; returns payload bytes moved.
 
     A message whose bytes are ready in this rank's own memory needs no staging: one item contiguous
@@ -449,22 +504,22 @@ def run_rounds(plane: DataPlane, plan_rounds: Iterable[list[Message]], staging: 
     A dense sync (no ``sums``, no ``sparse``) over rounds kept as arrays (``handshake.Rounds``) is
     compiled for the next ones, which run from lists while every tensor keeps its layout
     (:func:`compile_rounds`): the same ops in the same order and the same bytes."""
-    end = _Sender if sender else _Receiver
+    end: type[_Sender] | type[_Receiver] = _Sender if sender else _Receiver
     paused = gc.isenabled()  # a sync's views are freed by their counts: no cyclic GC pass over the plan's objects
     gc.disable()
     try:
         ex = end(plane, staging, peer_rank=peer_rank, dtypes=dtypes, tensor_of=tensor_of, sums=sums,
                  sparse=sparse, ready=ready, spans=getattr(plan_rounds, "spans", None))
         dense = sums is None and not sparse and hasattr(plan_rounds, "fast")
-        fast = plan_rounds.fast if dense else None
+        fast = cast(_Kept, plan_rounds).fast if dense else None
         if fast is not None:
             views = fast.views(tensor_of, ex.runs, peer_rank, ex.whole_rounds, ex.staging.room,
-                               staging.storage_offset())
+                               staging.storage_offset())  # type: ignore[arg-type]  # (int | SymInt: SymInt if traced)
             if views is not None:
                 return ex.run_fast(fast, views)
         moved = ex.run(plan_rounds)
         if dense:  # compiled from what this sync found, for the next ones
-            plan_rounds.fast = compile_rounds(ex, plan_rounds, peer_rank)
+            cast(_Kept, plan_rounds).fast = compile_rounds(ex, plan_rounds, peer_rank)
         return moved
     finally:
         if paused:
@@ -491,7 +546,7 @@ def _direct_view(m: Message, tensor: torch.Tensor, dtypes: Mapping[str, str], se
     return view.reshape(-1).view(torch.uint8)
 
 
-def item_view(buf: torch.Tensor, off: int, item: Any, dtypes: Mapping[str, str]) -> torch.Tensor:
+def item_view(buf: torch.Tensor, off: int, item: TransferItem, dtypes: Mapping[str, str]) -> torch.Tensor:
     """``item``'s bytes at ``off`` of the uint8 ``buf``, in its wire dtype and shape."""
     dtype = dtype_from_name(dtypes[item.name])
     n = item.region.numel * dtype.itemsize
@@ -547,18 +602,19 @@ class Part:
         self.item_vids: list[int] = []
         self.item_sizes: list[int] = []
         self.item_picks: list[int] = []
-        self.item_shapes: list[Any] | None = None
+        self.item_shapes: list[tuple[tuple[int, ...], int] | None] | None = None  # (shape, width) or None
         self.batch_vids: list[int] = []
-        self.batch_at: list[tuple[Any, Any, int, int]] = []
+        self.batch_at: list[tuple[tuple[int, ...], tuple[int, ...], int, int]] = []
         self.reps: list[tuple[int, int, int, int, int]] = []
 
-    def cut(self, staging: torch.Tensor, start: int, views: list[torch.Tensor]) -> tuple[list[Any], ...]:
+    def cut(self, staging: torch.Tensor, start: int, views: list[torch.Tensor]) -> tuple[
+            list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], tuple[list[torch.Tensor], list[torch.Tensor]]]:
         """Its buffers, its copies' (tensor side, span side) views, at ``start`` of ``staging``, and
         its ``reps`` (from, to) views (after the copies)."""
         area = staging[start : start + self.need]
-        mp = area.split(self.msg_sizes)
+        mp = area.split(self.msg_sizes)  # type: ignore[no-untyped-call]  # torch's Tensor.split is unannotated
         bufs = [views[v] if v >= 0 else mp[~v] for v in self.vids]
-        ip = area.split(self.item_sizes)
+        ip = area.split(self.item_sizes)  # type: ignore[no-untyped-call]  # (as above)
         theirs = [ip[j] for j in self.item_picks]
         if self.item_shapes is not None:
             theirs = [t if s is None else t.view(WIDE[s[1]]).view(s[0]) for t, s in zip(theirs, self.item_shapes)]
@@ -568,7 +624,7 @@ class Part:
             base = area.storage_offset()
             mine += [views[v] for v in self.batch_vids]
             theirs += [wide[w].as_strided(shape, strides, (base + at) // w) for shape, strides, at, w in self.batch_at]
-        reps: tuple[list[Any], list[Any]] = ([], [])
+        reps: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         for k, n, step, at, w in self.reps:
             t, o = area.view(WIDE[w]), (area.storage_offset() + at) // w
             reps[0].append(t.as_strided((k, n), (0, 1), o))
@@ -590,7 +646,12 @@ class FastRounds:
     split sizes, the parts to keep); the other views are cut one by one from arrays (tensor,
     start, end, strided shape id or -1)."""
 
-    def __init__(self, slots: list[tuple[_One, Any]], table: list[tuple[int, int, int, int]], shapes: list[Any],
+    slot: npt.NDArray[np.int32]
+    start: npt.NDArray[np.int64]
+    end: npt.NDArray[np.int64]
+    sid: npt.NDArray[np.int32]
+
+    def __init__(self, slots: list[tuple[_One, Layout]], table: list[_Row], shapes: list[_Shape],
                  rounds: list[tuple[Part | None, Part | None]], peers: dict[int, int], whole: bool, room: int) -> None:
         self.slots, self.shapes, self.rounds, self.peers = slots, shapes, rounds, peers
         self.whole, self.room = whole, room
@@ -613,7 +674,7 @@ class FastRounds:
         parts = sum(p.nbytes() for r in self.rounds for p in r if p is not None)
         return arrays + groups + 200 * len(self.slots) + parts
 
-    def views(self, tensor_of: Callable[[Any, int], torch.Tensor], runs: Any, peer_rank: Callable[[int], int],
+    def views(self, tensor_of: TensorOf, runs: ByteRuns, peer_rank: Callable[[int], int],
               whole: bool, room: int, staging_offset: int) -> list[torch.Tensor] | None:
         """This sync's views (by view id), or None when a tensor's layout, a peer's rank, the plane's
         ordering or the staging room differ from the compiled sync's."""
@@ -621,7 +682,7 @@ class FastRounds:
             return None
         if any(peer_rank(p) != r for p, r in self.peers.items()):
             return None
-        flats = []
+        flats: list[torch.Tensor] = []
         for stub, layout in self.slots:
             flat, lay = runs.flat(tensor_of(stub, 0))
             if flat is None or lay != layout:
@@ -629,8 +690,9 @@ class FastRounds:
             flats.append(flat)
         views: list[torch.Tensor] = []
         for k, lo, sizes, picks in self.groups:
-            parts = flats[k][lo : lo + sum(sizes)].split(sizes)
+            parts = flats[k][lo : lo + sum(sizes)].split(sizes)  # type: ignore[no-untyped-call]  # (unannotated)
             views += parts if picks is None else [parts[j] for j in picks]
+        wide: dict[tuple[int, int], torch.Tensor]
         shapes, wide = self.shapes, {}
         for k, s, e, sid in zip(self.slot.tolist(), self.start.tolist(), self.end.tolist(), self.sid.tolist()):
             if sid < 0:
@@ -644,10 +706,16 @@ class FastRounds:
         return views
 
 
-def _grouped(table: list[tuple[int, int, int, int]]) -> tuple[list[int], list[Any]]:
+def _grouped(table: list[_Row]) -> tuple[list[int], list[_Group]]:
     """View ids in their new order, and per tensor its split (tensor, start, sizes, picks or None):
     each tensor's runs (not strided) sorted by start, those that do not overlap the one before first."""
     runs = sorted((v for v, row in enumerate(table) if row[3] < 0), key=lambda v: (table[v][0], table[v][1]))
+    first: list[int]
+    rest: list[int]
+    groups: list[_Group]
+    end: int | None
+    sizes: list[int]
+    picks: list[int]
     first, rest, groups = [], [], []
     at = 0
     while at < len(runs):
@@ -673,13 +741,14 @@ def _grouped(table: list[tuple[int, int, int, int]]) -> tuple[list[int], list[An
 class _Compiler:
     """What :func:`compile_rounds` builds up: tensors (slots), unique views, strided shapes."""
 
-    def __init__(self, ex: _Executor, names: Callable[[int], tuple[str, str]]) -> None:
+    def __init__(self, ex: _End, names: Callable[[int], tuple[str, str]]) -> None:
         self.ex, self.names = ex, names
-        self.slot_of: dict[Any, int] = {}
-        self.slots: list[tuple[_One, Any]] = []
+        self.slot_of: dict[tuple[str, int], int] = {}  # (name or param, id of its tensor) -> slot
+        self.slots: list[tuple[_One, Layout]] = []
         self.vid_of: dict[tuple[int, int, int, int], int] = {}
         self.peers: dict[int, int] = {}
-        self.shapes: list[Any] = [_widen(*s) for s in ex.spans._shape_list]  # (shape, strides, width): spans', batches'
+        # (shape, strides, width): the spans', then the batches'
+        self.shapes: list[_Shape] = [_widen(*s) for s in ex.spans._shape_list]
 
     def slot(self, key: int) -> int | None:
         got = self.ex.memo.get(key)
@@ -696,16 +765,17 @@ class _Compiler:
     def vid(self, slot: int, start: int, end: int, sid: int) -> int:
         return self.vid_of.setdefault((slot, start, end, sid), len(self.vid_of))
 
-    def message(self, m: Any) -> Any:
+    def message(self, m: Message) -> _Msg | None:
         """(peer, index, nbytes, direct view id or -1, staged items [(slot, start, end, sid, offset, n)]),
         or None where the message was not found as numbers."""
         ex = self.ex
-        keys = getattr(m.items, "keys", None)
+        keys: Callable[[], list[int]] | None = getattr(m.items, "keys", None)
         if keys is None:
             return None
-        slots = [self.slot(k) for k in keys()]
-        if None in slots:
+        found = [self.slot(k) for k in keys()]
+        if None in found:
             return None
+        slots = cast("list[int]", found)
         peer = ex.peer(m)
         key = (ex.sender, peer, m.index)
         if len(slots) == 1 and (d := ex.spans._direct.get(key)) is not None and d[1] >= 0 \
@@ -714,6 +784,7 @@ class _Compiler:
         got = ex.spans._of.get(key)
         if not got or any(lay != self.slots[s][1] for lay, s in zip(got[0], slots)):
             return None
+        sizes: array[int] | list[int]
         _, spans, sizes, picks, sids = got
         starts = np.concatenate(([0], np.cumsum(np.asarray(sizes, dtype=np.int64))[:-1])).tolist()
         sizes = sizes.tolist()
@@ -723,9 +794,11 @@ class _Compiler:
             items.append((s, spans[2 * j], spans[2 * j + 1], -1 if sids is None else sids[j], starts[p], sizes[p]))
         return peer, m.index, m.nbytes, -1, items
 
-    def part(self, msgs: list[Any], peer_rank: Callable[[int], int]) -> Part:
+    def part(self, msgs: list[_Msg], peer_rank: Callable[[int], int]) -> Part:
         """A posting of ``msgs``; a sender's staged message equal to one before it in the posting
         (its items at the same offsets: a replica's) is sent from that one's span."""
+        copies: list[_Copy]
+        same: dict[tuple[int, tuple[_Copy, ...]], int]
         part, copies, same = Part(), [], {}
         for peer, index, nbytes, vid, items in msgs:
             rank = self.peers.setdefault(peer, peer_rank(peer))
@@ -735,6 +808,7 @@ class _Compiler:
             if vid >= 0:
                 part.vids.append(vid)
                 continue
+            items = cast("list[_Copy]", items)  # (a staged message: its items)
             if self.ex.sender:
                 key = (nbytes, tuple(items))
                 if key in same:
@@ -749,7 +823,7 @@ class _Compiler:
         self._copies(part, copies)
         return part
 
-    def _copies(self, part: Part, copies: list[Any]) -> None:
+    def _copies(self, part: Part, copies: list[_Copy]) -> None:
         merged: list[list[int]] = []
         for s, a, b, sid, off, n in copies:
             last = merged[-1] if merged else None
@@ -759,6 +833,7 @@ class _Compiler:
             else:
                 merged.append([s, a, b, sid, off, n])
         merged = self._batches(part, merged)
+        shapes: list[tuple[tuple[int, ...], int] | None]
         at, shapes = 0, []
         for s, a, b, sid, off, n in merged:
             if off > at:
@@ -812,7 +887,7 @@ class _Compiler:
         return rest
 
 
-def _widen(shape: tuple[int, ...], strides: tuple[int, ...], width: int | None = None) -> tuple[Any, Any, int]:
+def _widen(shape: tuple[int, ...], strides: tuple[int, ...], width: int | None = None) -> _Shape:
     """A byte view's (shape, strides) in elements of ``width`` bytes (a strided box: its last dim's
     bytes; a run: ``width``), where they divide; else as it is, width 1."""
     if width is None:  # a strided box: (*sizes, element bytes), (*byte strides, 1)
@@ -833,27 +908,33 @@ def _row_major(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def _fits(msgs: list[Any], room: int) -> bool:
+def _fits(msgs: list[_Msg], room: int) -> bool:
     """Consecutive rounds' messages post as one: at most ``PEERS`` messages and half the staging
     (each end keeps its order per peer; on an ordered plane the round's direct messages go with it)."""
     return len(msgs) <= PEERS and sum(align_up(x[2], ALIGN) for x in msgs if x[3] < 0) <= room // 2
 
 
-def compile_rounds(ex: _Executor, plan_rounds: Any, peer_rank: Callable[[int], int]) -> FastRounds | None:
+def compile_rounds(ex: _End, plan_rounds: Iterable[list[Message]],
+                   peer_rank: Callable[[int], int]) -> FastRounds | None:
     """``plan_rounds`` (``handshake.Rounds``) compiled from what executor ``ex`` found in the dense
     sync it just ran, or None where a message was not found as numbers (a dtype cast, a tensor
     that is not contiguous) or the rounds have more than :data:`FAST_ITEMS` items."""
-    compact = getattr(plan_rounds, "compact", None)
+    compact: CompactRounds | None = getattr(plan_rounds, "compact", None)
     if compact is None or compact.num_items > FAST_ITEMS:
         return None
     if any(v is False for v in ex.spans._of.values()) or any(g[1][0] is None for g in ex.memo.values()):
         return None  # a message goes item by item (a cast, a tensor not contiguous): known without a pass
     comp = _Compiler(ex, compact.key_names)
+    rounds: list[tuple[Part | None, Part | None]]
+    pending: list[_Msg]
+    early: Part | None
+    staged: Part | None
     rounds, pending = [], []
     for rnd in chain(plan_rounds, [None]):  # (None: flush the last)
-        msgs = [] if rnd is None else [comp.message(m) for m in rnd]
-        if None in msgs:
+        found = [] if rnd is None else [comp.message(m) for m in rnd]
+        if None in found:
             return None
+        msgs = cast("list[_Msg]", found)
         if rnd is not None and _fits(pending + msgs, ex.staging.room):
             pending += msgs  # thin rounds merge (one peer's stream, peers' last messages): fewer posts
             continue

@@ -21,17 +21,19 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypedDict, cast
 
 import torch
 
 from ..plan.fp8_blocks import FP8_SUFFIX, SCALE_SUFFIX, block_count, split_piece, whole_blocks
 from ..plan.regions import Region, box_slices
+from ..plan.schedule import Message
 from ..plan.transfer import DestPiece, TensorSource, dtype_itemsize
 from ..protocol import dtype_from_name
+from ..worker.destinations import WorkerDestinations
 from ..worker.fp8 import block_size, quantize_blocks, scale_name
 
-__all__ = ["TrainerWire", "WorkerWire", "split_dests", "wire_stats"]
+__all__ = ["TrainerWire", "WireStats", "WorkerWire", "split_dests", "wire_stats"]
 
 
 class TrainerWire:
@@ -39,7 +41,7 @@ class TrainerWire:
     send (read from its rounds once, at init)."""
 
     def __init__(self, sources: Sequence[TensorSource], block: tuple[int, int], rank: int,
-                 rounds: Iterable[list[Any]]) -> None:
+                 rounds: Iterable[list[Message]]) -> None:
         cut = len(FP8_SUFFIX)
         names = {it.name[:-cut] for rnd in rounds for m in rnd for it in m.items if it.name.endswith(FP8_SUFFIX)}
         self.sources = [s for s in sources if s.name in names]
@@ -70,12 +72,12 @@ class WorkerWire:
     blocks: dict[str, int] = field(default_factory=lambda: {"trainer": 0, "worker": 0})
     saved_bytes: int = 0  # what mode (a) would receive more (fp8 instead of the trainer's dtype, less scales)
 
-    def to_wire(self) -> dict[str, Any]:
+    def to_wire(self) -> dict[str, int]:
         return {**self.blocks, "saved_bytes": self.saved_bytes}
 
 
-def split_dests(model: torch.nn.Module, dests: Any, sources: Sequence[TensorSource],
-                block: tuple[int, int] | None) -> WorkerWire:
+def split_dests(model: torch.nn.Module, dests: WorkerDestinations, sources: Sequence[TensorSource],
+                block: Sequence[int] | None) -> WorkerWire:
     """Worker side: ``dests``' pieces with those into block-FP8 weights split for FP8 on the wire
     (``block``: the trainer's ``fp8_block``; None: mode (a), nothing split, the blocks counted).
     ``ValueError`` naming the parameter where the model's blocks are not the trainer's."""
@@ -95,7 +97,8 @@ def split_dests(model: torch.nn.Module, dests: Any, sources: Sequence[TensorSour
         if tuple(block) != mine:
             raise ValueError(f"parameter {p.name!r}: the trainer quantizes {block[0]} x {block[1]} blocks "
                              f"(fp8_block), vLLM's {p.param} has {mine[0]} x {mine[1]} (weight_block_size)")
-        _split(out, p, by_name[p.name], mine, scale_name(p.param.rpartition(".")[2]))
+        scale = cast(str, scale_name(p.param.rpartition(".")[2]))  # (a block-FP8 weight has its scale)
+        _split(out, p, by_name[p.name], mine, scale)
     if block is not None:
         out.wire_params = list(dict.fromkeys(p.param for p in out.pieces if p.param.endswith(FP8_SUFFIX)))
     return out
@@ -125,7 +128,14 @@ def _model_block(model: torch.nn.Module, param: str) -> tuple[int, int]:
     return got
 
 
-def wire_stats(fp8: Sequence[Mapping[str, int]], lower_bound: Mapping[int, int]) -> dict[str, Any]:
+class WireStats(TypedDict, total=False):
+    """The sync stats' FP8 fields (``M2NSyncStats``), where any block is quantized."""
+
+    fp8_blocks_per_worker: dict[int, dict[str, int]]
+    unquantized_bytes_per_worker: dict[int, int]
+
+
+def wire_stats(fp8: Sequence[Mapping[str, int]], lower_bound: Mapping[int, int]) -> WireStats:
     """Rank 0: the sync stats' FP8 fields from every worker's published counts."""
     if not any(f.get("trainer", 0) or f.get("worker", 0) for f in fp8):
         return {}
@@ -135,6 +145,6 @@ def wire_stats(fp8: Sequence[Mapping[str, int]], lower_bound: Mapping[int, int])
                                              for w, f in enumerate(fp8)}}
 
 
-def with_pieces(dests: Any, wire: WorkerWire) -> Any:
+def with_pieces(dests: WorkerDestinations, wire: WorkerWire) -> WorkerDestinations:
     """``dests`` with the pieces the worker asks the plan for, the pseudo-parameters among its via-loader ones."""
     return dataclasses.replace(dests, pieces=tuple(wire.pieces), via_loader=(*dests.via_loader, *wire.wire_params))

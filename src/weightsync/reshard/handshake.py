@@ -8,30 +8,46 @@ import hashlib
 import json
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TypedDict, cast
 
 from ..comm import Communicator
 from ..control import m2n_dest
 from ..plan.regions import Region
-from ..plan.schedule import ALONE, PEERS, Message, pair_rounds
+from ..plan.schedule import ALONE, PEERS, ItemProbe, Message, pair_rounds
 from ..plan.transfer import DestPiece, PairItems, TensorSource, TransferPlan, build_plan, dtype_itemsize
-from .executor import FastRounds, run_rounds  # re-exported: the executor's callers import it from here
+from ..worker.destinations import WorkerDestinations
+from .executor import DEPTH, FastRounds, run_rounds  # DEPTH, run_rounds re-exported: callers import them from here
 from .packing import Spans
 
-__all__ = ["FALLBACK", "sources_to_wire", "sources_from_wire", "sources_digest", "source_name", "show_source",
-           "dests_to_wire", "Gathered", "gather_plan", "Rounds", "my_messages", "run_rounds"]
+__all__ = ["DEPTH", "FALLBACK", "DestsWire", "SourceWire", "sources_to_wire", "sources_from_wire", "sources_digest",
+           "source_name", "show_source", "dests_to_wire", "Gathered", "gather_plan", "Rounds", "my_messages",
+           "run_rounds"]
 
 FALLBACK = "fallback:"
 """Prefix of the pseudo-parameter a fallback tensor lands in (whole), before ``load_weights``."""
 
+SourceWire = tuple[str, list[int], str, list[list[list[int]]]]
+"""A source's wire form: ``[name, shape, dtype, [[offsets, sizes] of each trainer rank]]``, a JSON
+array (a list, as the store gives it back), typed as the tuple of fields it is read as."""
 
-def sources_to_wire(sources: list[TensorSource]) -> list[Any]:
+
+class DestsWire(TypedDict):
+    """A worker's destinations, JSON-safe (:func:`dests_to_wire`)."""
+
+    pieces: list[list[str | list[int]]]  # [name, offsets, sizes, param, param offsets]
+    fallbacks: list[list[str | int]]  # [name, reason, nbytes]
+    tied: list[str]
+    via_loader: list[str]
+    fp8: dict[str, int]
+
+
+def sources_to_wire(sources: list[TensorSource]) -> list[SourceWire]:
     """JSON-safe form of the trainer sources (compared for equality across trainer ranks)."""
-    return [[s.name, list(s.shape), s.dtype, [[list(r.offsets), list(r.sizes)] for r in s.regions]]
-            for s in sources]
+    return cast("list[SourceWire]", [[s.name, list(s.shape), s.dtype, [[list(r.offsets), list(r.sizes)]
+                                                                       for r in s.regions]] for s in sources])
 
 
-def sources_from_wire(wire: list[Any]) -> list[TensorSource]:
+def sources_from_wire(wire: list[SourceWire]) -> list[TensorSource]:
     shared: dict[str, tuple[Region, ...]] = {}  # one regions tuple per layout keeps planning fast
     out = []
     for name, shape, dtype, regions in wire:
@@ -42,22 +58,22 @@ def sources_from_wire(wire: list[Any]) -> list[TensorSource]:
     return out
 
 
-def sources_digest(wire: list[Any]) -> str:
+def sources_digest(wire: list[SourceWire]) -> str:
     """The digest the trainer ranks agree on: their sources' wire form, hashed."""
     return hashlib.sha256(json.dumps(wire).encode()).hexdigest()
 
 
-def source_name(wire: list[Any]) -> str:
+def source_name(wire: SourceWire) -> str:
     """A source's name, from its wire form."""
     return wire[0]
 
 
-def show_source(wire: list[Any]) -> str:
+def show_source(wire: SourceWire) -> str:
     """A source's wire form, in a message: dtype, shape and each trainer rank's shard sizes."""
     return f"{wire[2]} {tuple(wire[1])} (shards {[tuple(sizes) for _, sizes in wire[3]]})"
 
 
-def dests_to_wire(dests: Any, fp8: dict[str, int] | None = None) -> dict[str, Any]:
+def dests_to_wire(dests: WorkerDestinations, fp8: dict[str, int] | None = None) -> DestsWire:
     """``WorkerDestinations`` -> JSON-safe: pieces, fallbacks (land whole), tied names, the params
     among the pieces' that are received in checkpoint layout and go through vLLM's processing, and
     ``fp8``: the worker's block-FP8 counts (``fp8.WorkerWire.to_wire``)."""
@@ -112,7 +128,7 @@ class Rounds:
     iterable any number of times, each pass making its :class:`Message` s from the arrays."""
 
     def __init__(self, pairs: PairItems, itemsize_of: Callable[[str], int], cap: int,
-                 apart: Callable[[Any], bool] | None = None, alone: int = ALONE, peers: int = PEERS) -> None:
+                 apart: Callable[[ItemProbe], bool] | None = None, alone: int = ALONE, peers: int = PEERS) -> None:
         self.compact = pair_rounds(pairs, cap=cap, itemsize_of=itemsize_of, apart=apart, alone=alone, peers=peers)
         self.items = pairs.count()  # the plan's items (the pieces a large one is cut into: compact.num_items)
         self.spans = Spans()  # the staged messages' byte spans, found on the first sync (the executor's)
@@ -140,6 +156,6 @@ def my_messages(plan: TransferPlan, sources: list[TensorSource], *, rank: int, s
     size = {s.name: dtype_itemsize(s.dtype) for s in sources}
     apart = None
     if any(dense_only):
-        def apart(item: Any) -> bool:
+        def apart(item: ItemProbe) -> bool:
             return item.param in dense_only[item.dst_rank]
     return Rounds(plan.pairs(rank, sender=sender), size.__getitem__, cap, apart, alone, peers)

@@ -2,8 +2,9 @@
 
 :func:`pack` / :func:`unpack` move tensors into and out of the buckets that
 :func:`weightsync.plan.buckets.plan_buckets` plans. :class:`Staging` hands out the M2N executor's
-spans of its staging buffer; :class:`ByteRuns` views boxes of tensors as byte slices. :func:`fold_checksum` folds a tensor's bytes
-into a running checksum for ``verify=True`` syncs, on the tensor's own device, in bounded memory.
+spans of its staging buffer; :class:`ByteRuns` views boxes of tensors as byte slices.
+:func:`fold_checksum` folds a tensor's bytes into a running checksum for ``verify=True`` syncs, on
+the tensor's own device, in bounded memory.
 
 The checksum of one tensor
 --------------------------
@@ -28,8 +29,8 @@ transient memory <= 2 x CHUNK_BYTES on the tensor's device, whatever the tensor'
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import Literal, cast
 
 import torch
 
@@ -38,7 +39,8 @@ from ..plan.schedule import ALIGN
 from ..plan.transfer import align_up
 from ..protocol import dtype_from_name
 
-__all__ = ["CHUNK_BYTES", "ROW_WORDS", "ByteRuns", "Spans", "Staging", "fold_checksum", "fold_value", "pack", "unpack"]
+__all__ = ["CHUNK_BYTES", "ROW_WORDS", "ByteRuns", "Flat", "Layout", "SpanKey", "Spans", "Staging", "fold_checksum",
+           "fold_value", "pack", "unpack"]
 
 CHUNK_BYTES = 16 << 20
 """Bytes of the int64 work buffer one :func:`fold_checksum` call allocates (bounds its memory)."""
@@ -51,6 +53,18 @@ _ROWS = CHUNK_BYTES // 8 // ROW_WORDS  # rows per work-buffer pass: 512 rows, 8 
 _INPUT_BYTES = _ROWS * _ROW_BYTES  # most input bytes read (and maybe copied) at once: CHUNK_BYTES / 2
 _MOD = (1 << 61) - 1
 _P = 1_000_003
+
+Layout = tuple[tuple[int, ...], tuple[int, ...], torch.dtype]
+"""A tensor's layout: (shape, byte strides, dtype); the same box of two tensors of one layout is the same bytes."""
+Flat = tuple[torch.Tensor | None, Layout]
+"""A tensor's bytes, flat (None when it is not contiguous), and its layout (:meth:`ByteRuns.flat`)."""
+SpanKey = tuple[bool, int, int]
+"""A message as :class:`Spans` keys it: (sender end?, peer, message index)."""
+_Cached = tuple[torch.Tensor, torch.Tensor | None, tuple[int, ...], tuple[int, ...], int]  # t, flat, shape, strides, es
+_ByteShape = tuple[tuple[int, ...], tuple[int, ...]]  # a strided byte view's (shape, strides)
+_Found = tuple[tuple[Layout, ...], "array[int]", "array[int]", list[int] | None, "array[int] | None"]
+"""A staged message's items (:meth:`Spans.pairs`): layouts, [start, end] * items in their tensors, the
+message's split sizes, the parts that are items (None: all) and strided shape ids (None: no strided item)."""
 
 
 def pack(buffer: torch.Tensor, entry: BucketEntry, tensor: torch.Tensor) -> None:
@@ -111,7 +125,7 @@ class ByteRuns:
     no view in the tensor's dtype and no slice per dim (the executor's per-item hot path)."""
 
     def __init__(self) -> None:
-        self._of: dict[int, tuple[torch.Tensor, torch.Tensor | None, tuple[int, ...], tuple[int, ...], int]] = {}
+        self._of: dict[int, _Cached | tuple[*_Cached, Layout]] = {}  # id(t) -> t, its bytes, ... (+ its layout)
         self._strides: dict[tuple[int, ...], tuple[int, ...]] = {}  # a shape -> its row-major strides
 
     def box(self, t: torch.Tensor, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor | None:
@@ -141,7 +155,7 @@ class ByteRuns:
             return flat[start : start + n]
         return flat.as_strided((*sizes, n), (*strides, 1), flat.storage_offset() + start)
 
-    def flat(self, t: torch.Tensor) -> tuple[torch.Tensor | None, tuple[Any, ...]]:
+    def flat(self, t: torch.Tensor) -> Flat:
         """``t``'s bytes, flat (None when ``t`` is not contiguous), and its layout: (shape, byte
         strides, dtype); the same box of two tensors of one layout is the same bytes of each."""
         got = self._of.get(id(t))
@@ -152,10 +166,11 @@ class ByteRuns:
             got = self._of[id(t)] = (*got, (got[2], got[3], t.dtype))
         return got[1], got[5]
 
-    def likes(self, buf: torch.Tensor, offsets: tuple[int, ...], boxes: list[torch.Tensor | None]) -> list[Any]:
+    def likes(self, buf: torch.Tensor, offsets: tuple[int, ...],
+              boxes: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """:meth:`like` of each box (None where it is None); a run of boxes of one shape that lie
         back to back in ``buf`` is one view of it, unbound (no Python call per box)."""
-        out: list[Any] = [None] * len(boxes)
+        out: list[torch.Tensor | None] = [None] * len(boxes)
         i, n = 0, len(boxes)
         while i < n:
             b = boxes[i]
@@ -163,7 +178,8 @@ class ByteRuns:
                 i += 1
                 continue
             shape, nb, j = b.shape, b.numel(), i + 1
-            while j < n and (c := boxes[j]) is not None and c.shape == shape and offsets[j] == offsets[i] + (j - i) * nb:
+            while j < n and (c := boxes[j]) is not None and c.shape == shape \
+                    and offsets[j] == offsets[i] + (j - i) * nb:
                 j += 1
             if j - i == 1:
                 out[i] = self.like(buf, offsets[i], b)
@@ -197,10 +213,11 @@ class Spans:
     layout reference, no view: the views are cut each sync."""
 
     def __init__(self) -> None:
-        self._of: dict[Any, Any] = {}  # key -> (layouts, [start, end] * items, split sizes, picks, shape ids) or False
-        self._direct: dict[Any, tuple[Any, int]] = {}  # key -> (layout, start or -1: not one run)
-        self._shapes: dict[tuple[Any, Any], int] = {}  # (shape, strides) of a strided byte view -> its id
-        self._shape_list: list[tuple[Any, Any]] = []
+        self._of: dict[SpanKey, _Found | Literal[False]] = {}  # key -> (layouts, [start, end] * items, split
+        # sizes, picks, shape ids) or False
+        self._direct: dict[SpanKey, tuple[Layout, int]] = {}  # key -> (layout, start or -1: not one run)
+        self._shapes: dict[_ByteShape, int] = {}  # (shape, strides) of a strided byte view -> its id
+        self._shape_list: list[_ByteShape] = []
 
     def __len__(self) -> int:
         return len(self._of) + len(self._direct)
@@ -215,18 +232,23 @@ class Spans:
                 n += 0 if sids is None else sids.itemsize * len(sids)
         return n
 
-    def direct(self, key: Any, flat: torch.Tensor, layout: Any, nbytes: int, find: Any) -> torch.Tensor | None:
+    def direct(self, key: SpanKey, flat: torch.Tensor, layout: Layout, nbytes: int,
+               find: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
         """The ``nbytes`` of a one-item message in the tensor ``flat`` is of (one run of it), or None:
-        ``find()`` gives its 1-D byte view or None, called when ``layout`` is not the one seen last."""
+        ``find()`` gives its 1-D byte view or None, called when ``layout`` is not the one seen last.
+        (torch types ``storage_offset()`` ``int | SymInt``: a SymInt only while tracing.)"""
         got = self._direct.get(key)
         if got is None or got[0] != layout:
             view = find()
             ok = view is not None and view.dim() == 1 and view.numel() == nbytes
-            got = self._direct[key] = (layout, view.storage_offset() - flat.storage_offset() if ok else -1)
+            at: int = (view.storage_offset() - flat.storage_offset()  # type: ignore[assignment]
+                       if ok and view is not None else -1)
+            got = self._direct[key] = (layout, at)
         return None if got[1] < 0 else flat[got[1] : got[1] + nbytes]
 
-    def pairs(self, key: Any, runs: ByteRuns, tensors: list[torch.Tensor], buf: torch.Tensor,
-              find: Any, flats: list[Any] | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+    def pairs(self, key: SpanKey, runs: ByteRuns, tensors: list[torch.Tensor], buf: torch.Tensor,
+              find: Callable[[int], tuple[torch.Tensor, int] | None],
+              flats: list[Flat] | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
         """(tensor side, ``buf`` side) byte views of each item, or None where an item's tensor is not
         contiguous in the wire dtype. ``find(i)``: item i's byte view of its tensor (a
         :meth:`ByteRuns.box`: 1-D when one run, else strided) and its offset in ``buf``, or None;
@@ -241,23 +263,26 @@ class Spans:
             if got is False:
                 return None
         lays, spans, sizes, picks, sids = got
-        parts = buf.split(sizes.tolist())
+        found = cast("list[tuple[torch.Tensor, Layout]]", flats)  # (found: every tensor is contiguous)
+        parts = buf.split(sizes.tolist())  # type: ignore[no-untyped-call]  # torch's Tensor.split is unannotated
         theirs = list(parts) if picks is None else [parts[j] for j in picks]
         if sids is None:
-            return [f[0][spans[j] : spans[j + 1]] for f, j in zip(flats, range(0, len(spans), 2))], theirs
+            return [f[0][spans[j] : spans[j + 1]] for f, j in zip(found, range(0, len(spans), 2))], theirs
         shapes = self._shape_list
         mine = [f[0][s:e] if k < 0 else f[0].as_strided(*shapes[k], f[0].storage_offset() + s)
-                for f, s, e, k in zip(flats, spans[0::2], spans[1::2], sids)]
+                for f, s, e, k in zip(found, spans[0::2], spans[1::2], sids)]
         return mine, [p if k < 0 else p.view(shapes[k][0]) for p, k in zip(theirs, sids)]
 
-    def _find(self, flats: list[Any], buf: torch.Tensor, find: Any) -> Any:
+    def _find(self, flats: list[Flat], buf: torch.Tensor,
+              find: Callable[[int], tuple[torch.Tensor, int] | None]) -> _Found | Literal[False]:
+        picks: list[int]
         spans, sizes, sids, picks, at = array("q"), array("q"), array("q"), [], 0
         for i, (flat, _) in enumerate(flats):
             got = find(i) if flat is not None else None
-            if got is None:
+            if got is None or flat is None:
                 return False
             view, off = got
-            start = view.storage_offset() - flat.storage_offset()
+            start: int = view.storage_offset() - flat.storage_offset()  # type: ignore[assignment]  # (SymInt: see direct)
             spans.extend((start, start + view.numel()))
             shape = (tuple(view.shape), tuple(view.stride())) if view.dim() != 1 else None
             sids.append(-1 if shape is None else self._shapes.setdefault(shape, len(self._shape_list)))

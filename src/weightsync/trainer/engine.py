@@ -63,6 +63,7 @@ class TrainerEngine:
     data_plane: ClassVar[PlaneFactory] = TorchGroupPlane
     """The data plane this transport's parties join (``_data_rank``); its workers' engine names the same."""
     _chunks = 0  # chunks the last sync handed over on the store (ipc), whose keys ``_forget`` deletes
+    comm: Communicator | None  # the group's control channel (None: not connected, or shut down)
 
     def __init__(self, init_info: TrainerInitInfo, *, client: Any, source: WeightSource | None) -> None:
         self.init_info = init_info
