@@ -77,7 +77,7 @@ class TrainerEngine:
         i = self.init_info
         return {"master_address": i.master_address, "master_port": port, "timeout_s": i.timeout_s,
                 "rollback": i.rollback, "cast_dtypes": i.cast_dtypes, "partial": list(i.partial),
-                "session": self.session, "take_over": i.take_over}
+                "session": self.session, "take_over": i.take_over, "store_group": self.comm.group}
 
     def _data_rank(self) -> tuple[int, int] | None:
         """``(rank, world size)`` of this trainer rank in the data plane, or None (control only)."""

@@ -187,7 +187,7 @@ class WorkerEngine:
         i = init_info
         try:
             self.comm = Communicator.connect(i.master_address, i.master_port, name=f"worker {self.worker_rank}",
-                                             timeout_s=i.timeout_s)
+                                             timeout_s=i.timeout_s, group=i.store_group)
             self._check_deployment(i)
             self._init(i)
         except BaseException as e:
