@@ -48,9 +48,9 @@ def run(repeats: int) -> dict[str, Any]:
         value = os.urandom(size)
         counter = iter(range(1, 1 << 30))
         sealed = store.seal("sync1/plan", value, 1)
-        seal_s = _median_s(lambda: store.seal("sync1/plan", value, next(counter)), repeats)
+        seal_s = _median_s(lambda v=value, c=counter: store.seal("sync1/plan", v, next(c)), repeats)
         store.seen.clear()
-        open_s = _median_s(lambda: store.open("sync1/plan", sealed), repeats)
+        open_s = _median_s(lambda b=sealed: store.open("sync1/plan", b), repeats)
         rows.append({"size": label, "bytes": size, "seal_s": seal_s, "open_s": open_s,
                      "overhead_bytes": len(sealed) - size})
         print(f"{label:>6}: seal {seal_s * 1e3:8.3f} ms  open {open_s * 1e3:8.3f} ms  (+{len(sealed) - size} bytes)")

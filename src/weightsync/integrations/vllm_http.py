@@ -100,6 +100,7 @@ OUT_OF_ORDER = (
     "start_weight_update must run before update_weights",
     "finish_weight_update without start_weight_update",
     "init_weight_transfer_engine must run first",
+    "a call its trainer session did not announce",                         # (``worker.engine.FENCED``)
 )
 """Worker errors that mean "call in the wrong order", refused before any weight changed."""
 _WORKER_ERROR = re.compile(r"Worker failed with error '(.*)', please check", re.S)
