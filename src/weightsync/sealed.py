@@ -336,6 +336,8 @@ def _client_store(host: str, port: int, timeout: timedelta, key: bytes | None, e
         group = bytes.fromhex(raw.get(_GROUP).decode())
     except ValueError:
         raise ForgedValueError(f"forged value rejected under store key {_GROUP!r}: not a group id") from None
+    except Exception as e:  # noqa: BLE001 - deleted, or the store went away
+        raise DataPlaneError(f"{where} has no group id under {_GROUP!r} ({str(e).splitlines()[0][:200]})") from None
     if len(group) != 16:
         raise ForgedValueError(f"forged value rejected under store key {_GROUP!r}: {len(group)} bytes, not 16")
     if expected and group.hex() != expected:

@@ -169,7 +169,8 @@ def inspect_request(path: str, body: bytes, backend: str | None, current: str | 
         raise RequestError(str(e), e.param) from None
     except ValueError as e:
         raise RequestError(f"the request body is not JSON: {e}") from None
-    return _validated(key, data, backend, current), data[key]
+    named = _validated(key, data, backend, current)  # (a JSON object holding ``key``, once it returns)
+    return named, data[key] if isinstance(data, dict) else None
 
 
 def _validated(key: str, data: Any, backend: str | None, current: str | None) -> str | None:
