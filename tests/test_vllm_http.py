@@ -482,3 +482,17 @@ def test_a_large_body_is_validated_off_the_event_loop():
     asyncio.run(main())
     assert order == ["other request done", "update answered 200"]
     assert app.bodies == [body]
+
+
+def test_a_workers_refusal_of_an_unannounced_finish_is_403_and_the_update_stays_tracked():
+    refusal = {"error": {"message": "Call to collective_rpc method failed: Worker failed with error 'worker 0 refuses "
+                                    "this finish: a call its trainer session did not announce; it is bound to trainer "
+                                    "session 'a', whose store announces no such call, not sync 1', please check the "
+                                    "stack trace above for the root cause", "code": 500}}
+    app = FakeApp(reply=(500, refusal))
+    mw = WeightSyncRequestValidation(app)
+    mw.active = True  # a trainer's update, live
+    status, body = post(app, "/finish_weight_update", {"weight_version": "rogue"}, mw)
+    assert (status, body["error"]["type"]) == (403, "ForbiddenError"), body
+    assert body["error"]["message"].startswith("worker 0 refuses this finish: a call its trainer session did not")
+    assert mw.active, "the live update is still tracked: an init during it is still answered 409"

@@ -100,9 +100,11 @@ OUT_OF_ORDER = (
     "start_weight_update must run before update_weights",
     "finish_weight_update without start_weight_update",
     "init_weight_transfer_engine must run first",
-    "a call its trainer session did not announce",                         # (``worker.engine.FENCED``)
 )
 """Worker errors that mean "call in the wrong order", refused before any weight changed."""
+FENCED = "a call its trainer session did not announce"
+"""In a worker's refusal of a start or finish its trainer session did not announce (``worker.engine.FENCED``):
+answered 403, and the update this server tracks stays active (it is the trainer's, still live)."""
 _WORKER_ERROR = re.compile(r"Worker failed with error '(.*)', please check", re.S)
 _FIELD = re.compile(r"field '(\w+)'|unknown field\(s\) \['(\w+)'|argument: '(\w+)'|^(?:init|update)_info\.(\w+)")
 
@@ -409,10 +411,18 @@ async def _respond(send: Callable[[Message], Awaitable[None]], status: int, body
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
+async def _refused(send: Callable[[Message], Awaitable[None]], text: str) -> int:
+    """Answer a worker's refusal: 403 for a call its trainer session did not announce, else 409 (out of
+    order). Returns the status sent."""
+    status, kind = (403, "ForbiddenError") if FENCED in text else (409, "ConflictError")
+    await _respond(send, status, _error_body(text, status, kind))
+    return status
+
+
 async def _forward_mapping_conflicts(app: ASGIApp, scope: Scope, receive: Callable[[], Awaitable[Message]],
                                      send: Callable[[Message], Awaitable[None]]) -> int:
-    """Run ``app``; a 5xx or an exception whose text is an out-of-order refusal goes out as 409.
-    Returns the status sent."""
+    """Run ``app``; a 5xx or an exception whose text is an out-of-order refusal goes out as 409, a
+    worker's refusal of a call its trainer session did not announce as 403. Returns the status sent."""
     start: Message | None = None
     held: list[bytes] = []
     sent = 0
@@ -434,14 +444,13 @@ async def _forward_mapping_conflicts(app: ASGIApp, scope: Scope, receive: Callab
             return
         body = b"".join(held)
         text = body.decode(errors="replace")
-        if any(s in text for s in OUT_OF_ORDER):
+        if any(s in text for s in (*OUT_OF_ORDER, FENCED)):
             try:
                 text = json.loads(body)["error"]["message"]
             except (ValueError, KeyError, TypeError):
                 pass
             inner = _WORKER_ERROR.search(text)
-            sent = 409
-            await _respond(send, 409, _error_body(inner.group(1) if inner else text, 409, "ConflictError"))
+            sent = await _refused(send, inner.group(1) if inner else text)
         else:
             sent = start["status"]
             await send(start)
@@ -451,9 +460,8 @@ async def _forward_mapping_conflicts(app: ASGIApp, scope: Scope, receive: Callab
         await app(scope, receive, watch)
     except Exception as e:  # vLLM leaves raw errors to Starlette's outermost handler, outside this middleware
         text = str(e)
-        if sent or start is not None or not any(s in text for s in OUT_OF_ORDER):
+        if sent or start is not None or not any(s in text for s in (*OUT_OF_ORDER, FENCED)):
             raise
         inner = _WORKER_ERROR.search(text)
-        await _respond(send, 409, _error_body(inner.group(1) if inner else text, 409, "ConflictError"))
-        return 409
+        return await _refused(send, inner.group(1) if inner else text)
     return sent
