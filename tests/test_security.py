@@ -487,9 +487,11 @@ def test_a_secret_under_32_bytes_is_refused_saying_how_to_make_one(secret):
 
 
 def test_sealing_uses_aes_gcm_not_a_hand_written_cipher():
-    import weightsync.sealed as sealed
+    from pathlib import Path
 
-    source = open(sealed.__file__).read()
+    from weightsync import sealed
+
+    source = Path(sealed.__file__).read_text()
     assert "AESGCM" in source and "HKDF" in source and "_keystream" not in source and "_xor" not in source
 
 

@@ -309,10 +309,10 @@ def test_vllm_serve_answers_health_while_a_14_mib_body_is_validated(server):
     """Issue 56: the middleware validates bodies off the event loop. A ``/health`` sent after a 14 MiB update
     body was sent completes before that update is answered (an ordering check, not a time bound); when the
     validation ran in the event loop, ``/health`` waited for it."""
-    import http.client as client
     import threading
     import time
     import urllib.parse
+    from http import client
 
     from test_vllm_serve import http
 

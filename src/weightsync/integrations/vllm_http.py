@@ -19,6 +19,8 @@ has already swapped the worker's transport engine by then. With it:
   any call before init) -> 409 Conflict with the worker's own words, instead of 500 (vLLM raises
   those as ``RuntimeError`` through the route, answered by Starlette's outermost error handler).
 
+* A worker refusing a start or finish its trainer session did not announce (a call from outside the
+  sync, ``WorkerEngine.fence_call``) -> 403 with the worker's words; the update stays tracked as active.
 * Limits (``weightsync.integrations.http_limits``), answered before anything reaches a worker: a body
   over ``max_body_bytes`` (``WEIGHTSYNC_HTTP_MAX_BODY_BYTES``, 16 MiB by default) -> 413; JSON nested
   deeper than 16 levels, NaN/Infinity, or any number out of its range (ports, ranks, counts, byte sizes,
@@ -247,7 +249,7 @@ class WeightSyncRequestValidation:
         if allow_no_token is None:
             allow_no_token = os.environ.get(ALLOW_NO_TOKEN_ENV, "") == "1"
         if not isinstance(allow_no_token, bool):
-            raise ValueError(f"allow_no_token must be a bool, got {allow_no_token!r}")
+            raise TypeError(f"allow_no_token must be a bool, got {allow_no_token!r}")
         self.allow_no_token = allow_no_token
         if max_body_bytes is None:
             raw = os.environ.get(MAX_BODY_ENV, "")
