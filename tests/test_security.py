@@ -24,7 +24,7 @@ from weightsync.testing.faults import JsonRoundTripClient
 
 pytestmark = [pytest.mark.timeout(600)]
 TIMEOUT_S = 20.0
-SECRET = "4f1c-shared-secret-of-the-test"
+SECRET = "4f1c-shared-secret-of-the-test-" + "0123456789abcdef" * 2  # >= 32 bytes
 PLAIN = "plan-digest-0123456789abcdef"
 
 
@@ -83,7 +83,7 @@ def test_no_party_joins_without_the_same_secret(sealed_host, monkeypatch):
     with pytest.raises(DataPlaneError, match=rf"is sealed with a shared secret: set {SECRET_ENV} on this party"):
         Communicator.connect("127.0.0.1", sealed_host.port, name="worker 0", timeout_s=TIMEOUT_S)
     with pytest.raises(DataPlaneError, match=rf"is sealed with another secret than this party's \({SECRET_ENV}\)"):
-        Communicator.connect("127.0.0.1", sealed_host.port, name="worker 0", timeout_s=TIMEOUT_S, secret="guess")
+        Communicator.connect("127.0.0.1", sealed_host.port, name="worker 0", timeout_s=TIMEOUT_S, secret="guess" * 8)
     monkeypatch.setenv(SECRET_ENV, SECRET)  # the environment variable is the default secret
     worker = Communicator.connect("127.0.0.1", sealed_host.port, name="worker 0", timeout_s=TIMEOUT_S)
     sealed_host.publish("x", 7)
@@ -133,7 +133,7 @@ def test_the_data_plane_rendezvous_goes_through_the_sealed_store(sealed_host):
         t.join(TIMEOUT_S)
     assert torch.equal(out[1], torch.arange(4.0))
     keys = _raw_client(sealed_host.port).list_keys()
-    assert keys and all(k.startswith("ws/") or k in ("weightsync/store", "weightsync/check") for k in keys), keys
+    assert keys and all(k.startswith("ws/") or k in ("weightsync/store", "weightsync/check", "weightsync/group") for k in keys), keys
     client.shutdown()
 
 
@@ -386,3 +386,130 @@ def test_an_unpaused_sync_is_refused_on_every_rank_before_anything_moves(cluster
     cluster.make_engines(info(require_paused=False))  # explicitly allowed: syncs while serving
     cluster.on_trainers("send_weights", "unpaused-allowed", pause=False)
     assert mismatches(cluster) == {} and list(client.generation_paused().values()) == [False, False]
+
+
+# ---- issue 56 item 1: per-group keys, write counters, cryptography's AES-GCM -------------------------------
+def _hosted(port: int = 0) -> Communicator:
+    return Communicator.connect("127.0.0.1", port, name="trainer rank 0", timeout_s=TIMEOUT_S, host_store=True,
+                                secret=SECRET)
+
+
+def _client(host: Communicator, **kwargs) -> Communicator:
+    return Communicator.connect("127.0.0.1", host.port, name="trainer rank 1", timeout_s=TIMEOUT_S, secret=SECRET,
+                                **kwargs)
+
+
+def _copy(key: str, src: Communicator, dst: Communicator) -> None:
+    """What an attacker on the network does: ``key``'s sealed bytes from ``src``'s store into ``dst``'s, under
+    the name ``dst``'s parties read it by."""
+    value = _raw_client(src.port).get(src.store.name(key))
+    _raw_client(dst.port).set(dst.store.name(key), value)
+
+
+def test_a_value_of_another_live_group_sharing_the_secret_is_refused_naming_the_key():
+    a, b = _hosted(), _hosted()
+    try:
+        a.publish("sync1/verdict", "ok")
+        reader = _client(b)
+        _copy("sync1/verdict", a, b)  # B never published a verdict
+        with pytest.raises(ForgedValueError, match=r"rejected under store key 'sync1/verdict'"):
+            reader.read("sync1/verdict")
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def test_a_value_from_before_a_re_init_on_the_same_port_is_refused_naming_the_key():
+    a = _hosted()
+    port = a.port
+    a.publish("init/done", "ok")
+    recorded = {"name": a.store.name("init/done"), "value": _raw_client(port).get(a.store.name("init/done"))}
+    a.shutdown()
+    del a
+    hosted: list[Communicator] = []
+    until(lambda: hosted.append(h) is None if (h := _try_host(port)) else False, "the port free again", TIMEOUT_S)
+    b = hosted[0]
+    try:
+        reader = _client(b)
+        _raw_client(port).set(b.store.name("init/done"), recorded["value"])
+        with pytest.raises(ForgedValueError, match=r"rejected under store key 'init/done'"):
+            reader.read("init/done")
+    finally:
+        b.shutdown()
+
+
+def _try_host(port: int) -> Communicator | None:
+    try:
+        return _hosted(port)
+    except OSError:
+        return None
+
+
+def test_a_client_given_the_group_id_refuses_a_store_that_names_another():
+    a, b = _hosted(), _hosted()
+    try:
+        assert len(a.group) == 32 and a.group != b.group  # a random group id per hosted group
+        assert _client(a, group=a.group).group == a.group
+        with pytest.raises(ForgedValueError, match=r"rejected under store key 'weightsync/group'"):
+            _client(b, group=a.group)
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def test_a_rewritten_keys_old_value_is_refused_naming_the_key(sealed_host):
+    reader = _client(sealed_host)
+    sealed_host.publish("sync3/held/0", 3)
+    old = _raw_client(sealed_host.port).get(sealed_host.store.name("sync3/held/0"))
+    assert reader.read("sync3/held/0") == 3
+    sealed_host.publish("sync3/held/0", None)  # the worker dropped it
+    assert reader.peek("sync3/held/0") is None
+    _raw_client(sealed_host.port).set(sealed_host.store.name("sync3/held/0"), old)  # 3 -> None -> 3
+    with pytest.raises(ForgedValueError, match=r"replayed value rejected under store key 'sync3/held/0': write 1 "
+                                               r"of the key, but this party already read write 2"):
+        reader.peek("sync3/held/0")
+
+
+def test_a_value_cannot_move_to_another_key(sealed_host):
+    reader = _client(sealed_host)
+    sealed_host.publish("sync1/started", "ok")
+    raw = _raw_client(sealed_host.port)
+    raw.set(sealed_host.store.name("sync1/verdict"), raw.get(sealed_host.store.name("sync1/started")))
+    with pytest.raises(ForgedValueError, match=r"rejected under store key 'sync1/verdict'"):
+        reader.read("sync1/verdict")
+
+
+@pytest.mark.parametrize("secret", ["short", "x" * 31])
+def test_a_secret_under_32_bytes_is_refused_saying_how_to_make_one(secret):
+    with pytest.raises(ValueError, match=r"must be at least 32 bytes, got \d+: make one with python -c "
+                                         r"\"import secrets; print\(secrets.token_hex\(32\)\)\""):
+        Communicator.connect("127.0.0.1", 0, name="host", timeout_s=TIMEOUT_S, host_store=True, secret=secret)
+
+
+def test_sealing_uses_aes_gcm_not_a_hand_written_cipher():
+    from pathlib import Path
+
+    from weightsync import sealed
+
+    source = Path(sealed.__file__).read_text()
+    assert "AESGCM" in source and "HKDF" in source and "_keystream" not in source and "_xor" not in source
+
+
+# ---- issue 56 item 5: one host per port, a deep value named, not "unreachable" ------------------------------
+def test_a_second_store_host_on_a_live_port_is_refused_whatever_its_address(sealed_host):
+    with pytest.raises(OSError) as e:
+        Communicator.connect("127.0.0.2", sealed_host.port, name="other", timeout_s=TIMEOUT_S, host_store=True)
+    assert e.value.errno == errno.EADDRINUSE and f"master_port {sealed_host.port}" in str(e.value)
+
+
+def test_a_value_nested_200000_deep_is_named_not_reported_as_an_unreachable_store():
+    host = Communicator.connect("127.0.0.1", 0, name="trainer rank 0", timeout_s=TIMEOUT_S, host_store=True, secret="")
+    try:
+        reader = Communicator.connect("127.0.0.1", host.port, name="worker 0", timeout_s=TIMEOUT_S, secret="")
+        _raw_client(host.port).set("sync1/started", "[" * 200_000 + "]" * 200_000)
+        with pytest.raises(DataPlaneError, match=r"the value under store key 'sync1/started' is nested too deep") as e:
+            reader.read("sync1/started")
+        assert "unreachable" not in str(e.value)
+        assert reader.peer_error() is None
+    finally:
+        host.shutdown()

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from helpers import until
+from weightsync import RemoteCallError
 from weightsync.testing.actors import RemoteError
 from weightsync.testing.faults import JsonRoundTripClient
 
@@ -135,24 +136,66 @@ def _trainer_b(layout, **fields):
                                                                             source=FullTensorSource(model))
 
 
+class GatedClient(JsonRoundTripClient):
+    """Trainer A's client: its update call waits until the file ``gate`` exists (meanwhile A's update is
+    started, live, on every worker), then goes on."""
+
+    def __init__(self, inner, gate: str) -> None:
+        super().__init__(inner)
+        self.gate = gate
+
+    def update_weights(self, update_info):
+        import os
+
+        until(lambda: os.path.exists(self.gate), "the test opens the gate", 3 * TIMEOUT_S)
+        super().update_weights(update_info)
+
+
+_INFO = ("(lambda e: __import__('dataclasses').asdict(getattr(e, 'engine', e).info))"
+         "(__import__('weightsync.testing.actors', fromlist=['STATE']).STATE['engine'])")
+
+
 @pytest.mark.vllm
-def test_a_second_trainer_is_refused_and_leaves_the_first_ones_live_update_alone(cluster):
+def test_a_second_trainer_is_refused_and_leaves_the_first_ones_live_update_alone(cluster, tmp_path):
+    """Issues 34 and 56: while trainer A's update is live, B's init, an init repeating A's session, a finish,
+    an abort and an update without A's session (or with another) are refused; A's update lands as A sends it.
+    Then a start A never announced is refused, and A's next sync lands."""
     from helpers import mismatches
     from weightsync.testing.cluster import Layout
 
     layout = Layout(**_NCCL)
     cluster.setup(layout)
-    cluster.make_engines(cluster.init_info(timeout_s=TIMEOUT_S))
+    gate = tmp_path / "go"
+    cluster.make_engines(cluster.init_info(timeout_s=3 * TIMEOUT_S), client=GatedClient(cluster.client(), str(gate)))
+    futs = [a.submit("weightsync.testing.trainer:send_weights", "A's") for a in cluster.active_trainers]
+    until(lambda: all(_active(a) for a in cluster.active_receivers), "trainer A's update started", TIMEOUT_S)
     client = cluster.client()
-    client.start_weight_update()  # trainer A's update is active on every worker
     _, init_b = _trainer_b(layout)
     with pytest.raises(ValueError, match=r"worker \d is bound to trainer session '[0-9a-f]{16}': the init of trainer "
                                          r"session '[0-9a-f]{16}' is refused until '[0-9a-f]{16}' shuts down its "
                                          r"engines \(or the new init asks take_over=True"):
         init_b(client)
-    client.update_weights({"abort": "trainer B gave up", "sync_id": 1, "session": "b0b0b0b0b0b0b0b0"})  # ignored
+    a_info = cluster.active_receivers[0].call("builtins:eval", _INFO, {})
+    with pytest.raises(RemoteCallError, match=r"an init repeating session '[0-9a-f]{16}' is refused"):
+        client.init_weight_transfer_engine(a_info)  # a copied init info: A's own session
+    with pytest.raises(RemoteCallError, match=r"worker \d refuses this finish: a call its trainer session did not announce; "
+                                              r"it is bound to trainer session '[0-9a-f]{16}', whose store announces no "
+                                              r"such call, not sync 1"):
+        client.finish_weight_update("rogue")
+    for session in ("", "b0b0b0b0b0b0b0b0"):  # no session, another one: ignored (vLLM keeps the update live)
+        for update in ({"abort": "rogue", "sync_id": 1, "session": session}, {"sync_id": 1, "session": session}):
+            client._fan("update_weights", update)  # (straight to the workers: not the client's own tracking)
     assert all(_active(a) for a in cluster.active_receivers)
-    client.finish_weight_update(None)  # A's update, intact: it ends as A ends it
+    gate.touch()
+    for f in futs:
+        f.result(timeout=4 * TIMEOUT_S)
+    assert mismatches(cluster) == {}
+    assert client.weight_versions() == ["A's"] * layout.num_workers
+    with pytest.raises(RemoteCallError, match=r"worker \d refuses this start: a call its trainer session did not announce; "
+                                              r"it is bound to trainer session '[0-9a-f]{16}', whose store announces start "
+                                              r"of sync 1 by trainer session '[0-9a-f]{16}', not a sync after 1"):
+        client.start_weight_update()
+    assert not any(_active(a) for a in cluster.active_receivers)
     cluster.train_step(8)
     cluster.sync(weight_version="still A's", verify=True)
     assert mismatches(cluster) == {}

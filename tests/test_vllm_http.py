@@ -35,7 +35,7 @@ class FakeApp:
 
     def __init__(self, backend: str | None = "weightsync", reply: tuple[int, dict] = (200, {"message": "ok"})) -> None:
         self.state = SimpleNamespace(args=SimpleNamespace(weight_transfer_config=SimpleNamespace(backend=backend),
-                                                          api_server_count=1))
+                                                          api_server_count=1, host="127.0.0.1"))
         self.reply, self.bodies = reply, []
 
     async def __call__(self, scope, receive, send):
@@ -398,3 +398,101 @@ def test_http_errors_carry_status_and_pause_modes_reach_vllm(http_server):
         client.pause_generation(mode="drain")
     with pytest.raises(ValueError, match="base_url must be http"):
         HTTPVLLMWeightSyncClient("localhost:8000")
+
+
+# --- issue 56: every engine-changing route under the token, abort read from the parsed body, no stall ----
+ENGINE_ROUTES = ["/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update",
+                 "/reset_prefix_cache", "/reset_mm_cache", "/reset_encoder_cache", "/start_profile", "/stop_profile",
+                 "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/scale_elastic_ep"]
+
+
+@pytest.mark.parametrize("path", ENGINE_ROUTES)
+def test_weight_cache_profile_lora_and_scaling_routes_answer_401_without_the_token(path):
+    app = FakeApp()
+    mw = WeightSyncRequestValidation(app, token="s3cret")
+    status, reply = raw_call(mw, app, path, b"{}")
+    assert (status, reply["error"]["type"]) == (401, "UnauthorizedError"), reply
+    assert reply["error"]["message"].startswith(f"{path} needs the weight-transfer token")
+    assert app.bodies == [], "nothing reached vLLM"
+
+
+@pytest.mark.parametrize("host", [None, "0.0.0.0", "10.1.2.3", "::", "node7.cluster"])
+def test_a_server_bound_beyond_loopback_refuses_engine_routes_without_a_token_unless_allowed(host, monkeypatch):
+    monkeypatch.delenv("WEIGHTSYNC_HTTP_ALLOW_NO_TOKEN", raising=False)
+    app = FakeApp()
+    app.state.args.host = host
+    status, reply = raw_call(WeightSyncRequestValidation(app, token=""), app, "/reset_prefix_cache", b"{}")
+    assert (status, reply["error"]["type"]) == (403, "ForbiddenError"), reply
+    assert f"this server listens on {host or '0.0.0.0'}, not on loopback, and no weight-transfer token is set: set " \
+           "WEIGHTSYNC_HTTP_TOKEN" in reply["error"]["message"]
+    assert raw_call(WeightSyncRequestValidation(app, token=""), app, "/v1/completions", b"{}")[0] == 200
+    monkeypatch.setenv("WEIGHTSYNC_HTTP_ALLOW_NO_TOKEN", "1")
+    assert raw_call(WeightSyncRequestValidation(app, token=""), app, "/reset_prefix_cache", b"{}")[0] == 200
+    app.state.args.host = "127.0.0.1"
+    monkeypatch.delenv("WEIGHTSYNC_HTTP_ALLOW_NO_TOKEN")
+    assert raw_call(WeightSyncRequestValidation(app, token=""), app, "/reset_prefix_cache", b"{}")[0] == 200
+
+
+def test_an_escaped_abort_leaves_resume_at_409():
+    """``"ab\\u006frt"`` is the field ``abort`` to vLLM's JSON parser: the middleware reads it the same way."""
+    app = FakeApp()
+    mw = WeightSyncRequestValidation(app)
+    assert post(app, "/init_weight_transfer_engine", {"init_info": NCCL_INIT}, mw)[0] == 200
+    assert post(app, "/start_weight_update", {}, mw)[0] == 200
+    escaped = b'{"update_info": {"sync_id": 1, "digest": "", "verify": false, "ab\\u006frt": "gave up"}}'
+    assert json.loads(escaped)["update_info"]["abort"] == "gave up"
+    assert call(mw, app, "/update_weights", escaped)[0] == 200
+    assert post(app, "/finish_weight_update", {}, mw)[0] == 200
+    status, body = post(app, "/resume", {}, mw)
+    assert (status, body["error"]["type"]) == (409, "ConflictError"), body
+    assert "the trainer aborted the update: gave up" in body["error"]["message"]
+
+
+def test_a_large_body_is_validated_off_the_event_loop():
+    """A request that arrives once a 14 MiB update's body is read completes before that update reaches
+    vLLM: its validation runs in a thread (an ordering check, not a time bound)."""
+    app = FakeApp()
+    mw = WeightSyncRequestValidation(app)
+    order: list[str] = []
+    body = json.dumps({"update_info": {"sync_id": 1, "digest": "d" * (14 << 20), "verify": False}}).encode()
+
+    async def main() -> None:
+        read = asyncio.Event()
+        pieces = [body[i:i + (1 << 20)] for i in range(0, len(body), 1 << 20)]
+
+        async def receive():
+            if not pieces:
+                return {"type": "http.disconnect"}
+            piece = pieces.pop(0)
+            if not pieces:
+                read.set()
+            return {"type": "http.request", "body": piece, "more_body": bool(pieces)}
+
+        async def send(m):
+            if m["type"] == "http.response.start":
+                order.append(f"update answered {m['status']}")
+
+        async def other_request() -> None:
+            await read.wait()
+            order.append("other request done")
+
+        scope = {"type": "http", "method": "POST", "path": "/update_weights", "root_path": "", "app": app}
+        await asyncio.gather(mw(scope, receive, send), other_request())
+
+    asyncio.run(main())
+    assert order == ["other request done", "update answered 200"]
+    assert app.bodies == [body]
+
+
+def test_a_workers_refusal_of_an_unannounced_finish_is_403_and_the_update_stays_tracked():
+    refusal = {"error": {"message": "Call to collective_rpc method failed: Worker failed with error 'worker 0 refuses "
+                                    "this finish: a call its trainer session did not announce; it is bound to trainer "
+                                    "session 'a', whose store announces no such call, not sync 1', please check the "
+                                    "stack trace above for the root cause", "code": 500}}
+    app = FakeApp(reply=(500, refusal))
+    mw = WeightSyncRequestValidation(app)
+    mw.active = True  # a trainer's update, live
+    status, body = post(app, "/finish_weight_update", {"weight_version": "rogue"}, mw)
+    assert (status, body["error"]["type"]) == (403, "ForbiddenError"), body
+    assert body["error"]["message"].startswith("worker 0 refuses this finish: a call its trainer session did not")
+    assert mw.active, "the live update is still tracked: an init during it is still answered 409"

@@ -74,13 +74,25 @@ def _get_if_set(store: Any, key: str) -> bytes | None:
     return None if raw == _ABSENT.encode() else raw
 
 
+def _parsed(key: str, raw: bytes) -> Any:
+    """``raw``'s JSON value; ``DataPlaneError`` naming ``key`` when it is not JSON or nested too deep."""
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        kind = "nested too deep" if isinstance(e, RecursionError) else f"not JSON ({str(e)[:120]})"
+        raise DataPlaneError(f"the value under store key {key!r} is {kind}: {len(raw)} bytes, "
+                             "not one a party of the group published") from None
+
+
 class Communicator:
     """One party's view of a sync group: the control channel, and the data plane once joined. Every
     method that moves data must be called by the matching peers (collective rule)."""
 
-    def __init__(self, store: Any, *, name: str, timeout_s: float, secret: Any = None) -> None:
+    def __init__(self, store: Any, *, name: str, timeout_s: float, secret: Any = None, group: str = "") -> None:
         self.store = store
         self._secret = secret
+        self.group: str = getattr(store, "group_id", b"").hex() or group
+        """The sealed group's id (hex; "" for a store without a secret): a client given it refuses another."""
         self.failed = False  # set by ``fail``: a hosted store may then be released (``connect``)
         self.name = name
         """Who this party is, in messages (``trainer rank 1``, ``worker 3``)."""
@@ -94,15 +106,17 @@ class Communicator:
 
     @classmethod
     def connect(cls, host: str, port: int, *, name: str, timeout_s: float = 300.0, host_store: bool = False,
-                secret: Any = None) -> Communicator:
+                secret: Any = None, group: str = "") -> Communicator:
         """The control channel of the group at ``host:port``; ``host_store`` hosts it, listening on
         ``host`` only (port 0: any free port). ``secret`` (default ``$WEIGHTSYNC_STORE_SECRET``) seals
-        the store: every party must have the same one. A failed group of this process on ``port`` is released."""
+        the store: every party must have the same one; ``group`` (hex, a client's): the group id the
+        host drew (:attr:`group`), learnt from a trusted channel, else taken from the store. A failed
+        group of this process on ``port`` is released."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if not host_store:
-            return cls(open_store(host, port, timeout_s, is_master=False, secret=secret), name=name, timeout_s=timeout_s,
-                       secret=secret)
+            return cls(open_store(host, port, timeout_s, is_master=False, secret=secret, group=group), name=name,
+                       timeout_s=timeout_s, secret=secret, group=group)
         if (old := _HOSTED.get(port)) is not None and old.failed:
             old, _ = None, old.shutdown()  # the store's server closes its socket with its last reference
         try:
@@ -120,7 +134,7 @@ class Communicator:
         """Another connection to this group's store (no data plane), for a thread that must reach the
         store while this party blocks in ``await_keys``: a store client serves one request at a time."""
         return Communicator.connect(self.store.host, self.store.port, name=self.name, timeout_s=self.timeout_s,
-                                    secret=self._secret)
+                                    secret=self._secret, group=self.group)
 
     @property
     def data(self) -> DataPlane:
@@ -226,10 +240,10 @@ class Communicator:
         for pause in _pauses():
             try:
                 if len(keys) == 1 and (raw := _get_if_set(self.store, keys[0])) is not None:
-                    return [json.loads(raw)]
+                    return [_parsed(keys[0], raw)]
                 if len(keys) > 1 and self.store.check(keys):
-                    return [json.loads(raw) for raw in self.store.multi_get(keys)]
-            except ForgedValueError:
+                    return [_parsed(k, raw) for k, raw in zip(keys, self.store.multi_get(keys))]
+            except DataPlaneError:  # (ForgedValueError, a value that is not JSON)
                 raise
             except Exception as e:  # noqa: BLE001 - the store's host is gone
                 raise self._unreachable(_named(keys), e) from None
@@ -259,7 +273,7 @@ class Communicator:
             raise self._unreachable(what, e) from None
         if _FAILED.encode() in raws:
             raise DataPlaneError(f"a party failed: {self.peer_error() or 'unknown'}")
-        return [json.loads(raw) for raw in raws]
+        return [_parsed(k, raw) for k, raw in zip(keys, raws)]
 
     def _timed_out(self, what: str, limit: float) -> DataPlaneError:
         return DataPlaneError(f"timed out after {limit}s on {self.name} waiting for {what}")
@@ -298,7 +312,7 @@ class Communicator:
 
     def peek(self, key: str) -> Any | None:
         """The JSON value under ``key`` if set, else None (never blocks)."""
-        return None if (raw := _get_if_set(self.store, key)) is None else json.loads(raw)
+        return None if (raw := _get_if_set(self.store, key)) is None else _parsed(key, raw)
 
     def shutdown(self) -> None:
         """Drop the data plane and the store. Safe to call twice."""

@@ -33,8 +33,8 @@ class Channel(Protocol):
 
     def read_all(self, keys: list[str], timeout_s: float | None = None) -> list[Any]: ...
 
-__all__ = ["JOIN_DECISION", "join_key", "INIT_DONE", "trainer_left", "SyncKeys", "Listing", "agree", "gather",
-           "init_ack", "model_metas", "model_digest", "m2n_sources", "m2n_sources_digest", "m2n_dest",
+__all__ = ["JOIN_DECISION", "join_key", "INIT_DONE", "announced", "trainer_left", "SyncKeys", "Listing", "agree",
+           "gather", "init_ack", "model_metas", "model_digest", "m2n_sources", "m2n_sources_digest", "m2n_dest",
            "m2n_plan_digest", "nccl_loader", "membership_change", "replica_dropped"]
 
 # ---- init keys ----------------------------------------------------------------------------
@@ -47,6 +47,13 @@ JOIN_DECISION = "join/decision"
 """Whether the data plane's members build the group or raise: set once, by the first to decide."""
 INIT_DONE = "init/done"
 """Trainer rank 0: every worker initialized (the other ranks wait for it)."""
+
+
+def announced(call: str) -> str:
+    """Trainer rank 0 announces each ``start``, ``finish`` and ``abort`` it sends the engines here
+    (``{"session", "sync_id"}``): vLLM's start and finish carry no session, so a worker checks the call
+    against its bound session's announcement (``WorkerEngine.fence_call``)."""
+    return f"calls/{call}"
 
 
 def trainer_left(rank: int) -> str:

@@ -244,6 +244,9 @@ class WorkerInitInfo:
     until it shuts down; an init of another session is refused unless it asks ``take_over`` ("": none)."""
     take_over: bool = False
     """This init takes the worker over from the session it is bound to (``TrainerInitInfo.take_over``)."""
+    store_group: str = ""
+    """The id (hex) of the sealed store's group, which its host drew (``Communicator.group``): the worker
+    refuses a store that says another ("": a store without a secret)."""
 
     def __post_init__(self) -> None:
         _check_port("init_info.master_port", self.master_port, required=True)

@@ -293,3 +293,56 @@ def test_vllm_serve_needs_its_token_and_refuses_an_init_while_an_update_is_activ
     finally:
         ray.get([a.call.remote("weightsync.testing.faults:slow_data_plane", 0) for a in trainers.actors])
         trainers.teardown()
+
+
+def _heavy_update(entries: int) -> bytes:
+    """An NCCL update body of ``entries`` tensors' metadata (~56 bytes each), every field valid but the last
+    tensor's shape, which is out of range: it is refused (400) only once the whole body was parsed and checked,
+    and that answer follows the validation at once (nothing is awaited in between)."""
+    shapes = [[4096, 4096]] * (entries - 1) + [[1 << 41]]
+    info = {"sync_id": 1, "digest": "d", "verify": False, "names": [f"model.layers.{i}.mlp.w" for i in range(entries)],
+            "dtype_names": ["bfloat16"] * entries, "shapes": shapes}
+    return json.dumps({"update_info": info}).encode()
+
+
+def test_vllm_serve_answers_health_while_a_14_mib_body_is_validated(server):
+    """Issue 56: the middleware validates bodies off the event loop. A ``/health`` sent after a 14 MiB update
+    body was sent completes before that update is answered (an ordering check, not a time bound); when the
+    validation ran in the event loop, ``/health`` waited for it."""
+    import threading
+    import time
+    import urllib.parse
+    from http import client
+
+    from test_vllm_serve import http
+
+    body = _heavy_update(280_000)
+    assert len(body) > 14 << 20
+    where = urllib.parse.urlsplit(server.url)
+    order: list[str] = []
+    sent = threading.Event()
+    answer: list = []
+
+    def post_update() -> None:
+        conn = client.HTTPConnection(where.hostname, where.port, timeout=300)
+        try:
+            conn.request("POST", "/update_weights", body=body,
+                         headers={"Content-Type": "application/json", "X-Weightsync-Token": TOKEN})
+            sent.set()
+            reply = conn.getresponse()
+            answer.append((reply.status, json.loads(reply.read())))
+            order.append("update")
+        finally:
+            sent.set()
+            conn.close()
+
+    thread = threading.Thread(target=post_update)
+    thread.start()
+    assert sent.wait(300)
+    time.sleep(0.2)  # (the server has read the body by now: loopback)
+    assert http(server.url, "health", method="GET")[0] == 200
+    order.append("health")
+    thread.join(300)
+    status, reply = answer[0]
+    assert (status, reply["error"]["param"]) == (400, "shapes"), reply
+    assert order == ["health", "update"], order

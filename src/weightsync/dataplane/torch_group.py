@@ -56,11 +56,12 @@ class _Backend(Protocol):
 
 @contextmanager
 def _nccl_env() -> Iterator[None]:
-    """NCCL's error-handling variables off while one group is built (they are read then), restored
-    after; the lock keeps two threads of one process from seeing each other's settings."""
+    """NCCL's error-handling variables off while one group is built (torch reads them only then, from
+    the environment), set only where they differ and restored after; the lock keeps two threads of
+    one process from seeing each other's settings."""
     with _ENV_LOCK:
-        saved = {k: os.environ.get(k) for k in _NCCL_ENV}
-        os.environ.update(dict.fromkeys(_NCCL_ENV, "0"))
+        saved = {k: os.environ.get(k) for k in _NCCL_ENV if os.environ.get(k) != "0"}
+        os.environ.update(dict.fromkeys(saved, "0"))
         try:
             yield
         finally:

@@ -19,6 +19,8 @@ has already swapped the worker's transport engine by then. With it:
   any call before init) -> 409 Conflict with the worker's own words, instead of 500 (vLLM raises
   those as ``RuntimeError`` through the route, answered by Starlette's outermost error handler).
 
+* A worker refusing a start or finish its trainer session did not announce (a call from outside the
+  sync, ``WorkerEngine.fence_call``) -> 403 with the worker's words; the update stays tracked as active.
 * Limits (``weightsync.integrations.http_limits``), answered before anything reaches a worker: a body
   over ``max_body_bytes`` (``WEIGHTSYNC_HTTP_MAX_BODY_BYTES``, 16 MiB by default) -> 413; JSON nested
   deeper than 16 levels, NaN/Infinity, or any number out of its range (ports, ranks, counts, byte sizes,
@@ -32,7 +34,17 @@ has already swapped the worker's transport engine by then. With it:
   sync it started) under an init without ``rollback`` until the 2xx ``/finish_weight_update`` of an
   update that was not aborted (a full sync landed). Tracked per API server process, like the above.
 * With a token (``WEIGHTSYNC_HTTP_TOKEN`` in the server's environment, or ``token=``), every route of
-  ``TOKEN_ROUTES`` needs the header ``X-Weightsync-Token: <token>`` -> 401 without it.
+  ``TOKEN_ROUTES`` (weight transfer, pause and resume, caches, profiling, sleep, LoRA adapters,
+  elastic scaling, ``collective_rpc``) needs the header ``X-Weightsync-Token: <token>`` -> 401 without
+  it. vLLM's own ``--api-key`` guards only paths under ``/v1``, ``/v2``, ``/inference`` and ``/cohere``
+  (vLLM 0.33's ``GUARDED_PREFIX``): none of the weight-transfer routes.
+* Without a token, a server bound to anything but loopback (``--host`` unset, ``0.0.0.0``, a LAN
+  address) refuses every route of ``TOKEN_ROUTES`` -> 403, unless ``allow_no_token=True``
+  (``WEIGHTSYNC_HTTP_ALLOW_NO_TOKEN=1``) says the network in front of it is trusted.
+* The event loop never parses a body: a body is read here (bounded by ``max_body_bytes``), then
+  parsed and validated in a worker thread (``asyncio.to_thread``), so a 16 MiB update never stalls
+  the server's other requests. Whether an update aborts is read from the parsed body (a JSON escape
+  such as ``"ab\\u006frt"`` is the same field to vLLM and here).
 
 Servers whose backend is not weightsync's pass every body through unchanged (only the 409 mapping,
 the size limit and the token apply). Pure ASGI: no vLLM, FastAPI or Starlette import (``import weightsync`` stays free of them).
@@ -40,7 +52,9 @@ the size limit and the token apply). Pure ASGI: no vLLM, FastAPI or Starlette im
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import ipaddress
 import json
 import os
 import re
@@ -53,7 +67,7 @@ from ..registry import TRANSPORTS, transport
 from .http_limits import LimitError, check_ranges, loads
 
 __all__ = ["WeightSyncRequestValidation", "validate_request", "RequestError", "OUT_OF_ORDER", "TOKEN_ROUTES",
-           "TOKEN_ENV", "MAX_BODY_ENV", "TOKEN_HEADER"]
+           "TOKEN_ENV", "MAX_BODY_ENV", "TOKEN_HEADER", "ALLOW_NO_TOKEN_ENV"]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -68,9 +82,14 @@ ORDERED = {"/init_weight_transfer_engine", "/start_weight_update", "/start_draft
 """Routes whose out-of-order refusals are answered 409 (and whose bodies are read here)."""
 TOKEN_ROUTES = ORDERED | {"/update_weight_version", "/weight_checker", "/pause",
                           "/resume", "/abort_requests", "/collective_rpc", "/sleep", "/wake_up",
-                          "/release_kv_cache_memory"}
-"""vLLM's weight-transfer (RL) and dev-mode routes that change the engine: they need the token when one is set."""
+                          "/release_kv_cache_memory", "/reset_prefix_cache", "/reset_mm_cache",
+                          "/reset_encoder_cache", "/start_profile", "/stop_profile", "/v1/load_lora_adapter",
+                          "/v1/unload_lora_adapter", "/scale_elastic_ep"}
+"""vLLM's weight-transfer (RL) routes and the routes that change the engine (caches, profiling, sleep, LoRA
+adapters, elastic scaling): they need the token when one is set (every method), and a token (or
+``allow_no_token``) on a server bound to anything but loopback."""
 TOKEN_ENV, MAX_BODY_ENV = "WEIGHTSYNC_HTTP_TOKEN", "WEIGHTSYNC_HTTP_MAX_BODY_BYTES"
+ALLOW_NO_TOKEN_ENV = "WEIGHTSYNC_HTTP_ALLOW_NO_TOKEN"
 TOKEN_HEADER = "X-Weightsync-Token"
 DEFAULT_MAX_BODY_BYTES = 16 << 20
 OUT_OF_ORDER = (
@@ -85,8 +104,10 @@ OUT_OF_ORDER = (
     "init_weight_transfer_engine must run first",
 )
 """Worker errors that mean "call in the wrong order", refused before any weight changed."""
+FENCED = "a call its trainer session did not announce"
+"""In a worker's refusal of a start or finish its trainer session did not announce (``worker.engine.FENCED``):
+answered 403, and the update this server tracks stays active (it is the trainer's, still live)."""
 _WORKER_ERROR = re.compile(r"Worker failed with error '(.*)', please check", re.S)
-_ABORT = re.compile(rb'"abort"\s*:\s*[^\sn]')  # an update that aborts (every update names the field)
 _FIELD = re.compile(r"field '(\w+)'|unknown field\(s\) \['(\w+)'|argument: '(\w+)'|^(?:init|update)_info\.(\w+)")
 
 
@@ -130,15 +151,34 @@ def validate_request(path: str, body: bytes, backend: str | None, current: str |
     """Check one RL-route request for a server whose weight-transfer backend is ``backend``;
     ``current`` is the transport last initialized (None: unknown). Returns the transport an init
     request names (None for other routes); raises ``RequestError`` for a body that does not fit."""
-    if path not in ROUTES or not (backend == ANY or backend in TRANSPORTS):
-        return None
+    return inspect_request(path, body, backend, current)[0]
+
+
+def inspect_request(path: str, body: bytes, backend: str | None, current: str | None = None) -> tuple[str | None, Any]:
+    """``validate_request``, and the body's field (``init_info`` / ``update_info``) as parsed, None when
+    the route takes none or the body is no JSON object (a body a server of another backend gets as it
+    came). CPU-bound (a 16 MiB body parses in ~0.4 s): the middleware runs it off the event loop."""
+    if path not in ROUTES:
+        return None, None
     key = ROUTES[path]
+    if not (backend == ANY or backend in TRANSPORTS):  # passed through unchecked; parsed for the abort decision
+        try:
+            data = loads(body) if body.strip() else None
+        except ValueError:
+            return None, None
+        return None, data.get(key) if isinstance(data, dict) else None
     try:
         data = loads(body) if body.strip() else None
     except LimitError as e:
         raise RequestError(str(e), e.param) from None
     except ValueError as e:
         raise RequestError(f"the request body is not JSON: {e}") from None
+    named = _validated(key, data, backend, current)  # (a JSON object holding ``key``, once it returns)
+    return named, data[key] if isinstance(data, dict) else None
+
+
+def _validated(key: str, data: Any, backend: str | None, current: str | None) -> str | None:
+    """``validate_request`` of a parsed body."""
     if not isinstance(data, dict):
         raise RequestError(f"the request body must be a JSON object {{{key!r}: ...}}, got {type(data).__name__}")
     if unknown := sorted(set(data) - {key}):
@@ -162,6 +202,11 @@ def validate_request(path: str, body: bytes, backend: str | None, current: str |
         _parse(transport(name).worker_engine.init_info_cls, value, "init_info")
         _check_ranges(value, "init_info")
         return name
+    _check_updates(value, key, backend, current)
+    return None
+
+
+def _check_updates(value: Any, key: str, backend: str | None, current: str | None) -> None:
     infos = value if isinstance(value, list) else [value]
     if not infos or not all(isinstance(i, dict) for i in infos):
         raise RequestError("update_info must be a JSON object or a non-empty list of them (one per worker)", key)
@@ -180,7 +225,6 @@ def validate_request(path: str, body: bytes, backend: str | None, current: str |
             break
         else:
             raise errors[0]
-    return None
 
 
 def _error_body(message: str, code: int, kind: str, param: str | None = None) -> bytes:
@@ -193,14 +237,20 @@ class WeightSyncRequestValidation:
 
     ``backend`` defaults to the server's own (``app.state.args.weight_transfer_config``, read per request);
     ``token`` to ``$WEIGHTSYNC_HTTP_TOKEN`` (unset or empty: no token), ``max_body_bytes`` to
-    ``$WEIGHTSYNC_HTTP_MAX_BODY_BYTES`` or 16 MiB."""
+    ``$WEIGHTSYNC_HTTP_MAX_BODY_BYTES`` or 16 MiB; ``allow_no_token`` to ``$WEIGHTSYNC_HTTP_ALLOW_NO_TOKEN``
+    being ``1`` (serve ``TOKEN_ROUTES`` without a token on a server bound to anything but loopback)."""
 
     def __init__(self, app: ASGIApp, backend: str | None = None, token: str | None = None,
-                 max_body_bytes: int | None = None) -> None:
+                 max_body_bytes: int | None = None, allow_no_token: bool | None = None) -> None:
         self.app = app
         self.backend = backend
         token = os.environ.get(TOKEN_ENV, "") if token is None else token
         self.token = token.encode() if token else None
+        if allow_no_token is None:
+            allow_no_token = os.environ.get(ALLOW_NO_TOKEN_ENV, "") == "1"
+        if not isinstance(allow_no_token, bool):
+            raise TypeError(f"allow_no_token must be a bool, got {allow_no_token!r}")
+        self.allow_no_token = allow_no_token
         if max_body_bytes is None:
             raw = os.environ.get(MAX_BODY_ENV, "")
             try:
@@ -231,6 +281,11 @@ class WeightSyncRequestValidation:
     def _refusal(self, scope: Scope, path: str) -> tuple[int, str, str] | None:
         """Status, error type and message for a request refused before its body is read."""
         headers = dict(scope.get("headers") or [])
+        if self.token is None and not self.allow_no_token and (bound := _public_bind(scope)) is not None:
+            return 403, "ForbiddenError", (f"{path} is refused: this server listens on {bound}, not on loopback, and no "
+                                           f"weight-transfer token is set: set {TOKEN_ENV} on the server (and pass "
+                                           f"token= to the client), or {ALLOW_NO_TOKEN_ENV}=1 when the network in "
+                                           "front of it is trusted")
         if self.token is not None and path in TOKEN_ROUTES:
             given = headers.get(TOKEN_HEADER.lower().encode(), b"")
             if not hmac.compare_digest(given, self.token):
@@ -251,14 +306,14 @@ class WeightSyncRequestValidation:
         root = scope.get("root_path", "")
         if root and path.startswith(root):
             path = path[len(root):]
-        if scope.get("type") != "http" or scope.get("method") not in ("POST", "GET") or path not in TOKEN_ROUTES:
+        if scope.get("type") != "http" or path not in TOKEN_ROUTES:
             await self.app(scope, receive, send)
             return
         if (refused := self._refusal(scope, path)) is not None:
             status, kind, text = refused
             await _respond(send, status, _error_body(text, status, kind))
             return
-        if path == "/resume" and scope.get("method") == "POST" and self.partly_applied is not None:
+        if path == "/resume" and self.partly_applied is not None:
             text = partly_applied_message("this server", self.partly_applied)
             await _respond(send, 409, _error_body(text, 409, "ConflictError"))
             return
@@ -285,13 +340,13 @@ class WeightSyncRequestValidation:
                     "finished); an init would replace its trainer mid-update. Call /finish_weight_update first")
             await _respond(send, 409, _error_body(text, 409, "ConflictError"))
             return
-        try:
-            named = validate_request(path, body, self._server_backend(scope), None if multi else self.current)
+        try:  # off the event loop: the server's other requests go on meanwhile
+            named, field = await asyncio.to_thread(inspect_request, path, body, self._server_backend(scope),
+                                                   None if multi else self.current)
         except RequestError as e:
             await _respond(send, 400, _error_body(str(e), 400, "BadRequestError", e.param))
             return
-        if path == "/update_weights" and _ABORT.search(body) and (
-                partial := self._tracker.update(_field_of(body, "update_info"))):
+        if path == "/update_weights" and (partial := self._tracker.update(field)):
             self.partly_applied = partial  # the abort reaches the workers: what they applied stays
         replayed = False
 
@@ -310,7 +365,7 @@ class WeightSyncRequestValidation:
         self._track(path, status)
         if named is not None and 200 <= status < 300:
             self.current = named
-            self._tracker.init(_field_of(body, "init_info"))
+            self._tracker.init(field)
 
     def _track(self, path: str, status: int) -> None:
         """Follow vLLM's worker: a 2xx start opens an update; a finish (2xx, or 409: none was open), or
@@ -326,13 +381,30 @@ class WeightSyncRequestValidation:
             self.partly_applied = None  # a full sync landed
 
 
-def _field_of(body: bytes, key: str) -> Any:
-    """``body[key]`` of a request body already validated as JSON (None when it is not a JSON object)."""
-    try:
-        data = loads(body) if body.strip() else None
-    except ValueError:
+def _public_bind(scope: Scope) -> str | None:
+    """The address this server listens on when it is not loopback (None: loopback or a Unix socket).
+    vLLM's ``--host`` (``app.state.args``; unset: every interface), else the address the request came in on."""
+    args = getattr(getattr(scope.get("app"), "state", None), "args", None)
+    if args is not None:
+        if getattr(args, "uds", None):
+            return None
+        host = getattr(args, "host", None) or "0.0.0.0"
+    else:  # (not vllm serve: a server socket's local address is an IP; a test client's name is no address)
+        server = scope.get("server")
+        host = str(server[0]) if server else "localhost"
+        if not _is_ip(host):
+            return None
+    if host == "localhost":
         return None
-    return data.get(key) if isinstance(data, dict) else None
+    return None if _is_ip(host) and ipaddress.ip_address(host.strip("[]")).is_loopback else host
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return True
 
 
 async def _respond(send: Callable[[Message], Awaitable[None]], status: int, body: bytes) -> None:
@@ -341,10 +413,18 @@ async def _respond(send: Callable[[Message], Awaitable[None]], status: int, body
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
+async def _refused(send: Callable[[Message], Awaitable[None]], text: str) -> int:
+    """Answer a worker's refusal: 403 for a call its trainer session did not announce, else 409 (out of
+    order). Returns the status sent."""
+    status, kind = (403, "ForbiddenError") if FENCED in text else (409, "ConflictError")
+    await _respond(send, status, _error_body(text, status, kind))
+    return status
+
+
 async def _forward_mapping_conflicts(app: ASGIApp, scope: Scope, receive: Callable[[], Awaitable[Message]],
                                      send: Callable[[Message], Awaitable[None]]) -> int:
-    """Run ``app``; a 5xx or an exception whose text is an out-of-order refusal goes out as 409.
-    Returns the status sent."""
+    """Run ``app``; a 5xx or an exception whose text is an out-of-order refusal goes out as 409, a
+    worker's refusal of a call its trainer session did not announce as 403. Returns the status sent."""
     start: Message | None = None
     held: list[bytes] = []
     sent = 0
@@ -366,14 +446,13 @@ async def _forward_mapping_conflicts(app: ASGIApp, scope: Scope, receive: Callab
             return
         body = b"".join(held)
         text = body.decode(errors="replace")
-        if any(s in text for s in OUT_OF_ORDER):
+        if any(s in text for s in (*OUT_OF_ORDER, FENCED)):
             try:
                 text = json.loads(body)["error"]["message"]
             except (ValueError, KeyError, TypeError):
                 pass
             inner = _WORKER_ERROR.search(text)
-            sent = 409
-            await _respond(send, 409, _error_body(inner.group(1) if inner else text, 409, "ConflictError"))
+            sent = await _refused(send, inner.group(1) if inner else text)
         else:
             sent = start["status"]
             await send(start)
@@ -383,9 +462,8 @@ async def _forward_mapping_conflicts(app: ASGIApp, scope: Scope, receive: Callab
         await app(scope, receive, watch)
     except Exception as e:  # vLLM leaves raw errors to Starlette's outermost handler, outside this middleware
         text = str(e)
-        if sent or start is not None or not any(s in text for s in OUT_OF_ORDER):
+        if sent or start is not None or not any(s in text for s in (*OUT_OF_ORDER, FENCED)):
             raise
         inner = _WORKER_ERROR.search(text)
-        await _respond(send, 409, _error_body(inner.group(1) if inner else text, 409, "ConflictError"))
-        return 409
+        return await _refused(send, inner.group(1) if inner else text)
     return sent

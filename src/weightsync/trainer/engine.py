@@ -34,7 +34,7 @@ from dataclasses import asdict
 from typing import Any, ClassVar
 
 from ..comm import Communicator, describe
-from ..control import INIT_DONE, SyncKeys, gather, init_ack
+from ..control import INIT_DONE, SyncKeys, announced, gather, init_ack
 from ..dataplane import PlaneFactory
 from ..dataplane.torch_group import TorchGroupPlane
 from ..errors import PoisonedError, Refused, SyncFailed, refusal
@@ -82,7 +82,7 @@ class TrainerEngine:
         i = self.init_info
         return {"master_address": i.master_address, "master_port": port, "timeout_s": i.timeout_s,
                 "rollback": i.rollback, "cast_dtypes": i.cast_dtypes, "partial": list(i.partial),
-                "session": self.session, "take_over": i.take_over}
+                "session": self.session, "take_over": i.take_over, "store_group": self.comm.group}
 
     def _data_rank(self) -> tuple[int, int] | None:
         """``(rank, world size)`` of this trainer rank in the data plane, or None (control only)."""
@@ -200,9 +200,16 @@ class TrainerEngine:
         self._update_call = self._watched(start_then_update, "update_weights", wake=self._recv_keys())
         return lambda: client_result(started, self.init_info.timeout_s, "start_weight_update")
 
+    def _announce(self, call: str) -> None:
+        """Rank 0, before it sends ``call`` (``start``, ``finish``, ``abort``) to the engines: say so on the store,
+        where the workers check it (``WorkerEngine.fence_call``). From the client calls' channel: the main one
+        may be blocked in a wait."""
+        (self._calls or self.comm).publish(announced(call), {"session": self.session, "sync_id": self.sync_id})
+
     def _start_on_engines(self) -> None:
         """vLLM's worker refuses to start while an update is active, which a trainer that died
         mid-sync leaves behind; that one is aborted, then started again."""
+        self._announce("start")
         try:
             self.client.start_weight_update()
         except Exception:  # noqa: BLE001 - a second refusal is raised as it is
@@ -221,6 +228,10 @@ class TrainerEngine:
         the update (``finish_weight_update`` without a version: vLLM's worker clears its active flag,
         the version stays). Workers answer both without raising (:mod:`weightsync.worker.engine`)."""
         update = self.update_info_cls(abort=reason, sync_id=self.sync_id, session=self.session)
+        try:
+            self._announce("abort")
+        except Exception:  # noqa: BLE001 - the store is gone: the workers' own failure paths restore them
+            return
         for call in (lambda: self.client.update_weights(asdict(update)), lambda: self.client.finish_weight_update(None)):
             try:
                 call()
@@ -333,6 +344,7 @@ class TrainerEngine:
                 if failure is not None:
                     raise SyncFailed(failure)
                 with stats.timed("finish"):
+                    self._announce("finish")
                     finish = self._pool.submit(lambda: self.client.finish_weight_update(weight_version), aside=True)
                     client_result(finish, self.init_info.timeout_s, "finish_weight_update")
                     self._finished = True  # (a worker whose finish failed reported it: raised here)

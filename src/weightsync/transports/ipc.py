@@ -215,6 +215,7 @@ class IPCTrainerEngine(TrainerEngine):
         sums = {str(r): p["sum"] for r, p in enumerate(packed) if p.get("sum") is not None} if verify else {}
         return asdict(IPCUpdateInfo(
             sync_id=self.sync_id, chunk=b, num_chunks=num_chunks, digest=digest, verify=verify, checksums=sums,
+            session=self.session,
             handles={str(w): {"trainer_rank": t, "handle": handles[str(w)]} for w, t in enumerate(i.worker_to_trainer)},
             **wire))
 

@@ -14,8 +14,15 @@ connected to the store) and ``update_weights`` return after a failure or an abor
 read it from the store), and ``finish_weight_update`` of a failed or aborted update only leaves it
 (vLLM's worker then clears its active-update flag).
 
-Trainer sessions are fenced (:meth:`WorkerEngine.fence`): a worker bound to one trainer's session refuses
-another's init unless it asks ``take_over``, and ignores another session's update or abort.
+Trainer sessions are fenced. At init (:meth:`WorkerEngine.fence`): a worker bound to a live session refuses
+another session's init, and an init repeating the bound session, unless it asks ``take_over``. Then every
+call (:meth:`WorkerEngine.fence_call`): an update or abort must carry the bound session; a start, a finish
+and an abort must match what the bound session's trainer rank 0 announced on its store
+(:func:`weightsync.control.announced`), since vLLM's start and finish carry nothing. A start or finish that
+does not is refused (``ValueError`` naming the sessions: vLLM keeps its update state as it was); an update
+or abort that does not is ignored with a warning naming them (raising would make vLLM's worker leave the
+live update). With a shared secret the announcements are sealed, so only a party holding the secret can
+make a worker start or finish; without one the fence guards against accidents (docs/security.md).
 
 Hooks: ``_expected_workers`` (for the deployment check), ``_init``, ``_start`` (optional), ``_receive``.
 """
@@ -29,10 +36,10 @@ from typing import Any, ClassVar
 import torch
 
 from ..comm import Communicator, describe
-from ..control import SyncKeys, model_metas
+from ..control import SyncKeys, announced, model_metas
 from ..dataplane import PlaneFactory
 from ..dataplane.torch_group import TorchGroupPlane
-from ..errors import PoisonedError
+from ..errors import DataPlaneError, PoisonedError
 from ..infos import TAKEN_OVER, WorkerInitInfo, WorkerUpdateInfo, parse_info
 from ..registry import TRANSPORTS, transport, transports_with
 from .agreement import fingerprint, weights_changed
@@ -42,6 +49,8 @@ from .fp8 import refuse_full_tensors
 __all__ = ["WorkerEngine"]
 
 _log = logging.getLogger(__name__)
+FENCED = "a call its trainer session did not announce"
+"""In every refusal of ``fence_call``: the HTTP front answers 409 for it (``vllm_http.OUT_OF_ORDER``)."""
 
 
 class WorkerEngine:
@@ -78,6 +87,8 @@ class WorkerEngine:
         failed or was aborted since). A delta sync is sent only to workers that hold its base."""
         self._fingerprint: Any = None  # the model's parameters at the last finish (``fingerprint``)
         self._lost = ""  # why the base was dropped, for the delta's refusal
+        self._started_sync: int | None = None  # the sync of the update started here (``fence_call``)
+        self._last_started = 0  # the last sync started under this init: a start must announce a later one
 
     # ---- vLLM worker plumbing -------------------------------------------------------------
     def set_weight_update_target(self, model: torch.nn.Module, model_config: Any) -> None:
@@ -186,14 +197,16 @@ class WorkerEngine:
         try:
             self.fence(init_info)
         except ValueError as e:  # the refused trainer learns it on its own store; the bound one is left alone
-            self._report(init_info, e)
+            if self.info is None or init_info.session != self.info.session:  # (a repeated one names the bound store)
+                self._report(init_info, e)
             raise
         self.shutdown()
         self.info, self.poisoned, self._checked_digest, self.held, self._lost = init_info, None, None, None, ""
+        self._started_sync, self._last_started = None, 0
         i = init_info
         try:
             self.comm = Communicator.connect(i.master_address, i.master_port, name=f"worker {self.worker_rank}",
-                                             timeout_s=i.timeout_s)
+                                             timeout_s=i.timeout_s, group=i.store_group)
             self._check_deployment(i)
             self._init(i)
         except BaseException as e:
@@ -212,13 +225,18 @@ class WorkerEngine:
 
     def fence(self, info: Any) -> None:
         """Trainer sessions are fenced: bound to a live session (its store reachable, no failure reported),
-        this worker refuses another session's init (``ValueError`` naming both) unless it asks
-        ``take_over``; then an update of the bound session still active here is waited for (up to half the new
-        init's ``timeout_s``) and, if still active, aborted as that session's failure, reported on its store.
+        this worker refuses another session's init and an init repeating the bound session (a trainer draws a
+        new session at every init) (``ValueError`` naming both) unless it asks ``take_over``; then an update
+        of the bound session still active here is waited for (up to half the new init's ``timeout_s``) and,
+        if still active, aborted as that session's failure, reported on its store.
         (vLLM runs one worker call at a time, so only the bound session's failure ends the wait early.)"""
         bound = self.info.session if self.info is not None and self.comm is not None else ""
-        if not bound or info.session == bound or self.comm.peer_error() is not None:
+        if not bound or self.comm.peer_error() is not None:
             return
+        if not info.take_over and info.session == bound:
+            raise ValueError(f"worker {self.worker_rank} is bound to trainer session {bound!r}, live: an init repeating "
+                             f"session {bound!r} is refused (every trainer_init draws a new session; a replayed or "
+                             "copied init info repeats one) unless it asks take_over=True in its TrainerInitInfo")
         if not info.take_over:
             raise ValueError(f"worker {self.worker_rank} is bound to trainer session {bound!r}: the init of trainer "
                              f"session {info.session!r} is refused until {bound!r} shuts down its engines (or the "
@@ -231,6 +249,28 @@ class WorkerEngine:
             self._fail(RuntimeError(f"trainer session {info.session!r} {TAKEN_OVER} (its init asked take_over=True) "
                                     f"while an update of trainer session {bound!r} was active; "
                                     f"waited {info.timeout_s / 2:g} s (half its timeout_s), then aborted it"))
+
+    def fence_call(self, call: str, sync_id: int | None = None) -> int:
+        """Check a ``start``, ``finish`` or ``abort`` against what the bound session's trainer rank 0 announced on
+        its store (``control.announced(call)``): that session, and for a start a sync after the last one started
+        under this init, for a finish or an abort sync ``sync_id`` (the one started here; the abort's own).
+        Returns the announced sync; ``ValueError`` naming the bound session and the announcement otherwise."""
+        w, bound = self.worker_rank, self.info.session if self.info is not None and self.comm is not None else ""
+        if not bound:
+            raise ValueError(f"worker {w} refuses this {call}: {FENCED}; it is bound to no trainer session "
+                             "(init_weight_transfer_engine from a weightsync trainer first)")
+        try:
+            said, why = self.comm.peek(announced(call)), ""
+        except DataPlaneError as e:  # forged, or the store is gone
+            said, why = None, f" ({e})"
+        session, sync = (said.get("session"), said.get("sync_id")) if isinstance(said, dict) else (None, None)
+        if session == bound and type(sync) is int and (sync > self._last_started if call == "start" else sync == sync_id):
+            return sync
+        what = "no such call" if said is None else f"{call} of sync {sync} by trainer session {session!r}"
+        expected = f"a sync after {self._last_started}" if call == "start" else f"sync {sync_id}"
+        raise ValueError(f"worker {w} refuses this {call}: {FENCED}; it is bound to trainer session {bound!r}, whose "
+                         f"store announces {what}{why}, not {expected}: a {call} from a party without the session, or "
+                         "with another one")
 
     def _check_deployment(self, info: Any) -> None:
         (expected, field), w = self._expected_workers(info), self.worker_rank
@@ -248,22 +288,29 @@ class WorkerEngine:
         self._check_not_poisoned()
         if self.comm is None:
             raise RuntimeError("init_transfer_engine must run before start_weight_update")
+        sync = self.fence_call("start")
         t0 = time.perf_counter()
         self._check_base()
         self._applier = LayerwiseApplier(self.model, self.model_config, rollback=self.info.rollback)
         self._received, self._aborted, self._sync_id = 0, False, None
         self.phases: dict[str, float] = {}
         self._start(self._applier)
+        self._started_sync = self._last_started = sync
         self.phases["start"] = time.perf_counter() - t0
 
     def receive_weights(self, update_info: Any) -> None:
         """Receive and apply one update; failures are reported on the store and poison the engine."""
-        bound = self.info.session if self.info is not None else ""
-        if update_info.session and bound and update_info.session != bound:
-            _log.warning("worker %d ignores an update of trainer session %r: it is bound to trainer session %r",
-                         self.worker_rank, update_info.session, bound)
-            return  # (not reported: the bound session's store is not the sender's)
+        bound = self.info.session if self.info is not None and self.comm is not None else ""
+        if not bound or update_info.session != bound:  # (not reported: the bound session's store is not the sender's)
+            _log.warning("worker %d refuses an update of trainer session %r (%s): it is bound to trainer session %r",
+                         self.worker_rank, update_info.session, FENCED, bound)
+            return
         if update_info.abort is not None:  # restore the weights; an engine that was in the update needs re-init
+            try:
+                self.fence_call("abort", update_info.sync_id)
+            except ValueError as e:
+                _log.warning("%s", e)
+                return
             if self._applier is not None:
                 self.poisoned = self.poisoned or f"trainer aborted weight sync {update_info.sync_id}"
             self._rollback()
@@ -299,6 +346,7 @@ class WorkerEngine:
         self._check_not_poisoned()
         if self._applier is None:
             raise RuntimeError("finish_weight_update without start_weight_update")
+        self.fence_call("finish", self._started_sync)  # (raised: vLLM's worker keeps the live update active)
         t0 = time.perf_counter()
         try:
             self._applier.finish()
