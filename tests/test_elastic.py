@@ -217,6 +217,10 @@ def test_an_engine_of_another_tp_size_is_refused_at_add_naming_the_field(cluster
                          client=client)
     cluster.sync("v1")
     futs = [t.submit("weightsync.testing.trainer:add_engines", [lone.address]) for t in cluster.active_trainers]
+    for f in futs:  # an entry the client does not take (an address, not a replica's list): every rank, too
+        with pytest.raises(RemoteError, match=r"ValueError: engines\[0\] must be a non-empty list of worker addresses"):
+            f.result(timeout=4 * TIMEOUT_S)
+    futs = [t.submit("weightsync.testing.trainer:add_engines", [engine_of(lone)]) for t in cluster.active_trainers]
     for f in futs:
         with pytest.raises(RemoteError, match=r"engines\[0\]: refused \(.*the trainer's dst_mesh_dims=\(1, 2\) describes 2 "
                                               r"worker\(s\), but the client drives 1 engine\(s\) of 1 worker\(s\) each"):
