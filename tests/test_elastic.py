@@ -170,13 +170,15 @@ def test_a_hanging_worker_is_dropped_after_timeout_s_and_can_be_added_back(clust
     cluster.on_trainers("shutdown_engine")
 
 
-@pytest.mark.parametrize("rollback", [True, False], ids=["rollback", "no-rollback"])
-def test_a_worker_hung_in_its_finish_leaves_its_replica_dropped_poisoned_and_restored(cluster, rollback):
+@pytest.mark.parametrize("call, rollback", [("finish_weight_update", True), ("finish_weight_update", False),
+                                            ("start_weight_update", True)],
+                         ids=["finish-rollback", "finish-no-rollback", "start-rollback"])
+def test_a_worker_hung_in_its_finish_leaves_its_replica_dropped_poisoned_and_restored(cluster, call, rollback):
     """Issue 57, case 1: TP 2 replicas, 3 trainer ranks (uneven shards), delta. A worker hangs in its
-    finish: its replica is dropped on every rank and the other completes exactly; the dropped replica
-    never commits the failed sync on any worker: both its workers are poisoned, and with ``rollback``
-    hold the previous sync's weights (oracle: vLLM's loader of the trainer's previous weights), even
-    once the hung finish went on. Its version labels are vLLM's (set when a finish call returns)."""
+    finish (or its start): its replica is dropped on every rank and the other completes exactly; the
+    dropped replica never commits the failed sync on any worker: both its workers are poisoned, and with
+    ``rollback`` hold the previous sync's weights (oracle: vLLM's loader of the trainer's previous
+    weights), even once the hung call went on. Its version labels are vLLM's (set when a finish returns)."""
     backend = "weightsync_m2n"
     lay = Layout(trainers=3, tp=2, replicas=2, backend=backend)
     cluster.setup(lay)
@@ -188,7 +190,7 @@ def test_a_worker_hung_in_its_finish_leaves_its_replica_dropped_poisoned_and_res
     previous = cluster.on_trainers("full_state_dict")[0]
     cluster.train_step(1)
     with socket.create_server(("127.0.0.1", 0)) as release:  # closing it releases the hung worker
-        b[1].call("weightsync.testing.faults:hang", "finish_weight_update", release.getsockname()[1])
+        b[1].call("weightsync.testing.faults:hang", call, release.getsockname()[1])
         stats = cluster.on_trainers("send_weights", "v2")  # every rank's outcome
     for s in stats:
         assert s["replicas"] == [0] and list(s["dropped"]) == [1], s

@@ -243,6 +243,9 @@ class WorkerEngine:
         if self.comm is None:
             raise RuntimeError("init_transfer_engine must run before start_weight_update")
         t0 = time.perf_counter()
+        if (why := self.comm.peer_error()) is not None:  # a start that arrives after its sync failed (this worker
+            self.poisoned = f"start_weight_update after the sync failed: {why}"  # was stuck): opens nothing
+            return
         self._check_base()
         self._applier = LayerwiseApplier(self.model, self.model_config, rollback=self.info.rollback)
         self._received, self._aborted, self._sync_id = 0, False, None
