@@ -11,6 +11,7 @@ import re
 import socket
 import tempfile
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -167,6 +168,69 @@ def test_a_hanging_worker_is_dropped_after_timeout_s_and_can_be_added_back(clust
     assert stats["replicas"] == [0, 2, 3] and stats["delta"]["workers"] == [0, 2]  # it rejoined dense
     assert differences(cluster, [r0, r1, r2]) == {} and versions([r0, r1, r2]) == ["v3"] * 3
     cluster.on_trainers("shutdown_engine")
+
+
+@pytest.mark.parametrize("call, rollback", [("finish_weight_update", True), ("finish_weight_update", False),
+                                            ("start_weight_update", True)],
+                         ids=["finish-rollback", "finish-no-rollback", "start-rollback"])
+def test_a_worker_hung_in_its_finish_leaves_its_replica_dropped_poisoned_and_restored(cluster, call, rollback):
+    """Issue 57, case 1: TP 2 replicas, 3 trainer ranks (uneven shards), delta. A worker hangs in its
+    finish (or its start): its replica is dropped on every rank and the other completes exactly; the
+    dropped replica never commits the failed sync on any worker: both its workers are poisoned, and with
+    ``rollback`` hold the previous sync's weights (oracle: vLLM's loader of the trainer's previous
+    weights), even once the hung call went on. Its version labels are vLLM's (set when a finish returns)."""
+    backend = "weightsync_m2n"
+    lay = Layout(trainers=3, tp=2, replicas=2, backend=backend)
+    cluster.setup(lay)
+    a, b = cluster.receivers[0:2], cluster.receivers[2:4]
+    client = LocalWeightSyncClient([[r.address for r in a], [r.address for r in b]], timeout_s=TIMEOUT_S)
+    cluster.make_engines(init_info(backend, lay, timeout_s=TIMEOUT_S, on_engine_failure="drop", delta=True,
+                                   rollback=rollback), client=client)
+    cluster.sync("v1")
+    previous = cluster.on_trainers("full_state_dict")[0]
+    cluster.train_step(1)
+    with socket.create_server(("127.0.0.1", 0)) as release:  # closing it releases the hung worker
+        b[1].call("weightsync.testing.faults:hang", call, release.getsockname()[1])
+        stats = cluster.on_trainers("send_weights", "v2")  # every rank's outcome
+    for s in stats:
+        assert s["replicas"] == [0] and list(s["dropped"]) == [1], s
+    assert differences(cluster, a) == {} and versions(a) == ["v2", "v2"]
+    # (each call below waits until the hung finish, and whatever the trainer sent after it, went on)
+    poisoned = [r.call("weightsync.testing.probes:engine_poisoned") for r in b]
+    assert all(poisoned), f"the dropped replica's workers are not poisoned: {poisoned}"
+    labels = versions(b)
+    assert labels[0] == labels[1], f"the dropped replica's workers disagree on their version: {labels}"
+    if rollback:  # restored on both workers, the one that was hung too
+        assert {r.name: r.call(_R + "compare_with_oracle", previous) for r in b} == {r.name: [] for r in b}
+    cluster.on_trainers("shutdown_engine")
+
+
+def test_an_engine_of_another_tp_size_is_refused_at_add_naming_the_field(cluster):
+    """Issue 57, case 4: a TP 1 engine added to TP 2 replicas is refused on every rank with the message
+    docs/elastic.md quotes (the trainer's ``dst_mesh_dims`` and both worker counts)."""
+    backend = "weightsync_m2n"
+    lay = Layout(trainers=2, tp=2, replicas=2, backend=backend)
+    cluster.setup(lay)
+    a, lone = cluster.receivers[0:2], cluster.receivers[2]
+    lone.call(_R + "setup", model_config_dir("tiny_qwen3"), tp=1, rank=0, replica=1, port=_free_port(),
+              dtype="float32", backend=backend)
+    client = LocalWeightSyncClient([[r.address for r in a]], timeout_s=TIMEOUT_S)
+    cluster.make_engines(init_info(backend, replace(lay, replicas=1), timeout_s=TIMEOUT_S, on_engine_failure="drop"),
+                         client=client)
+    cluster.sync("v1")
+    futs = [t.submit("weightsync.testing.trainer:add_engines", [lone.address]) for t in cluster.active_trainers]
+    for f in futs:  # an entry the client does not take (an address, not a replica's list): every rank, too
+        with pytest.raises(RemoteError, match=r"ValueError: engines\[0\] must be a non-empty list of worker addresses"):
+            f.result(timeout=4 * TIMEOUT_S)
+    futs = [t.submit("weightsync.testing.trainer:add_engines", [engine_of(lone)]) for t in cluster.active_trainers]
+    for f in futs:
+        with pytest.raises(RemoteError, match=r"engines\[0\]: refused \(.*the trainer's dst_mesh_dims=\(1, 2\) describes 2 "
+                                              r"worker\(s\), but the client drives 1 engine\(s\) of 1 worker\(s\) each"):
+            f.result(timeout=4 * TIMEOUT_S)
+    cluster.train_step(1)
+    assert cluster.sync("v2")["replicas"] == [0] and differences(cluster, a) == {}
+    cluster.on_trainers("shutdown_engine")
+    cluster.teardown()  # a receiver holds another layout: the next setup rebuilds every one
 
 
 def test_bad_input_at_add_is_refused_naming_the_field_and_the_replicas_keep_syncing(cluster):

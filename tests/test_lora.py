@@ -71,10 +71,53 @@ def test_bad_source_input_is_refused_naming_the_field():
     with pytest.raises(ValueError, match=r"^adapter: 'other' is not an adapter of this model \(its adapters: "
                                          r"\['default'\]\)$"):
         LoRASource(_peft(), adapter="other")
-    with pytest.raises(ValueError, match=r"^use_dora: DoRA adapters are not synced"):
-        _ = LoRASource(_peft(use_dora=True)).config
     with pytest.raises(ValueError, match=r"^rank must be in \[0, num_trainer_ranks=1\), got 1$"):
         LoRASource(_peft(), rank=1)
+
+
+def test_embedding_adapter_tensors_are_named_and_cut_as_peft_saves_them():
+    """An adapter on ``embed_tokens`` has ``lora_embedding_A`` / ``_B`` (no ``.weight``): synced, not dropped."""
+    from peft import get_peft_model_state_dict
+
+    from weightsync.trainer.lora import LoRASource
+
+    model = _peft(target_modules=["q_proj", "embed_tokens"])
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_embedding" in n:
+                p.normal_()
+    src = LoRASource(model)
+    saved = {n: t for n, t in get_peft_model_state_dict(model).items() if ".lora_" in n}  # (and the base embedding,
+    assert any(n.endswith("embed_tokens.lora_embedding_A") for n in saved)  # which vLLM's loader skips)
+    assert [m.name for m in src.metadata] == list(saved)
+    parts = src.pieces([(m.name, Region.full(m.shape)) for m in src.metadata])
+    assert all(torch.equal(t, saved[n]) for n, _, t in parts)
+
+
+@pytest.mark.parametrize("fields, refused", [
+    ({"use_dora": True}, r"^use_dora: adapter 'default' has use_dora=True: DoRA adapters"),
+    ({"lora_bias": True}, r"^lora_bias: adapter 'default' has lora_bias=True: LoRA biases"),
+    ({"bias": "lora_only"}, r"^bias: adapter 'default' has bias='lora_only': trained base-layer biases"),
+    ({"modules_to_save": ["lm_head"]}, r"^modules_to_save: adapter 'default' has modules_to_save=\['lm_head'\]"),
+])
+def test_adapter_kinds_no_sync_carries_are_refused_at_init_naming_the_field(fields, refused):
+    """Every PEFT tensor is synced exactly or refused when the source is built (on every trainer rank)."""
+    from weightsync.trainer.lora import LoRASource
+
+    with pytest.raises(ValueError, match=refused):
+        LoRASource(_peft(**fields))
+
+
+def test_an_adapter_tensor_of_an_unknown_kind_is_refused_naming_it():
+    from weightsync.trainer.lora import LoRASource
+
+    model = _peft()
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    layer.register_parameter("lora_new_default", None)
+    layer.lora_new = torch.nn.ParameterDict({"default": torch.nn.Parameter(torch.zeros(3))})
+    with pytest.raises(ValueError, match=r"^adapter 'default': tensor 'base_model\.model\.model\.layers\.0\."
+                                         r"self_attn\.q_proj\.lora_new\.default' is not synced"):
+        LoRASource(model)
 
 
 def _qkv_tp2_slice(idx: torch.Tensor, rank: int, q: int, kv: int) -> torch.Tensor:

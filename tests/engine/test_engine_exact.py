@@ -15,7 +15,6 @@ import pytest
 from engine_support import EngineConfig, start_engines
 
 from weightsync.testing import vllm_cpu
-from weightsync.testing.llm_actor import read_computed
 
 pytestmark = pytest.mark.timeout(1800)  # the engine start alone took 809 s on this loaded host
 
@@ -31,7 +30,7 @@ def engine(ray_session):
 def computed(engine) -> dict:
     import ray
 
-    return ray.get(engine.collective_rpc.remote(read_computed), timeout=600)[0]
+    return ray.get(engine.computed.remote(), timeout=600)[0]
 
 
 def test_every_tensor_and_packed_kernel_equals_vllms_reload_after_an_m2n_sync(engine, trainer_actors):

@@ -13,7 +13,11 @@ checkpoint. Per TP size one engine start and one scenario, whose observations th
 * two adapters sync independently (syncing one leaves the other's tokens and version unchanged);
 * two FSDP2 trainer ranks (this process and a spawned one, gloo) sync an adapter from their shards:
   greedy tokens equal HF + PEFT's, each worker received its shard;
-* bad input is refused at init naming the field, nothing registered.
+* bad input is refused at init naming the field, nothing registered;
+* an adapter on ``embed_tokens`` (``lora_embedding_A`` / ``_B``) fills vLLM's embedding LoRA slot bit for bit
+  as vLLM's own loading of the saved adapter does, and generates HF + PEFT's tokens (issue 57);
+* every worker call is by method name (``worker_extension_cls``): the engine runs with
+  ``VLLM_ALLOW_INSECURE_SERIALIZATION`` unset (issue 56).
 """
 
 from __future__ import annotations
@@ -98,21 +102,31 @@ def _start(session, model_dir: str, tp: int, pp: int = 1):
     return handle
 
 
-_REMOVE = lambda worker, lora_id: worker.model_runner.lora_manager.remove_adapter(lora_id)  # noqa: E731
-"""Run in the workers (a lambda: cloudpickle sends it by value, this module is not importable there)."""
-
-
-def _rpc(handle, fn, *args):
+def _rpc(handle, method: str, *args):
+    """A worker method by name (no function is sent: the engine runs without insecure serialization)."""
     import ray
 
-    return ray.get(handle.collective_rpc.remote(fn, args=args))
+    return ray.get(handle.collective_rpc.remote(method, args=args), timeout=600)
+
+
+def _slots(handle, lora_id: int) -> list:
+    import ray
+
+    return ray.get(handle.lora_slots.remote(lora_id), timeout=600)
+
+
+def _remove(handle, lora_id: int) -> None:
+    """vLLM's own removal of an adapter it loaded from a directory (frees its slot)."""
+    import ray
+
+    assert ray.get(handle.remove_lora.remote(lora_id), timeout=600)
 
 
 def _scenario(session, tp: int) -> dict:
     """Everything the tests check, for one engine start."""
     from weightsync.testing.fsdp2 import write_checkpoint
     from weightsync.trainer.lora import LoRASource
-    from weightsync.transports.lora import LoRASync, worker_slot, worker_state
+    from weightsync.transports.lora import LoRASync
 
     root = tempfile.mkdtemp(prefix="lora-engine-")
     try:
@@ -128,16 +142,16 @@ def _scenario(session, tp: int) -> dict:
         # vLLM's own loading of the same adapter, saved to a directory, into another slot
         one.save_pretrained(os.path.join(root, "a1"))
         obs["eng_file"] = _engine_greedy(h, 9, os.path.join(root, "a1"))
-        obs["slots_ours"] = _rpc(h, worker_slot, 1)
-        obs["slots_vllm"] = _rpc(h, worker_slot, 9)
-        _rpc(h, _REMOVE, 9)  # frees vLLM's slot (the engine has one per adapter plus one to stage into)
+        obs["slots_ours"] = _slots(h, 1)
+        obs["slots_vllm"] = _slots(h, 9)
+        _remove(h, 9)  # frees vLLM's slot (the engine has one per adapter plus one to stage into)
         # a failed sync: new weights, the trainer fails after the first worker got its bytes
         _perturb(one, seed=11)
-        obs["state_before_fail"] = _rpc(h, worker_state)
+        obs["state_before_fail"] = _rpc(h, "weightsync_lora_state")
         with pytest.raises(RuntimeError) as failed:
             s1.sync(_fail_at=tp - 1)
         obs["fail_error"] = str(failed.value)
-        obs["state_after_fail"] = _rpc(h, worker_state)
+        obs["state_after_fail"] = _rpc(h, "weightsync_lora_state")
         obs["eng1_after_fail"] = _engine_greedy(h, 1)
         # a second adapter, then the first again (now with the new weights)
         s2 = LoRASync(LoRASource(two), 2, [h], timeout_s=120.0)
@@ -147,13 +161,32 @@ def _scenario(session, tp: int) -> dict:
         obs["stats1b"] = s1.sync()
         obs["hf1b"], obs["eng1b"] = _hf_greedy(one), _engine_greedy(h, 1)
         obs["eng2_after_one"] = _engine_greedy(h, 2)
-        obs["state_end"] = _rpc(h, worker_state)
+        obs["state_end"] = _rpc(h, "weightsync_lora_state")
         obs["refusals"] = _refusals(h, base, [h])
-        obs["state_after_refusals"] = _rpc(h, worker_state)
+        obs["state_after_refusals"] = _rpc(h, "weightsync_lora_state")
         obs.update(_two_ranks(h, base))
+        obs.update(_embedding(h, base, root))
         return obs
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _embedding(h, base: str, root: str) -> dict:
+    """An adapter on ``q_proj`` and ``embed_tokens`` (``lora_embedding_A`` / ``_B``) synced as adapter 3, and
+    vLLM's own loading of it saved to a directory (id 10): slots and tokens."""
+    from weightsync.trainer.lora import LoRASource
+    from weightsync.transports.lora import LoRASync
+
+    _remove(h, 9)  # the refusals' adapter vLLM loaded: its slot is needed to stage into
+    emb = _peft_model(base, seed=31, targets=["q_proj", "embed_tokens"])
+    stats = LoRASync(LoRASource(emb), 3, [h], timeout_s=120.0).sync()
+    out = {"emb_stats": stats, "emb_hf": _hf_greedy(emb), "emb_eng": _engine_greedy(h, 3),
+           "emb_ours": _slots(h, 3)}
+    emb.save_pretrained(os.path.join(root, "emb"))
+    out["emb_eng_file"] = _engine_greedy(h, 10, os.path.join(root, "emb"))
+    out["emb_vllm"] = _slots(h, 10)
+    _remove(h, 10)
+    return out
 
 
 def _two_rank_sync(base: str, port: int, rank: int, engines: list) -> dict | None:
@@ -283,6 +316,27 @@ def test_two_fsdp2_trainer_ranks_sync_an_adapter_that_generates_like_hf_peft(obs
     assert obs["eng_2ranks"] == obs["hf_2ranks"]
     assert obs["eng_2ranks"] != obs["eng1b"], "the two-rank adapter changes nothing: the check could not fail"
     assert obs["stats_2ranks"]["received"] == obs["shard_bytes"]
+
+
+def test_an_embedding_adapter_is_synced_as_vllm_loads_it(obs):
+    """``lora_embedding_A`` / ``_B`` land in vLLM's embedding LoRA slot exactly as its own loading puts them."""
+    import torch
+
+    assert obs["emb_eng_file"] == obs["emb_hf"], "vLLM's own loading differs from HF + PEFT: no oracle"
+    assert obs["emb_eng"] == obs["emb_hf"]
+    for ours, theirs in zip(obs["emb_ours"], obs["emb_vllm"], strict=True):
+        emb = [k for k in ours if "embed_tokens" in k]
+        assert emb and any(ours[k].abs().sum() > 0 for k in emb), "the embedding's slot is empty"
+        bad = {k: float((ours[k] - theirs[k]).abs().max()) for k in ours if not torch.equal(ours[k], theirs[k])}
+        assert not bad, bad
+
+
+def test_the_engine_runs_without_insecure_serialization():
+    """Every worker call is by method name with plain arguments (issue 56): vLLM needs no pickling."""
+    from weightsync.testing.vllm_cpu import ENGINE_ENV
+
+    assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in ENGINE_ENV
+    assert os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION") in (None, "", "0")
 
 
 def test_bad_input_is_refused_at_init_naming_the_field(obs):

@@ -118,7 +118,7 @@ def test_lora_stages_together_hold_the_slots_of_an_engine_without_pp(ray_session
 
     from weightsync.testing.fsdp2 import write_checkpoint
     from weightsync.trainer.lora import LoRASource
-    from weightsync.transports.lora import LoRASync, worker_slot
+    from weightsync.transports.lora import LoRASync
 
     base = write_checkpoint(os.path.join(tmp_path, "base"), seed=0)
     shutil.copy(os.path.join(config_dir("tiny_qwen3"), "config.json"), base)
@@ -128,7 +128,7 @@ def test_lora_stages_together_hold_the_slots_of_an_engine_without_pp(ray_session
         for pp in (1, PP):
             handle = _start(ray_session, base, 1, pp=pp)
             received[pp] = LoRASync(LoRASource(adapter), 1, [handle], timeout_s=120.0).sync()["received"]
-            slots[pp] = ray.get(handle.collective_rpc.remote(worker_slot, args=(1,)))
+            slots[pp] = ray.get(handle.lora_slots.remote(1), timeout=600)
     finally:
         ray_session.stop_engines()
     (whole,), stages = slots[1], slots[PP]

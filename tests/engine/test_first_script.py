@@ -26,14 +26,13 @@ PAGE = os.path.join(ROOT, "docs", "first_script.md")
 TIMEOUT_S = 60.0
 
 
-_SLEEPS = lambda worker, path: (open(path, "w").close(), time.sleep(10 * TIMEOUT_S))  # noqa: E731
-"""In the engine's workers: in flight until the core dies (a lambda: cloudpickle sends it by value)."""
 
 
 def _outcome(client, path: str) -> BaseException | None:
-    """The client's call of ``_SLEEPS`` on every worker (``collective_rpc``), as the error it raised."""
+    """The client's call of ``weightsync_test_hold`` (``EngineReadbacks``: in flight until the core dies) on
+    every worker (``collective_rpc``), as the error it raised."""
     try:
-        client._call("collective_rpc", _SLEEPS, None, (path,))  # (method, timeout, args)
+        client._call("collective_rpc", "weightsync_test_hold", None, (path, 10 * TIMEOUT_S))  # (method, timeout, args)
     except BaseException as e:  # noqa: BLE001 - the test checks what it was
         return e
     return None

@@ -12,10 +12,13 @@ from typing import Any
 import torch
 from vllm import LLM
 
-__all__ = ["EngineActor", "read_effective", "read_computed", "reload_from_bytes", "kernel_repacked", "request_amx"]
+from ..transports.lora import LoRAWorkerExtension
+
+__all__ = ["EngineActor", "EngineReadbacks", "READBACKS", "packed", "unpacked", "read_effective", "read_computed", "reload_from_bytes",
+           "kernel_repacked", "request_amx"]
 
 
-# --- inside vLLM workers (sent by collective_rpc) ---
+# --- inside vLLM workers (called by name through collective_rpc: ``EngineReadbacks``) ---
 
 _FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 
@@ -139,12 +142,70 @@ def _rss_tree_mb(pid: int) -> float:
     return total / 2**20
 
 
+def packed(tensors: dict[str, torch.Tensor]) -> dict[str, list[Any]]:
+    """Tensors as ``[dtype, shape, raw bytes]``: what vLLM returns from a worker call without insecure
+    serialization (its msgpack carries bytes, not tensors, in a utility call's result)."""
+    return {n: [str(t.dtype).removeprefix("torch."), list(t.shape),
+                t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()] for n, t in tensors.items()}
+
+
+def unpacked(values: dict[str, list[Any]]) -> dict[str, torch.Tensor]:
+    """:func:`packed`'s tensors again."""
+    out = {}
+    for n, (dtype, shape, raw) in values.items():
+        dt = getattr(torch, dtype)
+        out[n] = (torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dt).reshape(shape) if raw
+                  else torch.empty(shape, dtype=dt))
+    return out
+
+
+class EngineReadbacks(LoRAWorkerExtension):
+    """Mixed into the engine's workers (vLLM's ``worker_extension_cls``: :data:`READBACKS`): weightsync's
+    LoRA methods and the tests' read-backs, called by name with plain arguments, so no function is
+    ever sent (vLLM runs without ``VLLM_ALLOW_INSECURE_SERIALIZATION``)."""
+
+    def weightsync_test_effective(self) -> dict[str, Any]:
+        return packed(read_effective(self))
+
+    def weightsync_test_computed(self) -> dict[str, Any]:
+        return packed(read_computed(self))
+
+    def weightsync_test_lora_slot(self, lora_id: int) -> dict[str, Any]:
+        """The stacked LoRA tensors of the slot that serves ``lora_id`` (weightsync's or one vLLM loaded)."""
+        from ..worker.lora import lora_slots
+
+        slots = lora_slots(self)
+        return packed(slots.slot_tensors(slots.manager.lora_index_to_id.index(lora_id)))
+
+    def weightsync_test_request_amx(self) -> bool:
+        return request_amx(self)
+
+    def weightsync_test_reload(self, blob: bytes) -> None:
+        reload_from_bytes(self, blob)
+
+    def weightsync_test_repacked(self) -> dict[str, bool]:
+        return kernel_repacked(self)
+
+    def weightsync_test_hold(self, path: str, seconds: float) -> None:
+        """Create ``path``, then stay in the call ``seconds`` (a call in flight, for failure tests)."""
+        import time
+
+        open(path, "w").close()
+        time.sleep(seconds)
+
+
+READBACKS = "weightsync.testing.llm_actor.EngineReadbacks"
+"""The ``worker_extension_cls`` every ``EngineActor`` starts its engine with (unless given another)."""
+
+
 class EngineActor(LLM):
-    """vLLM's ``LLM`` with read-back helpers (the weight-sync methods are LLM's own)."""
+    """vLLM's ``LLM`` with read-back helpers (the weight-sync methods are LLM's own), its workers
+    extended with :class:`EngineReadbacks` (which includes weightsync's LoRA methods)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("worker_extension_cls", READBACKS)
         super().__init__(*args, **kwargs)
-        self.amx = self.collective_rpc(request_amx)  # before any request: see request_amx
+        self.amx = self.collective_rpc("weightsync_test_request_amx")  # before any request: see request_amx
 
     def __repr__(self) -> str:  # Ray puts it in every error message (LLM's repr prints the whole model)
         return f"EngineActor(pid={os.getpid()})"
@@ -162,10 +223,10 @@ class EngineActor(LLM):
         return _rss_tree_mb(os.getpid())
 
     def effective(self) -> list[dict[str, Any]]:
-        return self.collective_rpc(read_effective)
+        return [unpacked(d) for d in self.collective_rpc("weightsync_test_effective")]
 
     def repacked(self) -> list[dict[str, bool]]:
-        return self.collective_rpc(kernel_repacked)
+        return self.collective_rpc("weightsync_test_repacked")
 
     def reload_reference(self, state_dict: dict[str, Any]) -> None:
         """vLLM's own in-place reload (the worker's ``reload_weights``: layerwise reload +
@@ -176,7 +237,19 @@ class EngineActor(LLM):
 
         buf = io.BytesIO()  # tensors do not survive the engine core -> worker hop as kwargs; bytes do
         torch.save(dict(state_dict), buf)
-        self.collective_rpc(reload_from_bytes, args=(buf.getvalue(),))
+        self.collective_rpc("weightsync_test_reload", args=(buf.getvalue(),))
+
+    def computed(self) -> list[dict[str, Any]]:
+        """``read_computed`` on every worker."""
+        return [unpacked(d) for d in self.collective_rpc("weightsync_test_computed")]
+
+    def lora_slots(self, lora_id: int) -> list[dict[str, torch.Tensor]]:
+        """Per worker, the stacked LoRA tensors of the slot that serves ``lora_id``."""
+        return [unpacked(d) for d in self.collective_rpc("weightsync_test_lora_slot", args=(lora_id,))]
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """vLLM's own removal of an adapter it loaded (frees its slot)."""
+        return self.llm_engine.remove_lora(lora_id)
 
     def greedy(self, token_prompts: list[list[int]], max_tokens: int) -> list[tuple[list[int], list[float]]]:
         """Greedy tokens per prompt, with the logprob gap between the best and second-best token at

@@ -30,7 +30,6 @@ _TMP = os.path.join(tempfile.gettempdir(), f"weightsync-engine-{os.getuid()}")
 ENGINE_ENV = {
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",   # TP 2 fails with "Not enough allowed NUMA nodes" otherwise
     "VLLM_CPU_KVCACHE_SPACE": "1",           # GiB of KV cache per worker
-    "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # collective_rpc with callables (read-backs); local actors only
     "VLLM_CACHE_ROOT": os.path.join(_TMP, "vllm-cache"),
     "VLLM_RPC_BASE_PATH": os.path.join(_TMP, "rpc"),
     "VLLM_LOGGING_LEVEL": "ERROR",

@@ -139,6 +139,7 @@ class ElasticTrainerEngine:
                 raise ValueError(f"engines[{k}]: {e!r} is listed twice")
             if (m := next((m for m in self._members.values() if _same(e, m.engine)), None)) is not None:
                 raise ValueError(f"engines[{k}]: {e!r} is already replica {m.id} of this trainer")
+        self.client.for_engines(engines)  # the client's own checks of each entry, before any rank acts on it
         tp = self.init_info.replica_workers(len(engines)) if initial else self._tp
         ids = list(range(self._next_id, self._next_id + len(engines)))
         return {"add": [[rid, _free_port(self.init_info.master_address)] for rid in ids], "tp": tp}

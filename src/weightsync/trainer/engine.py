@@ -210,6 +210,7 @@ class TrainerEngine:
         """vLLM's worker refuses to start while an update is active, which a trainer that died
         mid-sync leaves behind; that one is aborted, then started again."""
         self._announce("start")
+        self._start_sent = True  # from here some worker may be in the update: a failure aborts it
         try:
             self.client.start_weight_update()
         except Exception:  # noqa: BLE001 - a second refusal is raised as it is
@@ -312,7 +313,7 @@ class TrainerEngine:
         stats = SyncStats(backend=self.init_info.backend, rank=self.rank, weight_version=weight_version)
         with stats.timed("preflight"):
             prepared = self._agreed_preflight(verify)
-        self._started, self._update_call, self._finished = False, None, False
+        self._started, self._start_sent, self._update_call, self._finished = False, False, None, False
         try:
             with stats.timed("start"):
                 wait = self._start_update(self._update_info(prepared, verify)) if self.is_sender else None
@@ -378,7 +379,8 @@ class TrainerEngine:
         if self.is_sender:
             if self._update_call is not None:  # (its failure is the workers' to report)
                 settle(self._update_call, left(self._t0, self.init_info.timeout_s))
-            if self._started and not taken_over(reason):  # (an update vLLM never started, or one another
+            if (self._started or self._start_sent) and not taken_over(reason):  # (a start sent but stuck on one
+                # worker: the others are in the update; an update vLLM never started, or one another
                 # session took over, is not aborted: those engines are not ours)
                 margin = 0.0 if self._pool.busy() else MARGIN_S  # a call still running: a stuck worker holds it
                 abort = self._pool.submit(lambda: self._abort_workers(reason), aside=True)  # (not behind a stuck call)

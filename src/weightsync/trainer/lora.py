@@ -1,4 +1,5 @@
-"""A PEFT LoRA adapter as a weight source: ``lora_A`` / ``lora_B`` local shards, never gathered (issue 39).
+"""A PEFT LoRA adapter as a weight source: ``lora_A`` / ``lora_B`` (and an embedding's ``lora_embedding_A`` /
+``_B``) local shards, never gathered (issue 39).
 
 ``LoRASource(model, num_trainer_ranks)`` reads one adapter of a PEFT model (plain, or ``fully_shard``-ed
 by FSDP2: then each rank holds a DTensor shard of every ``lora_A`` / ``lora_B``) and names each tensor
@@ -24,20 +25,51 @@ from ..plan.regions import Region, source_regions
 from ..protocol import ParamMeta
 from .sources import DTensorModuleSource, _local, _named
 
-__all__ = ["LoRASource", "sender_regions", "peft_saved_name", "CONFIG_KEYS"]
+__all__ = ["LoRASource", "sender_regions", "peft_saved_name", "unsynced_adapter_tensors", "CONFIG_KEYS"]
 
 CONFIG_KEYS = ("r", "lora_alpha", "target_modules", "use_rslora", "rank_pattern", "alpha_pattern", "bias")
 """The ``LoraConfig`` fields an adapter sync carries (vLLM's ``PEFTHelper`` reads them)."""
 
 
+_PARTS = ("lora_A", "lora_B")
+_EMBEDDING_PARTS = ("lora_embedding_A", "lora_embedding_B")
+_REFUSED_FIELDS = {"use_dora": (False, "DoRA adapters (their lora_magnitude_vector)"),
+                   "lora_bias": (False, "LoRA biases (lora_B.bias)"),
+                   "bias": ("none", "trained base-layer biases"),
+                   "modules_to_save": (None, "modules_to_save (full copies of modules)")}
+"""``LoraConfig`` fields whose non-default values add tensors this sync does not carry (nor vLLM serve for
+a causal LM): refused at init, on every rank."""
+
+
 def peft_saved_name(name: str, adapter: str) -> str | None:
-    """PEFT's saved name of a parameter of adapter ``adapter``
-    (``...q_proj.lora_A.default.weight`` -> ``...q_proj.lora_A.weight``); None for any other parameter."""
-    for part in ("lora_A", "lora_B"):
+    """PEFT's saved name of a ``lora_A`` / ``lora_B`` weight or ``lora_embedding_A`` / ``_B`` of adapter
+    ``adapter`` (``...q_proj.lora_A.default.weight`` -> ``...q_proj.lora_A.weight``,
+    ``...embed_tokens.lora_embedding_A.default`` -> ``...embed_tokens.lora_embedding_A``); None for any
+    other parameter."""
+    for part in _PARTS:
         infix = f".{part}.{adapter}."
-        if infix in name:
+        if infix in name and name.endswith(f"{infix}weight"):
             return name.replace(infix, f".{part}.")
+    for part in _EMBEDDING_PARTS:
+        if name.endswith(f".{part}.{adapter}"):
+            return name[: -len(adapter) - 1]
     return None
+
+
+def unsynced_adapter_tensors(model: torch.nn.Module, adapter: str) -> list[str]:
+    """The adapter's own parameters (PEFT names them with ``.<adapter>``) that are not synced: a DoRA
+    magnitude vector, a LoRA bias, a ``modules_to_save`` copy, an adapter kind this module does not know."""
+    return [n for n, _ in _named(model, None) if (f".{adapter}." in n or n.endswith(f".{adapter}"))
+            and peft_saved_name(n, adapter) is None]
+
+
+def _check_config(cfg: Any, adapter: str) -> None:
+    """Refuse (``ValueError`` naming the field) an adapter whose config adds tensors no sync carries."""
+    for key, (default, what) in _REFUSED_FIELDS.items():
+        value = getattr(cfg, key, default)
+        if value != default and value not in (None, False, [], ()):
+            raise ValueError(f"{key}: adapter {adapter!r} has {key}={value!r}: {what} are not synced (vLLM "
+                             f"serves plain LoRA on linear and embedding layers); train without it")
 
 
 def sender_regions(meta: ParamMeta) -> tuple[Region | None, ...]:
@@ -66,10 +98,13 @@ class LoRASource:
         if not isinstance(rank, int) or not 0 <= rank < num_trainer_ranks:
             raise ValueError(f"rank must be in [0, num_trainer_ranks={num_trainer_ranks}), got {rank!r}")
         self.model, self.adapter, self.rank = model, adapter, rank
+        _check_config(configs[adapter], adapter)
+        if unsynced := unsynced_adapter_tensors(model, adapter):
+            raise ValueError(f"adapter {adapter!r}: tensor {unsynced[0]!r} is not synced (weightsync syncs "
+                             f"lora_A / lora_B and lora_embedding_A / _B only; {len(unsynced)} such tensor(s))")
         self._source = DTensorModuleSource(model, num_trainer_ranks, name_map=lambda n: peft_saved_name(n, adapter))
         if not self.metadata:
-            raise ValueError(f"adapter: {adapter!r} has no lora_A / lora_B parameters (embedding or DoRA "
-                             f"adapters are not synced)")
+            raise ValueError(f"adapter: {adapter!r} has no lora_A / lora_B / lora_embedding_A / _B parameters")
         dtypes = {m.dtype for m in self.metadata}
         if len(dtypes) != 1:
             raise ValueError(f"dtype: the adapter's tensors must share one dtype, got {sorted(map(str, dtypes))}")
@@ -88,8 +123,6 @@ class LoRASource:
                 value = sorted(value)
             if value is not None:
                 out[key] = dict(value) if isinstance(value, dict) else value
-        if getattr(cfg, "use_dora", False):
-            raise ValueError("use_dora: DoRA adapters are not synced (vLLM serves plain LoRA)")
         return out
 
     @cached_property

@@ -7,41 +7,48 @@ side :class:`~weightsync.worker.lora.LoRASlots` (vLLM's stacked LoRA tensors, vL
 * init: every worker resolves the adapter's tensors to the blocks its TP rank holds and checks them
   (:func:`worker_plan`); any worker's refusal is a ``ValueError`` naming the field on every trainer rank,
   before anything moves. Rank 0 shares the plans over the trainer's own process group.
-* a sync: rank 0 hosts a store; workers (:func:`worker_receive`, in their own thread of the engine's
-  ``collective_rpc``) and trainer ranks join a fresh data plane (gloo on CPU, NCCL on CUDA); each
+* a sync: rank 0 hosts a store; workers (:func:`worker_receive`, in the engine's ``collective_rpc``)
+  and trainer ranks join a fresh data plane (gloo on CPU, NCCL on CUDA); each
   trainer rank sends every worker one message: the parts of that worker's blocks in its own shards,
   packed (M2N's pairing: each element once, from the lowest rank that holds it). A worker receives
   exactly its shard of the adapter, writes it into a free slot, and reports. Only when every worker
   staged does rank 0 commit (the adapter id switches to the new slot on every worker); otherwise every
-  worker discards its staged slot and the previous version keeps serving.
+  worker discards its staged slot and the previous version keeps serving. Rank 0 publishes the outcome
+  on the store and every rank returns or raises it: one outcome on every rank, as for every transport.
+* the workers are called by method name (:class:`LoRAWorkerExtension`, mixed into vLLM's workers by
+  ``worker_extension_cls=WORKER_EXTENSION``) with JSON-safe arguments: no function is sent, so vLLM
+  needs no ``VLLM_ALLOW_INSECURE_SERIALIZATION``. Every wait is bounded by ``timeout_s`` (plus
+  ``MARGIN_S`` for each clean-up step): a stuck worker makes every trainer rank raise.
 
-Transports: this is M2N's shard-to-shard pairing on its data plane (an adapter is ~1 % of the model,
-so one packed message per pair, no rounds). Broadcast (``weightsync_nccl``) would send every worker
-the whole adapter, gathered: more bytes than any worker's shard at TP >= 2, so it is not offered.
-IPC (``weightsync_ipc``, colocated) applies in principle (the slot could be filled from the trainer's
-CUDA handles) but needs GPUs; it is not built here.
+Transports: this is M2N's shard-to-shard pairing on its data plane (one packed message per pair, no
+rounds); why not broadcast or IPC: docs/lora.md.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, wait
 from typing import Any
 
 import torch
 
 from ..comm import Communicator, describe
+from ..control import SyncKeys
 from ..plan.regions import Region, Replicate, Shard
 from ..protocol import ParamMeta, dtype_from_name, dtype_name
 from ..trainer.lora import LoRASource, sender_regions
 from ..trainer.session import share_json
+from ..trainer.waits import MARGIN_S
 from ..worker.lora import lora_slots
 
-__all__ = ["LoRASync", "pair_cuts", "worker_plan", "worker_receive", "worker_commit", "worker_discard",
-           "worker_state", "worker_slot"]
+__all__ = ["LoRASync", "LoRAWorkerExtension", "WORKER_EXTENSION", "pair_cuts", "worker_plan", "worker_receive"]
 
 Blocks = list[tuple[str, Region]]
+_OUTCOME_MARGIN_S = 4 * MARGIN_S
+"""How long past ``timeout_s`` ranks > 0 wait for rank 0's outcome: rank 0 waits for the workers' replies
+until ``MARGIN_S`` past ``timeout_s``, then for the commit or discard at most ``MARGIN_S`` more."""
 
 
 def pair_cuts(blocks: Sequence[tuple[str, Region]], metas: Sequence[ParamMeta], trainer_rank: int) -> Blocks:
@@ -69,7 +76,12 @@ def meta_unwire(w: list[Any]) -> ParamMeta:
                      rank_coordinates=tuple(tuple(c) for c in coords))
 
 
-# ---- worker side: run in every vLLM worker by the engine's collective_rpc ------------------------
+# ---- worker side: methods of every vLLM worker, mixed in by ``worker_extension_cls`` -----------------
+WORKER_EXTENSION = "weightsync.transports.lora.LoRAWorkerExtension"
+"""What to pass as vLLM's ``worker_extension_cls`` (``LLM(..., worker_extension_cls=WORKER_EXTENSION)``,
+``vllm serve --worker-extension-cls ...``) so that :class:`LoRASync` can call the workers by name."""
+
+
 def worker_plan(worker: Any, adapter_id: int, config: dict[str, Any], wire: list[list[Any]]) -> dict[str, Any]:
     """Resolve and check; ``{"rank", "blocks"}`` or ``{"error"}`` (never raises into vLLM)."""
     try:
@@ -110,48 +122,90 @@ def worker_receive(worker: Any, adapter_id: int, host: str, port: int, base: int
         return {"received": received}
     except Exception as e:  # noqa: BLE001 - reported to the trainer, raised there
         if comm is not None:
-            comm.fail(f"worker {getattr(worker, 'rank', '?')}: {describe(e)}", e)
+            comm.fail(describe(e), e)
         return {"error": describe(e)}
     finally:
         if comm is not None:
             comm.shutdown()
 
 
-def worker_commit(worker: Any, adapter_id: int, version: int) -> dict[str, Any]:
+def _reported(call: Any) -> dict[str, Any]:
     try:
-        lora_slots(worker).commit(adapter_id, version)
+        call()
         return {}
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 - reported to the trainer, raised there
         return {"error": describe(e)}
 
 
-def worker_discard(worker: Any, adapter_id: int) -> dict[str, Any]:
-    try:
-        lora_slots(worker).discard(adapter_id)
-        return {}
-    except Exception as e:  # noqa: BLE001
-        return {"error": describe(e)}
+class LoRAWorkerExtension:
+    """Mixed into every vLLM worker by ``worker_extension_cls=WORKER_EXTENSION``: :class:`LoRASync` calls
+    these by name through ``collective_rpc`` with JSON-safe arguments (no function is ever sent, so vLLM
+    needs no ``VLLM_ALLOW_INSECURE_SERIALIZATION``). Each answers a dict, ``{"error"}`` on failure: a
+    worker never raises into vLLM during a sync (see ``weightsync.worker.engine``)."""
 
+    def weightsync_lora_plan(self, adapter_id: int, config: dict[str, Any], wire: list[list[Any]]) -> dict[str, Any]:
+        return worker_plan(self, adapter_id, config, wire)
 
-def worker_state(worker: Any) -> dict[int, dict[str, Any]]:
-    return lora_slots(worker).state()
+    def weightsync_lora_receive(self, adapter_id: int, host: str, port: int, base: int, world: int,
+                                num_trainer_ranks: int, timeout_s: float) -> dict[str, Any]:
+        return worker_receive(self, adapter_id, host, port, base, world, num_trainer_ranks, timeout_s)
 
+    def weightsync_lora_commit(self, adapter_id: int, version: int) -> dict[str, Any]:
+        return _reported(lambda: lora_slots(self).commit(adapter_id, version))
 
-def worker_slot(worker: Any, lora_id: int) -> dict[str, torch.Tensor]:
-    """The stacked LoRA tensors of the slot that serves ``lora_id`` (ours or one vLLM loaded)."""
-    m = lora_slots(worker).manager
-    return lora_slots(worker).slot_tensors(m.lora_index_to_id.index(lora_id))
+    def weightsync_lora_discard(self, adapter_id: int) -> dict[str, Any]:
+        return _reported(lambda: lora_slots(self).discard(adapter_id))
+
+    def weightsync_lora_state(self) -> dict[int, dict[str, Any]]:
+        """Per adapter id: its slot, version and the bytes its last sync received."""
+        return lora_slots(self).state()
 
 
 # ---- trainer side ------------------------------------------------------------------------------
-def _rpc(engine: Any, fn: Any, args: tuple[Any, ...]) -> list[Any]:
-    """``collective_rpc`` on an ``LLM`` or a Ray actor handle of one."""
+def _in_thread(call: Any) -> Future:
+    """``call()`` in a daemon thread (one that never returns does not hold the process at exit)."""
+    fut: Future = Future()
+
+    def run() -> None:
+        try:
+            fut.set_result(call())
+        except BaseException as e:  # noqa: BLE001 - the waiter gets it
+            fut.set_exception(e)
+
+    threading.Thread(target=run, name="weightsync-lora-rpc", daemon=True).start()
+    return fut
+
+
+def _rpc(engine: Any, method: str, args: tuple[Any, ...], timeout_s: float) -> Future:
+    """``collective_rpc(method, args=args)`` on an ``LLM`` or a Ray actor handle of one, in a thread, bounded
+    by ``timeout_s`` on its own too (vLLM's and Ray's timeouts); its future."""
     call = engine.collective_rpc
     if hasattr(call, "remote"):
-        import ray
+        def remote() -> Any:
+            import ray
 
-        return ray.get(call.remote(fn, args=args))
-    return call(fn, args=args)
+            return ray.get(call.remote(method, timeout=timeout_s, args=args), timeout=timeout_s)
+
+        return _in_thread(remote)
+    return _in_thread(lambda: call(method, timeout=timeout_s, args=args))
+
+
+def _replies(futures: list[Future], method: str, deadline: float) -> list[list[Any]]:
+    """Each engine's replies, waited for until ``deadline`` (``time.monotonic()``): ``TimeoutError`` naming
+    the call; an engine without the extension's methods is refused naming ``worker_extension_cls``."""
+    wait(futures, timeout=max(0.0, deadline - time.monotonic()))
+    out = []
+    for i, f in enumerate(futures):
+        if not f.done():
+            raise TimeoutError(f"engines[{i}] did not answer {method} within timeout_s (a worker is stuck or gone)")
+        try:
+            out.append(list(f.result(timeout=0)))
+        except Exception as e:  # noqa: BLE001 - re-raised, named
+            if method in str(e) and ("attribute" in str(e) or "not found" in str(e)):
+                raise ValueError(f"worker_extension_cls: engines[{i}]'s workers have no {method}: start the engine "
+                                 f"with worker_extension_cls={WORKER_EXTENSION!r}") from None
+            raise RuntimeError(f"engines[{i}]: {method} failed: {describe(e)}") from None
+    return out
 
 
 def _checked(replies: list[Any], what: str) -> list[Any]:
@@ -161,37 +215,49 @@ def _checked(replies: list[Any], what: str) -> list[Any]:
     return replies
 
 
+def _shared_error(e: Exception) -> dict[str, str]:
+    """An init or set-up failure of rank 0 as every rank raises it (bad input stays a ``ValueError``)."""
+    return {"error": str(e), "kind": "ValueError"} if isinstance(e, ValueError) else {"error": describe(e)}
+
+
 class LoRASync:
     """Sync one adapter of a PEFT model into engines' LoRA slots, as ``adapter_id`` (see the module docstring).
 
     Args:
         source: this rank's :class:`~weightsync.trainer.lora.LoRASource`.
         adapter_id: the ``LoRARequest.lora_int_id`` the engines serve the adapter under.
-        engines: rank 0: the vLLM ``LLM`` objects or Ray handles of them; other ranks: ignored.
+        engines: rank 0: the vLLM ``LLM`` objects or Ray handles of them, started with
+            ``worker_extension_cls=WORKER_EXTENSION``; other ranks: ignored.
         host: where rank 0 hosts each sync's store (workers connect to it).
-        timeout_s: bound of every wait of a sync.
+        timeout_s: bound of every wait of an init or a sync: a stuck worker makes every trainer rank
+            raise within ``timeout_s`` plus a few seconds.
     """
 
     def __init__(self, source: LoRASource, adapter_id: int, engines: Sequence[Any] = (), *,
                  host: str = "127.0.0.1", timeout_s: float = 120.0) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
         self.source, self.adapter_id, self.engines = source, adapter_id, list(engines)
         self.host, self.timeout_s = host, timeout_s
         self.version = 0
-        plans = None
-        if source.rank == 0:
-            if not self.engines:
-                raise ValueError("engines: trainer rank 0 needs at least one engine")
-            try:
-                wire = [meta_wire(m) for m in source.metadata]
-                plans = [_checked(_rpc(e, worker_plan, (adapter_id, source.config, wire)), "LoRA init")
-                         for e in self.engines]
-            except ValueError as e:
-                plans = {"error": str(e)}
-        plans = self._share(plans)
+        plans = self._share(self._plan_all() if source.rank == 0 else None)
         if isinstance(plans, dict):
-            raise ValueError(plans["error"])
+            raise (ValueError if plans.get("kind") == "ValueError" else RuntimeError)(plans["error"])
         self.plans: list[list[Blocks]] = [[[(n, Region(o, s)) for n, o, s in w["blocks"]]
                                            for w in sorted(ws, key=lambda w: w["rank"])] for ws in plans]
+
+    def _plan_all(self) -> Any:
+        """Rank 0: every engine's workers' plans, or the error every rank raises."""
+        try:
+            if not self.engines:
+                raise ValueError("engines: trainer rank 0 needs at least one engine")
+            wire = [meta_wire(m) for m in self.source.metadata]
+            args = (self.adapter_id, self.source.config, wire)
+            futures = [_rpc(e, "weightsync_lora_plan", args, self.timeout_s) for e in self.engines]
+            replies = _replies(futures, "weightsync_lora_plan", time.monotonic() + self.timeout_s)
+            return [_checked(ws, "LoRA init") for ws in replies]
+        except Exception as e:  # noqa: BLE001 - every rank raises it
+            return _shared_error(e)
 
     def _share(self, value: Any) -> Any:
         return value if self.source.num_trainer_ranks == 1 else share_json(value)
@@ -206,42 +272,108 @@ class LoRASync:
         return [sum(r.numel for _, r in blocks) * itemsize for ws in self.plans for blocks in ws]
 
     def sync(self, *, _fail_at: int | None = None) -> dict[str, Any]:
-        """Send this rank's parts; rank 0 then commits (or discards) on every worker. Collective over the
-        trainer ranks. Returns (rank 0) ``{"version", "received", "seconds"}``; raises on failure, the
-        previous version still serving. ``_fail_at`` (tests): this rank fails before sending worker
-        ``_fail_at`` its bytes, after the workers before it got theirs."""
-        t0 = time.perf_counter()
-        n = self.source.num_trainer_ranks
-        port = None
-        comm = None
+        """Send this rank's parts; rank 0 then commits (or discards) on every worker and publishes the
+        outcome, which every rank returns or raises. Collective over the trainer ranks. Returns
+        ``{"version", "seconds"}`` (rank 0 also ``"received"``: the bytes per worker); raises
+        ``RuntimeError`` on every rank on failure, the previous version still serving. ``_fail_at``
+        (tests): this rank fails before sending worker ``_fail_at`` its bytes, after the workers before
+        it got theirs."""
+        comm = port = None
         if self.source.rank == 0:
-            comm = Communicator.connect(self.host, 0, name="trainer rank 0", timeout_s=self.timeout_s,
-                                        host_store=True)
-            port = comm.port
+            try:
+                comm = Communicator.connect(self.host, 0, name="trainer rank 0", timeout_s=self.timeout_s,
+                                            host_store=True)
+                port = comm.port
+            except Exception as e:  # noqa: BLE001 - every rank raises it
+                port = _shared_error(e)
         port = self._share(port)
-        pool = ThreadPoolExecutor(max(1, len(self.engines)))
+        if isinstance(port, dict):
+            raise RuntimeError(f"LoRA sync of adapter_id {self.adapter_id}: trainer rank 0 could not host the "
+                               f"sync's store: {port['error']}")
+        t0 = time.monotonic()  # (every rank got here: the trainer ranks' clocks start together)
         try:
-            futures = []
             if self.source.rank == 0:
-                base = n
-                for e, ws in zip(self.engines, self.plans):
-                    args = (self.adapter_id, self.host, port, base, n + self.workers, n, self.timeout_s)
-                    futures.append(pool.submit(_rpc, e, worker_receive, args))
-                    base += len(ws)
-            else:
-                comm = Communicator.connect(self.host, port, name=f"trainer rank {self.source.rank}",
-                                            timeout_s=self.timeout_s)
-            error = self._send(comm, _fail_at)
-            if self.source.rank != 0:
-                return {}
-            replies = [r for f in futures for r in f.result()]
-            return self._finish(replies, error, t0)
+                return self._lead(comm, port, _fail_at, t0)
+            comm = Communicator.connect(self.host, port, name=f"trainer rank {self.source.rank}",
+                                        timeout_s=self.timeout_s)
+            return self._follow(comm, _fail_at, t0)
         finally:
             if comm is not None:
                 comm.shutdown()
-            pool.shutdown(wait=True)
+
+    def _lead(self, comm: Communicator, port: int, fail_at: int | None, t0: float) -> dict[str, Any]:
+        """Rank 0: start every worker's receive, send, then settle the outcome on every worker."""
+        n = self.source.num_trainer_ranks
+        futures, base = [], n
+        for e, ws in zip(self.engines, self.plans):
+            args = (self.adapter_id, self.host, port, base, n + self.workers, n, self.timeout_s)
+            futures.append(_rpc(e, "weightsync_lora_receive", args, self.timeout_s))
+            base += len(ws)
+        error = self._send(comm, fail_at)
+        try:
+            replies = [r for ws in _replies(futures, "weightsync_lora_receive", t0 + self.timeout_s + MARGIN_S)
+                       for r in ws]
+            failed = [r["error"] for r in replies if "error" in r]
+        except Exception as e:  # noqa: BLE001 - a worker stuck or gone: the sync failed
+            replies, failed = [], [describe(e)]
+        if error is None and not failed:
+            try:
+                self._on_engines("weightsync_lora_commit", (self.adapter_id, self.version + 1), "LoRA commit")
+                self.version += 1
+                stats = {"version": self.version, "received": [r["received"] for r in replies],
+                         "seconds": time.monotonic() - t0}
+                return self._publish(comm, {"version": self.version}, stats)
+            except Exception as e:  # noqa: BLE001 - the sync failed (reported on every rank)
+                failed = [describe(e)]
+        why = failed[0] if failed else describe(error)
+        try:
+            self._on_engines("weightsync_lora_discard", (self.adapter_id,), "LoRA discard")
+        except Exception:  # noqa: BLE001 - a stuck worker: its staged slot stays staged, never served
+            pass
+        message = f"LoRA sync of adapter_id {self.adapter_id} failed, version {self.version} still serving: {why}"
+        return self._publish(comm, {"error": message}, {})
+
+    def _on_engines(self, method: str, args: tuple[Any, ...], what: str) -> None:
+        """``method`` on every engine's workers, waited for at most ``MARGIN_S`` beyond ``timeout_s`` of the
+        sync (a worker stuck in it is not waited for longer); ``ValueError`` naming a worker's error."""
+        futures = [_rpc(e, method, args, self.timeout_s) for e in self.engines]
+        for ws in _replies(futures, method, time.monotonic() + MARGIN_S):
+            _checked(ws, what)
+
+    def _publish(self, comm: Communicator, verdict: dict[str, Any], stats: dict[str, Any]) -> dict[str, Any]:
+        """Rank 0: the outcome for every rank, whose reading is waited for (at most ``timeout_s``) before the
+        store goes; then rank 0's own outcome (the same as every rank's)."""
+        keys = SyncKeys(verdict.get("version", self.version + 1))  # (the sync's number: the version it makes)
+        comm.publish(keys.verdict, verdict)
+        ranks = range(1, self.source.num_trainer_ranks)
+        if ranks:
+            comm.wait_for([keys.ack(r) for r in ranks], self.timeout_s)
+        if "error" in verdict:
+            raise RuntimeError(verdict["error"])
+        return stats
+
+    def _follow(self, comm: Communicator, fail_at: int | None, t0: float) -> dict[str, Any]:
+        """Ranks > 0: send, then take rank 0's outcome (it settles within ``timeout_s`` plus margins)."""
+        error = self._send(comm, fail_at)
+        keys = SyncKeys(self.version + 1)
+        limit = max(0.0, t0 + self.timeout_s + _OUTCOME_MARGIN_S - time.monotonic())
+        if not comm.wait_for([keys.verdict], limit):
+            raise RuntimeError(f"LoRA sync of adapter_id {self.adapter_id}: trainer rank 0 published no outcome "
+                               f"within timeout_s={self.timeout_s} (+{_OUTCOME_MARGIN_S:g} s)"
+                               + (f"; this rank failed: {describe(error)}" if error is not None else "")) from error
+        verdict = comm.peek(keys.verdict)
+        try:
+            comm.publish(keys.ack(self.source.rank), True)
+        except Exception:  # noqa: BLE001 - rank 0 stopped waiting: the outcome is read anyway
+            pass
+        if "error" in verdict:
+            raise RuntimeError(verdict["error"]) from error
+        self.version = int(verdict["version"])
+        return {"version": self.version, "seconds": time.monotonic() - t0}
 
     def _send(self, comm: Communicator, fail_at: int | None) -> BaseException | None:
+        """Every rank: join the sync's data plane and send each worker this rank's parts; the error, if any
+        (recorded on the store first: every party waiting there wakes)."""
         n = self.source.num_trainer_ranks
         works: list[Any] = []
         keep: list[torch.Tensor] = []  # the packed buffers stay alive until their sends complete
@@ -260,23 +392,7 @@ class LoRASync:
                     works += comm.data.post([(buf, n + w, 0)], [])
             comm.data.wait_all(works, "LoRA adapter")
             return None
-        except Exception as e:  # noqa: BLE001 - rank 0 discards; other ranks raise
+        except Exception as e:  # noqa: BLE001 - rank 0 settles it; every rank raises its outcome
             works.clear()  # a pending work keeps gloo's connections open: peers would not wake
-            comm.fail(f"trainer rank {self.source.rank}: {describe(e)}", e)
-            if self.source.rank != 0:
-                raise
+            comm.fail(describe(e), e)
             return e
-
-    def _finish(self, replies: list[Any], error: BaseException | None, t0: float) -> dict[str, Any]:
-        failed = [r["error"] for r in replies if "error" in r]
-        if error is not None or failed:
-            for e in self.engines:
-                _rpc(e, worker_discard, (self.adapter_id,))
-            why = failed[0] if failed else describe(error)
-            raise RuntimeError(f"LoRA sync of adapter_id {self.adapter_id} failed, version {self.version} still "
-                               f"serving: {why}")
-        self.version += 1
-        for e in self.engines:
-            _checked(_rpc(e, worker_commit, (self.adapter_id, self.version)), "LoRA commit")
-        return {"version": self.version, "received": [r["received"] for r in replies],
-                "seconds": time.perf_counter() - t0}

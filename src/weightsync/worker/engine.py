@@ -290,6 +290,9 @@ class WorkerEngine:
             raise RuntimeError("init_transfer_engine must run before start_weight_update")
         sync = self.fence_call("start")
         t0 = time.perf_counter()
+        if (why := self.comm.peer_error()) is not None:  # a start that arrives after its sync failed (this worker
+            self.poisoned = f"start_weight_update after the sync failed: {why}"  # was stuck): opens nothing
+            return
         self._check_base()
         self._applier = LayerwiseApplier(self.model, self.model_config, rollback=self.info.rollback)
         self._received, self._aborted, self._sync_id = 0, False, None
@@ -348,6 +351,10 @@ class WorkerEngine:
             raise RuntimeError("finish_weight_update without start_weight_update")
         self.fence_call("finish", self._started_sync)  # (raised: vLLM's worker keeps the live update active)
         t0 = time.perf_counter()
+        if (why := self._engine_not_finishing()) is not None:  # roll back, never commit a failed sync
+            self._failed_sync = self._sync_id
+            self._fail(RuntimeError(f"finish_weight_update of weight sync {self._sync_id} rolled back: {why}"))
+            return
         try:
             self._applier.finish()
         except BaseException as e:  # reported, not raised (see the module docstring): the trainer raises it
@@ -366,6 +373,24 @@ class WorkerEngine:
             keys = SyncKeys(self._sync_id)
             self.comm.publish(keys.phases(self.worker_rank), self.phases)
             self.comm.publish(keys.held(self.worker_rank), self.held)
+
+    def _engine_not_finishing(self) -> str | None:
+        """Before committing: every worker of this engine (its TP x PP workers, which vLLM calls together)
+        reached its finish and the sync has not failed, waited for at most ``timeout_s``; else why not.
+        So a worker stuck before its finish (or a trainer that gave up on the sync: its failure is on the
+        store, or the store is gone) makes the others roll back, and itself once it gets here: the engine
+        commits whole or not at all, and an abort never has to undo a finished worker."""
+        pc = self.parallel_config
+        if self.comm is None or self._sync_id is None or pc is None:
+            return None
+        keys, per_engine = SyncKeys(self._sync_id), int(pc.world_size)
+        first = self.worker_rank // per_engine * per_engine
+        try:
+            self.comm.publish(keys.finishing(self.worker_rank), True)
+            self.comm.read_all([keys.finishing(w) for w in range(first, first + per_engine)], self.info.timeout_s)
+        except Exception as e:  # noqa: BLE001 - a peer failed, the time ran out, or the store is gone
+            return describe(e)
+        return self.comm.peer_error()
 
     def _check_holds(self, base: int | None) -> None:
         """A delta against sync ``base`` patches weights this worker must hold; refuse otherwise."""

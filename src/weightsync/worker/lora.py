@@ -10,7 +10,9 @@ already registered is served from its slot and never loaded from a path. :class:
   the blocks of it this TP rank holds. The blocks are read from vLLM's own ``slice_lora_a`` /
   ``slice_lora_b`` applied to an index tensor, so the sharding is vLLM's (B sliced for
   column-parallel layers, A for row-parallel ones, q/k/v and gate/up slices with KV-head replicas)
-  without a table of ours. Bad input is refused here, naming the field, before anything is written.
+  without a table of ours. An embedding's ``lora_embedding_A`` / ``_B`` go whole to every TP rank, A
+  transposed (``[vocab, r]``), as vLLM's ``VocabParallelEmbeddingWithLoRA.set_lora`` writes them.
+  Bad input is refused here, naming the field, before anything is written.
 * :meth:`LoRASlots.stage` writes the received blocks into a free slot (zeroed first), casting and
   folding the scaling into B as vLLM's loading does (``lora_b.to(lora_dtype) *= alpha / r``), so the
   slot's bytes equal what vLLM makes from the same adapter saved to a directory.
@@ -44,6 +46,7 @@ class LoRABlock:
     which: str  # "a" or "b"
     sub: int  # slice of a fused layer (q/k/v, gate/up); 0 otherwise
     at: tuple[int, int]  # (row, col) of the block in the slot's 2-D matrix
+    transposed: bool = False  # an embedding's A: the slot holds it transposed (``[vocab, r]``)
 
 
 @dataclass
@@ -165,16 +168,18 @@ class LoRASlots:
             return []
         module, which, sub = located
         layer = self.manager.modules[module]
-        if not isinstance(getattr(layer, "lora_a_stacked", None), tuple) or not hasattr(layer, "output_slices"):
-            raise ValueError(f"target_modules: adapter tensor {name!r} targets {module!r}, a "
-                             f"{type(layer).__name__}: weightsync syncs LoRA on linear layers only")
         peft_module, _ = parse_fine_tuned_lora_name(name)
         rank, scale = helper.get_rank_and_scaling(peft_module)
+        if which == "b":
+            scaling[name] = scale
+        if _is_embedding(layer):
+            return [self._embedding_block(name, shape, module, which, rank, layer)]
+        if not isinstance(getattr(layer, "lora_a_stacked", None), tuple) or not hasattr(layer, "output_slices"):
+            raise ValueError(f"target_modules: adapter tensor {name!r} targets {module!r}, a "
+                             f"{type(layer).__name__}: weightsync syncs LoRA on linear and embedding layers only")
         if len(shape) != 2 or (shape[0] if which == "a" else shape[1]) != rank:
             want = f"({rank}, in)" if which == "a" else f"(out, {rank})"
             raise ValueError(f"r: adapter tensor {name!r} has shape {shape}, expected {want} for rank r={rank}")
-        if which == "b":
-            scaling[name] = scale
         idx = _sliced(layer, which, sub, torch.arange(shape[0] * shape[1]).view(shape))
         stacked = (layer.lora_a_stacked if which == "a" else layer.lora_b_stacked)[sub]
         want = (rank, stacked.shape[3]) if which == "a" else (
@@ -183,6 +188,19 @@ class LoRASlots:
             raise ValueError(f"target_modules: adapter tensor {name!r} of shape {shape} gives this TP rank a "
                              f"{tuple(idx.shape)} block, but vLLM's layer {module!r} holds {want}")
         return [LoRABlock(name, reg, module, which, sub, at) for reg, at in _blocks(idx, shape[1])]
+
+    @staticmethod
+    def _embedding_block(name: str, shape: tuple[int, ...], module: str, which: str, rank: int,
+                         layer: Any) -> LoRABlock:
+        """An embedding's ``lora_embedding_A`` (``(r, vocab)``, held transposed in the slot) or
+        ``lora_embedding_B`` (``(dim, r)``): whole on every TP rank, as vLLM's ``set_lora`` writes them."""
+        vocab, dim = layer.lora_a_stacked.shape[1], layer.lora_b_stacked.shape[2]
+        want = (rank, vocab) if which == "a" else (dim, rank)
+        if tuple(shape) != want:
+            field = "r" if (shape[0] if which == "a" else shape[-1]) != rank else "target_modules"
+            raise ValueError(f"{field}: adapter tensor {name!r} has shape {tuple(shape)}, but vLLM's embedding "
+                             f"layer {module!r} takes {want} (rank r={rank}, its vocabulary and hidden size)")
+        return LoRABlock(name, Region.full(tuple(shape)), module, which, 0, (0, 0), transposed=which == "a")
 
     # ---- a sync: stage, then commit or discard -----------------------------------------------
     def _free_slot(self, adapter_id: int) -> int:
@@ -233,7 +251,11 @@ class LoRASlots:
 
     def _write(self, a: _Adapter, block: LoRABlock, slot: int, region: Region, data: torch.Tensor) -> None:
         layer = self.manager.modules[block.module]
-        stacked = (layer.lora_a_stacked if block.which == "a" else layer.lora_b_stacked)[block.sub]
+        stacked = layer.lora_a_stacked if block.which == "a" else layer.lora_b_stacked
+        if _is_embedding(layer):  # one tensor, no fused slices: A ``[slot, vocab, r]``, B ``[slot, 1, dim, r]``
+            stacked = stacked.unsqueeze(1) if block.which == "a" else stacked
+        else:
+            stacked = stacked[block.sub]
         value = data.to(device=stacked.device, dtype=stacked.dtype)
         scale = a.scaling.get(block.name, 1)
         if block.which == "b" and scale != 1:  # as vLLM's LoRALayerWeights.optimize
@@ -241,6 +263,9 @@ class LoRASlots:
             value *= scale
         r0 = block.at[0] + region.offsets[0] - block.region.offsets[0]
         c0 = block.at[1] + region.offsets[1] - block.region.offsets[1]
+        if block.transposed:
+            stacked[slot, 0, c0:c0 + region.sizes[1], r0:r0 + region.sizes[0]].copy_(value.t())
+            return
         stacked[slot, 0, r0:r0 + region.sizes[0], c0:c0 + region.sizes[1]].copy_(value)
 
     def commit(self, adapter_id: int, version: int) -> None:
@@ -286,6 +311,11 @@ class LoRASlots:
                 for i, t in enumerate((stacked,) if isinstance(stacked, torch.Tensor) else stacked):
                     out[f"{name}.lora_{w}.{i}"] = t[slot].clone()
         return out
+
+
+def _is_embedding(layer: Any) -> bool:
+    """vLLM's embedding LoRA layer (``VocabParallelEmbeddingWithLoRA``): one ``[slots, vocab, r]`` A."""
+    return isinstance(getattr(layer, "lora_a_stacked", None), torch.Tensor) and layer.lora_a_stacked.dim() == 3
 
 
 def lora_slots(worker: Any) -> LoRASlots:

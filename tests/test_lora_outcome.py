@@ -1,0 +1,177 @@
+"""LoRA sync's outcome on every trainer rank and its bounded waits (issues 56, 57), main tier.
+
+Two FSDP2 trainer ranks (``helpers.ranks``, gloo) sync a PEFT adapter through :class:`LoRASync` into a
+stand-in engine of two workers: each worker is ``LoRAWorkerExtension`` (the methods vLLM mixes into its
+workers) over a record of what was staged and committed instead of vLLM's slots, called by method
+name as vLLM's ``collective_rpc`` calls it. The real engine is ``tests/engine/test_engine_lora.py``.
+
+* a sync that fails on one rank after the other rank's bytes landed raises the same error on every
+  rank, and no worker committed (oracle: every rank's outcome; the workers' record);
+* a worker stuck in its receive makes every rank raise within ``timeout_s`` + margin;
+* a sync that succeeds returns the same version on every rank, and every worker staged exactly the
+  trainer's full tensors (oracle: the full tensors gathered from the FSDP2 shards).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from functools import partial
+
+import pytest
+import torch
+
+from weightsync.plan.regions import Region
+from weightsync.transports.lora import LoRAWorkerExtension
+from weightsync.worker.lora import LoRABlock, _Adapter
+
+pytestmark = pytest.mark.timeout(300)
+
+TIMEOUT_S = 6.0
+MARGIN_S = 12.0
+"""What every rank may take beyond ``timeout_s`` to raise (``MARGIN_S`` of the library, twice, and slack)."""
+
+
+class _Slots:
+    """Stands in for ``LoRASlots``: every worker takes every tensor whole; records what it staged."""
+
+    def __init__(self) -> None:
+        self.adapters: dict[int, _Adapter] = {}
+        self.staged: dict[int, dict[str, torch.Tensor]] = {}
+        self.served: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
+
+    def plan(self, adapter_id, config, metas):
+        blocks = tuple(LoRABlock(n, Region.full(tuple(s)), "m", "a", 0, (0, 0)) for n, s in metas)
+        self.adapters[adapter_id] = _Adapter(adapter_id, dict(config), blocks, {})
+        return list(blocks)
+
+    def stage(self, adapter_id, pieces):
+        full = {b.name: torch.full(b.region.sizes, float("nan")) for b in self.adapters[adapter_id].blocks}
+        for name, region, data in pieces:
+            full[name][region.slices()] = data
+        self.staged[adapter_id] = full
+        return sum(d.numel() * d.element_size() for _, _, d in pieces)
+
+    def commit(self, adapter_id, version):
+        self.served[adapter_id] = (version, self.staged.pop(adapter_id))
+
+    def discard(self, adapter_id):
+        self.staged.pop(adapter_id, None)
+
+    def state(self):
+        return {i: {"version": v} for i, (v, _) in self.served.items()}
+
+
+class _Worker(LoRAWorkerExtension):
+    def __init__(self, rank: int, stuck: threading.Event | None = None) -> None:
+        self.rank, self.stuck = rank, stuck
+        self._weightsync_lora = _Slots()
+
+    def weightsync_lora_receive(self, *args):
+        if self.stuck is not None:
+            self.stuck.wait()  # alive, not answering, never joining the data plane
+        return super().weightsync_lora_receive(*args)
+
+
+class _Engine:
+    """``collective_rpc`` as vLLM's: every worker runs the call at once, the replies in rank order. A
+    callable (what the code before issue 56 sent) is run as vLLM ran it, with the worker first."""
+
+    def __init__(self, workers: list[_Worker]) -> None:
+        self.workers = workers
+
+    def collective_rpc(self, method, timeout=None, args=()):
+        out: list = [None] * len(self.workers)
+
+        def run(i: int, w: _Worker) -> None:
+            fn = getattr(w, method) if isinstance(method, str) else partial(method, w)
+            out[i] = fn(*args)
+
+        threads = [threading.Thread(target=run, args=(i, w), daemon=True) for i, w in enumerate(self.workers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return out
+
+
+def _model():
+    from torch.distributed.fsdp import fully_shard
+
+    from test_lora import _peft
+
+    model = _peft(seed=0)
+    for layer in model.base_model.model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def sync_outcome(fail_rank: int | None, stuck: bool) -> dict:
+    """Run in each rank process: one sync into a two-worker stand-in engine (rank 0 drives it);
+    ``fail_rank`` fails before worker 1's bytes; ``stuck``: worker 1 never answers its receive."""
+    import torch.distributed as dist
+
+    from weightsync.trainer.lora import LoRASource
+    from weightsync.transports.lora import LoRASync
+
+    rank = dist.get_rank()
+    model = _model()
+    release = threading.Event()
+    workers = [_Worker(0), _Worker(1, release if stuck else None)]
+    sync = LoRASync(LoRASource(model, 2, rank=rank), 1, [_Engine(workers)] if rank == 0 else [],
+                    timeout_s=TIMEOUT_S)
+    t0 = time.monotonic()
+    try:
+        out = {"returned": sync.sync(_fail_at=1 if fail_rank == rank else None)}
+    except Exception as e:  # noqa: BLE001 - the test reads every rank's outcome
+        out = {"raised": f"{type(e).__name__}: {e}"}
+    out["seconds"] = time.monotonic() - t0
+    release.set()
+    full = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+    if rank == 0:
+        out["served"] = [{i: (v, {k: t.clone() for k, t in ts.items()}) for i, (v, ts) in w._weightsync_lora.served.items()}
+                         for w in workers]
+        out["full"] = full
+    return out
+
+
+def _run(fail_rank, stuck) -> list[dict]:
+    pytest.importorskip("peft")
+    from helpers import ranks
+
+    procs = ranks()
+    procs.init(2)
+    return procs.run("test_lora_outcome:sync_outcome", fail_rank, stuck)
+
+
+@pytest.mark.parametrize("fail_rank", [0, 1])
+def test_a_failed_sync_raises_the_same_error_on_every_rank_and_nothing_commits(fail_rank):
+    out = _run(fail_rank, False)
+    raised = [o.get("raised") for o in out]
+    assert all(raised), f"a rank returned instead of raising: {[o.get('returned') for o in out]}"
+    assert raised[0] == raised[1], raised
+    assert "LoRA sync of adapter_id 1 failed, version 0 still serving" in raised[0]
+    assert f"trainer rank {fail_rank}" in raised[0] and "injected failure" in raised[0]
+    assert out[0]["served"] == [{}, {}]  # no worker serves the failed sync's adapter
+
+
+def test_a_stuck_worker_makes_every_rank_raise_within_timeout_s():
+    out = _run(None, True)
+    for rank, o in enumerate(out):
+        assert "raised" in o, f"trainer rank {rank} returned {o.get('returned')}"
+        assert o["seconds"] < TIMEOUT_S + MARGIN_S, (rank, o["seconds"], o["raised"])
+        assert "still serving" in o["raised"] or "timed out" in o["raised"], o["raised"]
+    assert out[0]["served"] == [{}, {}]
+
+
+def test_a_sync_returns_one_version_on_every_rank_and_each_worker_stages_the_trainers_tensors():
+    out = _run(None, False)
+    assert [o["returned"]["version"] for o in out] == [1, 1], out
+    full = out[0]["full"]
+    for served in out[0]["served"]:
+        version, tensors = served[1]
+        assert version == 1
+        saved = {n.replace(".default", ""): t for n, t in full.items()}
+        assert tensors.keys() == saved.keys()
+        assert all(torch.equal(tensors[n], saved[n]) for n in saved)
