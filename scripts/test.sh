@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Set up, then run the test suite: the main suite in .venv, then the real-engine tier (tests/engine)
-# in .venv-engine. Fails if either fails or collects nothing. With both tiers, .venv-engine is set up
+# Set up, then run the test suite: lint (ruff) and types (mypy) and the main suite in .venv, then the
+# real-engine tier (tests/engine) in .venv-engine. Fails if any fails or a tier collects nothing. With both tiers, .venv-engine is set up
 # in the background while the main tier runs (after .venv's install: the two never build at once).
 # Usage: scripts/test.sh [--main|--engine] [pytest args]   (default: both tiers; args go to each run)
 set -uo pipefail
@@ -24,6 +24,8 @@ for tier in $tiers; do
     trap 'kill "$engine_setup" 2>/dev/null' EXIT
   fi
   if [ "$tier" = main ]; then
+    .venv/bin/ruff check src tests benchmarks examples scripts || { echo "ruff failed" >&2; status=1; }
+    .venv/bin/mypy || { echo "mypy failed" >&2; status=1; }
     .venv/bin/python -m pytest --ignore=tests/engine "$@"
   else
     .venv-engine/bin/python -m pytest tests/engine "$@"

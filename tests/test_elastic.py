@@ -224,8 +224,9 @@ def test_an_engine_of_another_tp_size_is_refused_at_add_naming_the_field(cluster
             f.result(timeout=4 * TIMEOUT_S)
     futs = [t.submit("weightsync.testing.trainer:add_engines", [engine_of(lone)]) for t in cluster.active_trainers]
     for f in futs:
-        with pytest.raises(RemoteError, match=r"engines\[0\]: refused \(.*the trainer's dst_mesh_dims=\(1, 2\) describes 2 "
-                                              r"worker\(s\), but the client drives 1 engine\(s\) of 1 worker\(s\) each"):
+        with pytest.raises(RemoteError, match=r"engines\[0\]: refused \(.*the trainer's dst_mesh_dims=\(1, 2\) "
+                                              r"describes 2 worker\(s\), but the client drives 1 engine\(s\) of 1 "
+                                              r"worker\(s\) each"):
             f.result(timeout=4 * TIMEOUT_S)
     cluster.train_step(1)
     assert cluster.sync("v2")["replicas"] == [0] and differences(cluster, a) == {}

@@ -130,8 +130,8 @@ def sync_outcome(fail_rank: int | None, stuck: bool) -> dict:
     release.set()
     full = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters() if "lora_" in n}
     if rank == 0:
-        out["served"] = [{i: (v, {k: t.clone() for k, t in ts.items()}) for i, (v, ts) in w._weightsync_lora.served.items()}
-                         for w in workers]
+        out["served"] = [{i: (v, {k: t.clone() for k, t in ts.items()})
+                          for i, (v, ts) in w._weightsync_lora.served.items()} for w in workers]
         out["full"] = full
     return out
 

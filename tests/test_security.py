@@ -133,7 +133,8 @@ def test_the_data_plane_rendezvous_goes_through_the_sealed_store(sealed_host):
         t.join(TIMEOUT_S)
     assert torch.equal(out[1], torch.arange(4.0))
     keys = _raw_client(sealed_host.port).list_keys()
-    assert keys and all(k.startswith("ws/") or k in ("weightsync/store", "weightsync/check", "weightsync/group") for k in keys), keys
+    plain = ("weightsync/store", "weightsync/check", "weightsync/group")
+    assert keys and all(k.startswith("ws/") or k in plain for k in keys), keys
     client.shutdown()
 
 
@@ -325,7 +326,7 @@ def test_sigkilled_ipc_trainers_mid_sync_leave_nothing_in_dev_shm(cluster):
         assert _own_files(pids[1]), "rank 1's buffer exists mid-sync"
         cluster.active_trainers[1].kill()
         for pid in pids:
-            until(lambda: not _own_files(pid), f"trainer {pid}'s ipc buffer outlived it: {_own_files(pid)}",
+            until(lambda pid=pid: not _own_files(pid), f"trainer {pid}'s ipc buffer outlived it: {_own_files(pid)}",
                   TIMEOUT_S)
     finally:
         cluster.replace_dead()

@@ -27,7 +27,8 @@ def _on(actor, code: str) -> None:
 
 
 def _active(actor) -> bool:
-    return actor.call("builtins:eval", "__import__('weightsync.testing.actors', fromlist=['STATE']).STATE['active']", {})
+    expr = "__import__('weightsync.testing.actors', fromlist=['STATE']).STATE['active']"
+    return actor.call("builtins:eval", expr, {})
 
 
 @pytest.mark.vllm
@@ -56,7 +57,8 @@ def test_a_failed_applier_finish_is_reported_on_the_store_not_raised_into_vllm(c
     assert mismatches(cluster) == {}
 
 
-_LOAD_NORM = ("import torch\nfrom weightsync.testing.actors import STATE\nfrom weightsync.testing.receiver import _ctx\n"
+_LOAD_NORM = ("import torch\nfrom weightsync.testing.actors import STATE\n"
+              "from weightsync.testing.receiver import _ctx\n"
               "m = STATE['model']\nw = dict(m.named_parameters())['model.norm.weight']\n"
               "with _ctx():\n    m.load_weights([('model.norm.weight', torch.full_like(w, 0.5))])")
 
@@ -77,9 +79,10 @@ def test_vllm_load_weights_drops_the_delta_base_so_the_next_delta_is_refused_not
     cluster.train_step(6, lr=1e-4)
     futs = [a.submit("weightsync.testing.trainer:send_weights", "patched") for a in cluster.active_trainers]
     for f in futs:
-        with pytest.raises(RemoteError, match=r"weight sync 3 failed: worker 0: ValueError: update_info\.delta_base is "
-                                              r"sync 2, but worker 0 holds no complete sync \(vLLM changed its weights "
-                                              r"since weight sync 2 \(load_weights, reload_weights or a level-2 sleep\)"):
+        with pytest.raises(RemoteError, match=r"weight sync 3 failed: worker 0: ValueError: update_info\.delta_base "
+                                              r"is sync 2, but worker 0 holds no complete sync \(vLLM changed its "
+                                              r"weights since weight sync 2 \(load_weights, reload_weights or a "
+                                              r"level-2 sleep\)"):
             f.result(timeout=4 * TIMEOUT_S)
     cluster.make_engines(info)  # after re-init the first sync is dense: exact again
     stats = cluster.sync(weight_version="dense again")
@@ -178,9 +181,9 @@ def test_a_second_trainer_is_refused_and_leaves_the_first_ones_live_update_alone
     a_info = cluster.active_receivers[0].call("builtins:eval", _INFO, {})
     with pytest.raises(RemoteCallError, match=r"an init repeating session '[0-9a-f]{16}' is refused"):
         client.init_weight_transfer_engine(a_info)  # a copied init info: A's own session
-    with pytest.raises(RemoteCallError, match=r"worker \d refuses this finish: a call its trainer session did not announce; "
-                                              r"it is bound to trainer session '[0-9a-f]{16}', whose store announces no "
-                                              r"such call, not sync 1"):
+    with pytest.raises(RemoteCallError, match=r"worker \d refuses this finish: a call its trainer session did not "
+                                              r"announce; it is bound to trainer session '[0-9a-f]{16}', whose store "
+                                              r"announces no such call, not sync 1"):
         client.finish_weight_update("rogue")
     for session in ("", "b0b0b0b0b0b0b0b0"):  # no session, another one: ignored (vLLM keeps the update live)
         for update in ({"abort": "rogue", "sync_id": 1, "session": session}, {"sync_id": 1, "session": session}):
@@ -191,9 +194,10 @@ def test_a_second_trainer_is_refused_and_leaves_the_first_ones_live_update_alone
         f.result(timeout=4 * TIMEOUT_S)
     assert mismatches(cluster) == {}
     assert client.weight_versions() == ["A's"] * layout.num_workers
-    with pytest.raises(RemoteCallError, match=r"worker \d refuses this start: a call its trainer session did not announce; "
-                                              r"it is bound to trainer session '[0-9a-f]{16}', whose store announces start "
-                                              r"of sync 1 by trainer session '[0-9a-f]{16}', not a sync after 1"):
+    with pytest.raises(RemoteCallError, match=r"worker \d refuses this start: a call its trainer session did not "
+                                              r"announce; it is bound to trainer session '[0-9a-f]{16}', whose store "
+                                              r"announces start of sync 1 by trainer session '[0-9a-f]{16}', not a "
+                                              r"sync after 1"):
         client.start_weight_update()
     assert not any(_active(a) for a in cluster.active_receivers)
     cluster.train_step(8)

@@ -30,8 +30,8 @@ from .llm_calls import (
 )
 from .pausing import PAUSE_MODES, UpdateTracker, WeightsPartlyApplied, _check_mode, partly_applied_message, paused
 
-__all__ = ["WeightSyncClient", "EngineMembership", "RemoteCallError", "EngineDead", "per_engine", "HTTPVLLMWeightSyncClient",
-           "RayVLLMWeightSyncClient", "paused", "PAUSE_MODES", "WeightsPartlyApplied"]
+__all__ = ["WeightSyncClient", "EngineMembership", "RemoteCallError", "EngineDead", "per_engine",
+           "HTTPVLLMWeightSyncClient", "RayVLLMWeightSyncClient", "paused", "PAUSE_MODES", "WeightsPartlyApplied"]
 
 UpdatePayload = dict[str, Any] | list[dict[str, Any]]
 

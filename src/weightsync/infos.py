@@ -285,7 +285,8 @@ class MetadataUpdateInfo(WorkerUpdateInfo):
                              f"{len(self.names)}, {len(self.dtype_names)}, {len(self.shapes)}")
 
     def metas(self) -> list[ParamMeta]:
-        return [ParamMeta(n, dtype_from_name(d), tuple(s)) for n, d, s in zip(self.names, self.dtype_names, self.shapes)]
+        return [ParamMeta(n, dtype_from_name(d), tuple(s))
+                for n, d, s in zip(self.names, self.dtype_names, self.shapes)]
 
     @staticmethod
     def wire(metas: list[ParamMeta]) -> dict[str, list[Any]]:

@@ -207,8 +207,9 @@ def _raw(url: str, path: str, body: bytes, length: int | None = None) -> tuple[i
     where = urllib.parse.urlsplit(url)
     conn = http.client.HTTPConnection(where.hostname, where.port, timeout=300)
     try:
-        conn.request("POST", f"/{path}", body=body, headers={"Content-Type": "application/json", "X-Weightsync-Token": TOKEN,
-                                                             "Content-Length": str(length or len(body))})
+        headers = {"Content-Type": "application/json", "X-Weightsync-Token": TOKEN,
+                   "Content-Length": str(length or len(body))}
+        conn.request("POST", f"/{path}", body=body, headers=headers)
         reply = conn.getresponse()
         return reply.status, json.loads(reply.read())
     finally:
@@ -226,7 +227,8 @@ def test_vllm_serve_refuses_bad_bodies_and_a_refused_init_connects_nowhere(serve
     nccl = {"master_address": "127.0.0.1", "master_port": port, "world_size": 2, "transport": "weightsync_nccl",
             "timeout_s": 0}
     try:
-        status, body = _raw(url, "init_weight_transfer_engine", b'{"init_info": ' + b"[" * 10_000 + b"]" * 10_000 + b"}")
+        deep = b'{"init_info": ' + b"[" * 10_000 + b"]" * 10_000 + b"}"
+        status, body = _raw(url, "init_weight_transfer_engine", deep)
         assert (status, body["error"]["message"]) == (400, "the request body nests deeper than 16 levels"), body
         status, body = _raw(url, "init_weight_transfer_engine", b'{"init_info": {"timeout_s": NaN}}')
         assert (status, body["error"]["message"]) == (400, "the request body holds NaN, which is not a JSON number")

@@ -125,7 +125,8 @@ class Flow:
 
     def reference(self, state_dict: dict[str, Any]) -> dict[str, str]:
         """Checksums after vLLM's own in-place reload of ``state_dict`` (the server then holds it)."""
-        path = save_checkpoint(state_dict, MODEL, os.path.join(os.path.dirname(self.server.model_dir), f"ref{self.step}"))
+        where = os.path.join(os.path.dirname(self.server.model_dir), f"ref{self.step}")
+        path = save_checkpoint(state_dict, MODEL, where)
         status, body = http(self.url, "collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}})
         assert status == 200, body
         return self.checksums()

@@ -47,7 +47,8 @@ has already swapped the worker's transport engine by then. With it:
   such as ``"ab\\u006frt"`` is the same field to vLLM and here).
 
 Servers whose backend is not weightsync's pass every body through unchanged (only the 409 mapping,
-the size limit and the token apply). Pure ASGI: no vLLM, FastAPI or Starlette import (``import weightsync`` stays free of them).
+the size limit and the token apply). Pure ASGI: no vLLM, FastAPI or Starlette import (``import
+weightsync`` stays free of them).
 """
 
 from __future__ import annotations
@@ -282,7 +283,8 @@ class WeightSyncRequestValidation:
         """Status, error type and message for a request refused before its body is read."""
         headers = dict(scope.get("headers") or [])
         if self.token is None and not self.allow_no_token and (bound := _public_bind(scope)) is not None:
-            return 403, "ForbiddenError", (f"{path} is refused: this server listens on {bound}, not on loopback, and no "
+            return 403, "ForbiddenError", (f"{path} is refused: this server listens on {bound}, not on loopback, "
+                                           "and no "
                                            f"weight-transfer token is set: set {TOKEN_ENV} on the server (and pass "
                                            f"token= to the client), or {ALLOW_NO_TOKEN_ENV}=1 when the network in "
                                            "front of it is trusted")

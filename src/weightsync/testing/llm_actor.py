@@ -14,8 +14,8 @@ from vllm import LLM
 
 from ..transports.lora import LoRAWorkerExtension
 
-__all__ = ["EngineActor", "EngineReadbacks", "READBACKS", "packed", "unpacked", "read_effective", "read_computed", "reload_from_bytes",
-           "kernel_repacked", "request_amx"]
+__all__ = ["EngineActor", "EngineReadbacks", "READBACKS", "packed", "unpacked", "read_effective", "read_computed",
+           "reload_from_bytes", "kernel_repacked", "request_amx"]
 
 
 # --- inside vLLM workers (called by name through collective_rpc: ``EngineReadbacks``) ---

@@ -233,7 +233,8 @@ class TrainerEngine:
             self._announce("abort")
         except Exception:  # noqa: BLE001 - the store is gone: the workers' own failure paths restore them
             return
-        for call in (lambda: self.client.update_weights(asdict(update)), lambda: self.client.finish_weight_update(None)):
+        calls = (lambda: self.client.update_weights(asdict(update)), lambda: self.client.finish_weight_update(None))
+        for call in calls:
             try:
                 call()
             except Exception:  # noqa: BLE001 - best effort: an engine that is gone answers with an error

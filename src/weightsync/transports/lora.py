@@ -66,7 +66,8 @@ def pair_cuts(blocks: Sequence[tuple[str, Region]], metas: Sequence[ParamMeta], 
 def meta_wire(m: ParamMeta) -> list[Any]:
     """``m`` as plain values (vLLM's ``collective_rpc`` serializes arguments with msgspec)."""
     places = [["S", p.dim] if isinstance(p, Shard) else ["R"] for p in m.placements]
-    return [m.name, dtype_name(m.dtype), list(m.shape), list(m.mesh_shape), places, [list(c) for c in m.rank_coordinates]]
+    return [m.name, dtype_name(m.dtype), list(m.shape), list(m.mesh_shape), places,
+            [list(c) for c in m.rank_coordinates]]
 
 
 def meta_unwire(w: list[Any]) -> ParamMeta:
@@ -211,7 +212,8 @@ def _replies(futures: list[Future], method: str, deadline: float) -> list[list[A
 def _checked(replies: list[Any], what: str) -> list[Any]:
     errors = [r["error"] for r in replies if isinstance(r, dict) and "error" in r]
     if errors:
-        raise ValueError(f"{what}: {errors[0]}" + (f" (and {len(errors) - 1} more worker(s))" if len(errors) > 1 else ""))
+        more = f" (and {len(errors) - 1} more worker(s))" if len(errors) > 1 else ""
+        raise ValueError(f"{what}: {errors[0]}{more}")
     return replies
 
 

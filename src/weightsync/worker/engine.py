@@ -234,9 +234,10 @@ class WorkerEngine:
         if not bound or self.comm.peer_error() is not None:
             return
         if not info.take_over and info.session == bound:
-            raise ValueError(f"worker {self.worker_rank} is bound to trainer session {bound!r}, live: an init repeating "
-                             f"session {bound!r} is refused (every trainer_init draws a new session; a replayed or "
-                             "copied init info repeats one) unless it asks take_over=True in its TrainerInitInfo")
+            raise ValueError(f"worker {self.worker_rank} is bound to trainer session {bound!r}, live: an init "
+                             f"repeating session {bound!r} is refused (every trainer_init draws a new session; a "
+                             "replayed or copied init info repeats one) unless it asks take_over=True in its "
+                             "TrainerInitInfo")
         if not info.take_over:
             raise ValueError(f"worker {self.worker_rank} is bound to trainer session {bound!r}: the init of trainer "
                              f"session {info.session!r} is refused until {bound!r} shuts down its engines (or the "
@@ -264,7 +265,8 @@ class WorkerEngine:
         except DataPlaneError as e:  # forged, or the store is gone
             said, why = None, f" ({e})"
         session, sync = (said.get("session"), said.get("sync_id")) if isinstance(said, dict) else (None, None)
-        if session == bound and type(sync) is int and (sync > self._last_started if call == "start" else sync == sync_id):
+        expected = (sync > self._last_started if call == "start" else sync == sync_id) if type(sync) is int else False
+        if session == bound and expected:
             return sync
         what = "no such call" if said is None else f"{call} of sync {sync} by trainer session {session!r}"
         expected = f"a sync after {self._last_started}" if call == "start" else f"sync {sync_id}"

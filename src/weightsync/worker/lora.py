@@ -129,7 +129,8 @@ class LoRASlots:
                          f"this engine (its LoRA layers: {_short(sorted(self.manager.modules))}; the engine's "
                          f"LoRA config or the model's supported modules lack it)")
 
-    def plan(self, adapter_id: int, config: dict[str, Any], metas: list[tuple[str, tuple[int, ...]]]) -> list[LoRABlock]:
+    def plan(self, adapter_id: int, config: dict[str, Any],
+             metas: list[tuple[str, tuple[int, ...]]]) -> list[LoRABlock]:
         """Resolve an adapter's tensors (``(name, full shape)``) to this worker's blocks; refuse bad
         input naming the field. Registers nothing until the first :meth:`commit`."""
         from vllm.lora.peft_helper import PEFTHelper
@@ -160,7 +161,8 @@ class LoRASlots:
         a.config, a.blocks, a.scaling = dict(config), tuple(blocks), scaling
         return blocks
 
-    def _tensor_blocks(self, name: str, shape: tuple[int, ...], helper: Any, scaling: dict[str, float]) -> list[LoRABlock]:
+    def _tensor_blocks(self, name: str, shape: tuple[int, ...], helper: Any,
+                       scaling: dict[str, float]) -> list[LoRABlock]:
         from vllm.lora.utils import parse_fine_tuned_lora_name
 
         located = self._locate(name)
