@@ -5,18 +5,28 @@ paired runs that take each ratio between measurements made moments apart."""
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from weightsync.testing.actors import Actor, gather
 from weightsync.testing.cluster import Layout, LocalCluster, free_port, init_info
 
-if TYPE_CHECKING:
-    from transfer_throughput import Scenario
-
 MiB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    sweep: str  # "size", "layout" or "staging": which table and plot it belongs to
+    trainers: int
+    tp: int
+    replicas: int
+    size: str  # key of SIZES
+    transports: tuple[str, ...]
+    staging_mib: int  # M2N staging = broadcast/IPC bucket (raised to the largest tensor where needed)
+    tp_aligned: bool = False  # trainers shard row-parallel weights on dim 1 (ModelConfig.tp_aligned_shards)
 
 
 def on(actors: list[Actor], fn: str, *args: Any, **kwargs: Any) -> list[Any]:

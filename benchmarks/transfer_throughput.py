@@ -35,7 +35,7 @@ from typing import Any
 
 import _report
 import torch
-from _baselines import MiB, measure_p2p, median_dicts, merge_p2p, on, run_naive, run_paired
+from _baselines import MiB, Scenario, measure_p2p, median_dicts, merge_p2p, on, run_naive, run_paired
 
 from weightsync.registry import transport as registered
 from weightsync.testing.cluster import Layout, LocalCluster, init_info
@@ -73,18 +73,6 @@ def qwen3_config(hidden: int, layers: int, vocab: int, tied: bool) -> dict[str, 
 def largest_tensor_bytes(cfg: dict[str, Any], itemsize: int) -> int:
     h = cfg["hidden_size"]
     return max(cfg["vocab_size"] * h, cfg["intermediate_size"] * h, h * h) * itemsize
-
-
-@dataclasses.dataclass(frozen=True)
-class Scenario:
-    sweep: str  # "size", "layout" or "staging": which table and plot it belongs to
-    trainers: int
-    tp: int
-    replicas: int
-    size: str  # key of SIZES
-    transports: tuple[str, ...]
-    staging_mib: int  # M2N staging = broadcast/IPC bucket (raised to the largest tensor where needed)
-    tp_aligned: bool = False  # trainers shard row-parallel weights on dim 1 (ModelConfig.tp_aligned_shards)
 
 
 def scenarios(args: argparse.Namespace) -> list[Scenario]:

@@ -72,6 +72,21 @@ def test_no_import_cycle_in_src():
     assert not cycle, "import cycle (lazy imports included): " + " -> ".join(cycle)
 
 
+def test_no_import_cycle_in_benchmarks():
+    """The benchmark scripts import each other by file name (``from _baselines import ...``), type-only
+    imports included."""
+    files = {f.stem: f for f in (ROOT / "benchmarks").glob("*.py")}
+    edges: dict[str, set[str]] = {m: set() for m in files}
+    for m, f in files.items():
+        for n in ast.walk(ast.parse(f.read_text())):
+            names = [a.name for a in n.names] if isinstance(n, ast.Import) else []
+            if isinstance(n, ast.ImportFrom) and not n.level:
+                names = [n.module or ""]
+            edges[m] |= {x for x in names if x in files and x != m}
+    cycle = _first_cycle(edges)
+    assert not cycle, "import cycle in benchmarks/: " + " -> ".join(cycle)
+
+
 def test_the_cycle_check_sees_lazy_imports(tmp_path):
     """The check itself: a function-level import that closes a loop is a cycle."""
     edges = {"p.a": {"p.b"}, "p.b": {"p.a"}, "p.c": set()}
