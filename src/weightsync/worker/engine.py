@@ -39,7 +39,7 @@ from ..comm import Communicator, describe
 from ..control import SyncKeys, announced, model_metas
 from ..dataplane import PlaneFactory
 from ..dataplane.torch_group import TorchGroupPlane
-from ..errors import DataPlaneError, PoisonedError
+from ..errors import PoisonedError
 from ..infos import TAKEN_OVER, WorkerInitInfo, WorkerUpdateInfo, parse_info
 from ..registry import TRANSPORTS, transport, transports_with
 from .agreement import fingerprint, weights_changed
@@ -262,8 +262,8 @@ class WorkerEngine:
                              "(init_weight_transfer_engine from a weightsync trainer first)")
         try:
             said, why = self.comm.peek(announced(call)), ""
-        except DataPlaneError as e:  # forged, or the store is gone
-            said, why = None, f" ({e})"
+        except Exception as e:  # noqa: BLE001 - forged (DataPlaneError), or the store is gone (torch's own errors)
+            said, why = None, f" ({describe(e)})"
         session, sync = (said.get("session"), said.get("sync_id")) if isinstance(said, dict) else (None, None)
         expected = (sync > self._last_started if call == "start" else sync == sync_id) if type(sync) is int else False
         if session == bound and expected:
@@ -273,6 +273,18 @@ class WorkerEngine:
         raise ValueError(f"worker {w} refuses this {call}: {FENCED}; it is bound to trainer session {bound!r}, whose "
                          f"store announces {what}{why}, not {expected}: a {call} from a party without the session, or "
                          "with another one")
+
+    def _fenced_unless_failed(self, call: str, sync_id: int | None = None) -> int | None:
+        """``fence_call``, except that a late call of a sync that failed (a failure recorded on the bound
+        session's store, or that store gone) returns None instead of raising: such a call rolls back and
+        poisons, it never commits nor leaves vLLM's update active. A live store that announced no such call
+        still refuses it (a party without the session cannot roll a live update back)."""
+        try:
+            return self.fence_call(call, sync_id)
+        except ValueError:
+            if self.comm is not None and self.comm.peer_error() is not None:
+                return None
+            raise
 
     def _check_deployment(self, info: Any) -> None:
         (expected, field), w = self._expected_workers(info), self.worker_rank
@@ -290,10 +302,10 @@ class WorkerEngine:
         self._check_not_poisoned()
         if self.comm is None:
             raise RuntimeError("init_transfer_engine must run before start_weight_update")
-        sync = self.fence_call("start")
-        t0 = time.perf_counter()
-        if (why := self.comm.peer_error()) is not None:  # a start that arrives after its sync failed (this worker
-            self.poisoned = f"start_weight_update after the sync failed: {why}"  # was stuck): opens nothing
+        sync, t0 = self._fenced_unless_failed("start"), time.perf_counter()
+        why = self.comm.peer_error()
+        if sync is None or why is not None:  # a start that arrives after its sync failed (this worker was stuck)
+            self.poisoned = f"start_weight_update after the sync failed: {why}"  # opens nothing
             return
         self._check_base()
         self._applier = LayerwiseApplier(self.model, self.model_config, rollback=self.info.rollback)
@@ -351,7 +363,8 @@ class WorkerEngine:
         self._check_not_poisoned()
         if self._applier is None:
             raise RuntimeError("finish_weight_update without start_weight_update")
-        self.fence_call("finish", self._started_sync)  # (raised: vLLM's worker keeps the live update active)
+        # (raised: vLLM's worker keeps the live update active; a failed sync's late finish rolls back below)
+        self._fenced_unless_failed("finish", self._started_sync)
         t0 = time.perf_counter()
         if (why := self._engine_not_finishing()) is not None:  # roll back, never commit a failed sync
             self._failed_sync = self._sync_id
