@@ -15,6 +15,7 @@ import time
 import pytest
 
 from helpers import init_info
+from weightsync.registry import transports_with
 from weightsync.testing.actors import RemoteError
 from weightsync.testing.client import LocalWeightSyncClient
 from weightsync.testing.cluster import Layout, model_config_dir
@@ -23,7 +24,7 @@ pytestmark = [pytest.mark.timeout(900), pytest.mark.vllm]
 
 TIMEOUT_S = 20.0
 """timeout_s of the syncs a dead or hung worker fails: a worker that is gone may be noticed only then."""
-BACKENDS = ("weightsync_m2n", "weightsync_nccl")
+BACKENDS = tuple(transports_with("elastic"))
 _R = "weightsync.testing.receiver:"
 
 

@@ -34,7 +34,7 @@ NCCL = Layout(trainers=2, tp=2, backend="weightsync_nccl")
 def info(backend: str, **kw):
     """An init info for 2 trainer ranks -> TP 2 (small buffers: a sync takes several rounds or buckets),
     ``timeout_s=FAST_TIMEOUT``, with the fields in ``kw`` replaced (validated again)."""
-    buffer = 1 << 14 if backend == "weightsync_m2n" else 1 << 16
+    buffer = 1 << 14 if SOURCES[backend] == "local" else 1 << 16  # the reshard core: several rounds
     return dataclasses.replace(init_info(backend, Layout(trainers=2, tp=2), buffer_bytes=buffer,
                                          timeout_s=FAST_TIMEOUT), **kw)
 
@@ -136,8 +136,8 @@ def test_a_source_raising_on_one_rank_fails_every_rank_fast_with_its_error(clust
     failed_before_the_timeout(elapsed)
     assert cluster.client().weight_versions() == ["good"] * layout.num_workers
     poisoned = [a.call("weightsync.testing.probes:engine_poisoned") for a in cluster.active_receivers]
-    # M2N reads its local shards in the preflight: nothing moved, the engines were not asked to update
-    assert [p is not None for p in poisoned] == [backend != "weightsync_m2n"] * layout.num_workers, poisoned
+    # the reshard core reads its local shards in the preflight: nothing moved, the engines were not asked to update
+    assert [p is not None for p in poisoned] == [SOURCES[backend] != "local"] * layout.num_workers, poisoned
     cluster.make_engines(info(backend), source=source)
     cluster.sync(weight_version="after", verify=True)
     assert mismatches(cluster) == {}
