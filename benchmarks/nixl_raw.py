@@ -117,7 +117,8 @@ def main() -> None:
         pr.join(60)
     print(f"{'bytes':>12} {'weightsync_nixl GB/s':>21} {'raw NIXL GB/s':>14} {'ratio (paired median)':>22}")
     for r in rows:
-        print(f"{r['bytes']:>12} {r['weightsync_nixl_GBps']:>21.2f} {r['raw_nixl_GBps']:>14.2f} {r['ratio_of_raw']:>22.3f}")
+        ws, raw = r["weightsync_nixl_GBps"], r["raw_nixl_GBps"]
+        print(f"{r['bytes']:>12} {ws:>21.2f} {raw:>14.2f} {r['ratio_of_raw']:>22.3f}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"rows": rows, "cpus": torch.get_num_threads(), "when": time.strftime("%Y-%m-%d %H:%M")}, f,
