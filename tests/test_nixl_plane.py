@@ -16,12 +16,15 @@ from typing import Any
 import pytest
 import torch
 
-pytest.importorskip("nixl_cu12")
+from weightsync.comm import Communicator
+from weightsync.dataplane import DataPlane
+from weightsync.dataplane.nixl import NixlPlane, nixl_module
+from weightsync.errors import DataPlaneError
 
-from weightsync.comm import Communicator  # noqa: E402
-from weightsync.dataplane import DataPlane  # noqa: E402
-from weightsync.dataplane.nixl import NixlPlane  # noqa: E402
-from weightsync.errors import DataPlaneError  # noqa: E402
+try:
+    nixl_module()
+except ImportError as e:
+    pytest.skip(str(e), allow_module_level=True)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -37,22 +40,24 @@ def _threads() -> int:
 
 
 def _party(fn: Callable[..., Any], rank: int, world: int, port: int, timeout_s: float, secret: str | None,
-           out: Any, done: Any) -> None:
+           out: Any, done: Any, device: str = "cpu") -> None:
     try:
         comm = Communicator.connect("127.0.0.1", port, name=f"party {rank}", timeout_s=timeout_s,
                                     host_store=rank == 0, secret=secret)
-        comm.join(rank, world, plane=NixlPlane)
+        comm.join(rank, world, plane=NixlPlane, device=device)
         out.put((rank, fn(comm, rank)))
     except Exception:  # noqa: BLE001 - reported to the test
         out.put((rank, traceback.format_exc()))
     done.wait(120)  # the store's host stays up until every party reported
 
 
-def _run(fn: Callable[..., Any], world: int = 3, timeout_s: float = 60.0, secret: str | None = None) -> dict[int, Any]:
+def _run(fn: Callable[..., Any], world: int = 3, timeout_s: float = 60.0, secret: str | None = None,
+         device: str = "cpu") -> dict[int, Any]:
     ctx = mp.get_context("spawn")
     out, done = ctx.Queue(), ctx.Event()
     port = _port()
-    procs = [ctx.Process(target=_party, args=(fn, r, world, port, timeout_s, secret, out, done)) for r in range(world)]
+    procs = [ctx.Process(target=_party, args=(fn, r, world, port, timeout_s, secret, out, done, device))
+             for r in range(world)]
     for p in procs:
         p.start()
     try:
@@ -222,3 +227,18 @@ def test_dropped_planes_leave_no_thread_behind():
     results = _run(_threads_left, world=2)
     for before, after in results.values():
         assert after <= before, (before, after)
+
+
+def _device_memory(comm: Communicator, rank: int) -> bool:
+    """Rank 0 sends a CUDA tensor's bytes to rank 1, which READs them into its own CUDA tensor."""
+    n = 1 << 20
+    t = torch.arange(n, dtype=torch.float32, device="cuda") if rank == 0 else torch.zeros(n, device="cuda")
+    comm.data.exchange([(t, 1, 0)] if rank == 0 else [], [(t, 0, 0)] if rank == 1 else [], "device round")
+    return rank == 0 or torch.equal(t.cpu(), torch.arange(n, dtype=torch.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_device_memory_is_registered_and_read_on_a_gpu():
+    results = _run(_device_memory, world=2, device="cuda")
+    assert results == {0: True, 1: True}, results
