@@ -61,7 +61,7 @@ def _run(fn: Callable[..., Any], world: int = 3, timeout_s: float = 60.0, secret
     for p in procs:
         p.start()
     try:
-        return dict(out.get(timeout=180) for _ in range(world))
+        return dict(out.get(timeout=600) for _ in range(world))  # (spawned parties start slowly on a loaded machine)
     finally:
         done.set()
         for p in procs:

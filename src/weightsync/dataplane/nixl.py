@@ -99,16 +99,17 @@ class _Weak:
     """A weak reference to a storage (torch's own, as ``torch.multiprocessing`` uses): it tells when the
     storage was freed without keeping it alive."""
 
-    __slots__ = ("cdata",)
+    __slots__ = ("cdata", "_free")
 
     def __init__(self, storage: torch.UntypedStorage) -> None:
         self.cdata: int = storage._weak_ref()  # type: ignore[assignment]  # (an int at run time)
+        self._free = torch.UntypedStorage._free_weak_ref  # kept: torch may be torn down first at exit
 
     def expired(self) -> bool:
         return bool(torch.UntypedStorage._expired(self.cdata))
 
     def __del__(self) -> None:
-        torch.UntypedStorage._free_weak_ref(self.cdata)  # type: ignore[no-untyped-call]
+        self._free(self.cdata)  # type: ignore[no-untyped-call]
 
 
 @dataclass(slots=True)
