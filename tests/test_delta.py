@@ -10,9 +10,12 @@ dense, through vLLM's processing."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from helpers import init_info, mismatches
+from weightsync.registry import transport, transports_with
 from weightsync.testing.actors import STATE, RemoteError
 from weightsync.testing.cluster import Layout
 
@@ -20,6 +23,10 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 LAYOUT = Layout(trainers=2, tp=2, replicas=2, dtype="bfloat16", trainer_dtype="float32", backend="weightsync_m2n")
 BROADCAST = Layout(trainers=2, tp=2, dtype="bfloat16", trainer_dtype="float32", backend="weightsync_nccl")
+RESHARD = [b for b in transports_with("delta") if transport(b).source == "local"]
+"""The reshard core's transports (per-worker messages): M2N, NIXL."""
+LAYOUTS = {**{b.removeprefix("weightsync_"): dataclasses.replace(LAYOUT, backend=b) for b in RESHARD},
+           "broadcast": BROADCAST}
 
 
 def make_delta_engines(cluster, layout: Layout = LAYOUT, **fields) -> None:
@@ -43,14 +50,14 @@ def check_dense(stats: dict) -> None:
     assert stats["bytes_sent"] == d["dense_bytes"]
 
 
-@pytest.mark.parametrize("layout", [LAYOUT, BROADCAST], ids=["m2n", "broadcast"])
+@pytest.mark.parametrize("layout", list(LAYOUTS.values()), ids=list(LAYOUTS))
 def test_fifty_delta_syncs_between_optimizer_steps_stay_bit_exact(cluster, layout):
     workers = list(range(layout.num_workers))
     cluster.setup(layout, fresh=True)
     make_delta_engines(cluster, layout)
     first = cluster.on_trainers("send_weights", "v0", verify=True)
     # (the broadcast's rank 0 keeps the full model; the other ranks only take part in the gathers)
-    for stats in first if layout.backend == "weightsync_m2n" else first[:1]:
+    for stats in first if layout.backend in RESHARD else first[:1]:
         check_dense(stats)
         assert stats["delta"]["baseline_bytes"] > 0
     assert mismatches(cluster) == {}
@@ -60,7 +67,7 @@ def test_fifty_delta_syncs_between_optimizer_steps_stay_bit_exact(cluster, layou
         cluster.train_step(step, lr=lr)
         per_rank = cluster.on_trainers("send_weights", f"v{step}", verify=True)
         assert mismatches(cluster) == {}, step
-        per_rank = per_rank if layout.backend == "weightsync_m2n" else per_rank[:1]  # the sender
+        per_rank = per_rank if layout.backend in RESHARD else per_rank[:1]  # the sender
         for stats in per_rank:
             d = stats["delta"]
             assert d["base"] == step and d["workers"] == workers and stats["verified"], (step, d)
@@ -76,7 +83,7 @@ def test_fifty_delta_syncs_between_optimizer_steps_stay_bit_exact(cluster, layou
     assert cluster.client().weight_versions() == ["v50"] * layout.num_workers
 
 
-@pytest.mark.parametrize("layout", [LAYOUT, BROADCAST], ids=["m2n", "broadcast"])
+@pytest.mark.parametrize("layout", list(LAYOUTS.values()), ids=list(LAYOUTS))
 def test_a_worker_that_lost_its_weights_gets_the_next_sync_dense(cluster, layout):
     """M2N: that worker alone; a broadcast goes to every worker alike, so all of them."""
     cluster.setup(layout, fresh=True)
@@ -91,7 +98,7 @@ def test_a_worker_that_lost_its_weights_gets_the_next_sync_dense(cluster, layout
     stats = cluster.sync("v2", verify=True)
     received, shard = stats["bytes_received_per_worker"], stats["lower_bound_per_worker"]
     assert stats["verified"] and received[lost] == shard[lost]  # dense: its whole shard (or every tensor)
-    if layout.backend == "weightsync_m2n":
+    if layout.backend in RESHARD:
         assert stats["delta"]["workers"] == [0, 1, 2]
         assert all(received[w] < shard[w] for w in (0, 1, 2))
     else:
@@ -117,7 +124,7 @@ def test_a_worker_asked_to_patch_weights_it_does_not_hold_refuses_then_a_reinit_
     assert mismatches(cluster) == {}
 
 
-@pytest.mark.parametrize("layout", [LAYOUT, BROADCAST], ids=["m2n", "broadcast"])
+@pytest.mark.parametrize("layout", list(LAYOUTS.values()), ids=list(LAYOUTS))
 def test_killing_a_worker_then_reinit_the_next_sync_is_dense_and_verified(cluster, layout):
     workers = list(range(layout.num_workers))
     cluster.setup(layout, fresh=True)

@@ -16,6 +16,7 @@ from dataclasses import replace
 import pytest
 
 from helpers import init_info
+from weightsync.registry import transport, transports_with
 from weightsync.testing.actors import RemoteError
 from weightsync.testing.client import LocalWeightSyncClient
 from weightsync.testing.cluster import Layout, model_config_dir
@@ -24,7 +25,7 @@ pytestmark = [pytest.mark.timeout(900), pytest.mark.vllm]
 
 TIMEOUT_S = 20.0
 """timeout_s of the syncs a dead or hung worker fails: a worker that is gone may be noticed only then."""
-BACKENDS = ("weightsync_m2n", "weightsync_nccl")
+BACKENDS = tuple(transports_with("elastic"))
 _R = "weightsync.testing.receiver:"
 
 
@@ -93,11 +94,12 @@ def test_replicas_join_leave_and_rejoin_between_syncs(cluster, backend):
     cluster.on_trainers("shutdown_engine")
 
 
-def _receiving(receiver) -> str:
-    """Slow ``receiver``'s data plane (0.3 s a call), counting its calls in a file: the file has bytes
-    once the receiver is inside a sync's transfer."""
+def _receiving(receiver, backend: str) -> str:
+    """Slow ``receiver``'s data plane (the one ``backend``'s workers join; 0.3 s a call), counting its
+    calls in a file: the file has bytes once the receiver is inside a sync's transfer."""
     path = os.path.join(tempfile.mkdtemp(), receiver.name)
-    receiver.call("weightsync.testing.faults:slow_data_plane", 0.3, path)
+    plane = transport(backend).worker_engine.data_plane
+    receiver.call("weightsync.testing.faults:slow_data_plane", 0.3, path, f"{plane.__module__}:{plane.__qualname__}")
     return path
 
 
@@ -108,7 +110,7 @@ def test_a_worker_killed_mid_sync_is_dropped_the_others_complete_and_a_new_one_j
     start(cluster, backend, [r0, r1, r2])
     cluster.sync("v1")
     cluster.train_step(1)
-    count = _receiving(r1)
+    count = _receiving(r1, backend)
     futs = [a.submit("weightsync.testing.trainer:send_weights", "v2") for a in cluster.active_trainers]
     deadline = time.monotonic() + 60
     while not (os.path.exists(count) and os.path.getsize(count) >= 1):  # replica 1 is receiving

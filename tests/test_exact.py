@@ -7,10 +7,13 @@ leave the padding as vLLM's loader does, and the delta syncs that follow keep it
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from helpers import init_info, mismatches
+from weightsync.registry import transport, transports_with
 from weightsync.testing.actors import STATE
 from weightsync.testing.cluster import Layout
 
@@ -41,7 +44,12 @@ def _module_of(name: str) -> torch.nn.Module:
     return STATE["model"].get_submodule(name.rsplit(".", 1)[0])
 
 
-@pytest.mark.parametrize("layout", [M2N, BROADCAST], ids=["m2n", "broadcast"])
+LAYOUTS = {**{b.removeprefix("weightsync_"): dataclasses.replace(M2N, backend=b)
+              for b in transports_with("delta") if transport(b).source == "local"},
+           "broadcast": BROADCAST}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS.values()), ids=list(LAYOUTS))
 def test_a_worker_reinitialized_with_dummy_weights_gets_padding_zeroed_by_its_dense_sync(cluster, layout):
     cluster.setup(layout, fresh=True)
     cluster.make_engines(init_info(layout.backend, layout, delta=True), wire_dtype="bfloat16")
@@ -54,7 +62,7 @@ def test_a_worker_reinitialized_with_dummy_weights_gets_padding_zeroed_by_its_de
     cluster.train_step(2, lr=1e-5)
     stats = cluster.sync("v2", verify=True)
     assert stats["verified"]
-    if layout.backend == "weightsync_m2n":
+    if transport(layout.backend).source == "local":  # the reshard core: per worker
         assert lost not in stats["delta"]["workers"]  # its sync was dense
     assert mismatches(cluster) == {}
     cluster.train_step(3, lr=1e-5)

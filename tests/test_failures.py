@@ -14,6 +14,7 @@ import pytest
 
 from helpers import SOURCES, TRANSPORTS, init_info, mismatches
 from weightsync import RemoteCallError
+from weightsync.registry import transport
 from weightsync.testing.actors import RemoteError
 from weightsync.testing.cluster import Layout
 from weightsync.testing.faults import BAD_NAME as BAD
@@ -34,7 +35,7 @@ NCCL = Layout(trainers=2, tp=2, backend="weightsync_nccl")
 def info(backend: str, **kw):
     """An init info for 2 trainer ranks -> TP 2 (small buffers: a sync takes several rounds or buckets),
     ``timeout_s=FAST_TIMEOUT``, with the fields in ``kw`` replaced (validated again)."""
-    buffer = 1 << 14 if backend == "weightsync_m2n" else 1 << 16
+    buffer = 1 << 14 if SOURCES[backend] == "local" else 1 << 16  # the reshard core: several rounds
     return dataclasses.replace(init_info(backend, Layout(trainers=2, tp=2), buffer_bytes=buffer,
                                          timeout_s=FAST_TIMEOUT), **kw)
 
@@ -136,8 +137,8 @@ def test_a_source_raising_on_one_rank_fails_every_rank_fast_with_its_error(clust
     failed_before_the_timeout(elapsed)
     assert cluster.client().weight_versions() == ["good"] * layout.num_workers
     poisoned = [a.call("weightsync.testing.probes:engine_poisoned") for a in cluster.active_receivers]
-    # M2N reads its local shards in the preflight: nothing moved, the engines were not asked to update
-    assert [p is not None for p in poisoned] == [backend != "weightsync_m2n"] * layout.num_workers, poisoned
+    # the reshard core reads its local shards in the preflight: nothing moved, the engines were not asked to update
+    assert [p is not None for p in poisoned] == [SOURCES[backend] != "local"] * layout.num_workers, poisoned
     cluster.make_engines(info(backend), source=source)
     cluster.sync(weight_version="after", verify=True)
     assert mismatches(cluster) == {}
@@ -305,8 +306,10 @@ def kill_mid_sync(cluster, layout, info, source, pick) -> float:
     cluster.sync(weight_version="good")
     cluster.train_step(1)
     counts = [os.path.join(tempfile.mkdtemp(), a.name) for a in cluster.active_trainers]
+    plane = transport(layout.backend).trainer_engine.data_plane  # the plane this transport's posts go through
+    plane_path = f"{plane.__module__}:{plane.__qualname__}"
     for a, path in zip(cluster.active_trainers, counts):
-        a.call("weightsync.testing.faults:slow_data_plane", 0.3, path)
+        a.call("weightsync.testing.faults:slow_data_plane", 0.3, path, plane_path)
     futs = [a.submit("weightsync.testing.trainer:send_weights", "bad") for a in cluster.active_trainers]
     deadline = time.monotonic() + 60  # a trainer rank is 3 slowed calls (0.9 s) into the sync
     while not any(os.path.exists(p) and os.path.getsize(p) >= 3 for p in counts):
@@ -320,7 +323,7 @@ def kill_mid_sync(cluster, layout, info, source, pick) -> float:
             f.result(timeout=2 * TIMEOUT)
     elapsed = time.perf_counter() - t0
     for a, _ in survivors:  # the next test's syncs run at full speed
-        a.call("weightsync.testing.faults:slow_data_plane", 0)
+        a.call("weightsync.testing.faults:slow_data_plane", 0, None, plane_path)
     return elapsed
 
 

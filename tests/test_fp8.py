@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from helpers import init_info
+from weightsync.registry import transports_with
 from weightsync.testing.actors import RemoteError
 from weightsync.testing.cluster import Layout
 
@@ -209,10 +210,12 @@ def test_both_modes_are_bit_exact_to_the_reference_checkpoint_with_the_bytes_eac
         assert sum(x["trainer"] for x in want) > 0 and sum(x["worker"] for x in want) > 0
 
 
+@pytest.mark.parametrize("backend", transports_with("fp8_wire"))
 @pytest.mark.parametrize("mode", ["a", "b"])
-def test_delta_syncs_into_fp8_targets_are_bit_exact(cluster, mode):
-    """FP8 modules go through the loader path, so their pieces always go dense; the rest as deltas."""
-    layout = Layout(trainers=2 if mode == "a" else 3, tp=2, dtype="bfloat16", model=MODEL, backend="weightsync_m2n")
+def test_delta_syncs_into_fp8_targets_are_bit_exact(cluster, mode, backend):
+    """FP8 modules go through the loader path, so their pieces always go dense; the rest as deltas (on
+    every transport that fills FP8 targets and sends FP8 on the wire)."""
+    layout = Layout(trainers=2 if mode == "a" else 3, tp=2, dtype="bfloat16", model=MODEL, backend=backend)
     check_delta_syncs(cluster, layout, mode, _ME)
 
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import execute_reference, init_info, mismatches
+from helpers import TRANSPORTS, execute_reference, init_info, mismatches
 from weightsync.plan import build_plan
+from weightsync.registry import transport
 from weightsync.testing.actors import RemoteError
 from weightsync.testing.cluster import Layout
 
@@ -135,17 +136,19 @@ def test_gather_guard_catches_a_gathering_transport(cluster):
             f.result()
 
 
-@pytest.mark.parametrize("backend", ["weightsync_m2n", "weightsync_nccl", "weightsync_ipc"])
+@pytest.mark.parametrize("backend", TRANSPORTS)
 def test_workers_report_their_own_phases(cluster, backend):
     """``SyncStats.worker_phases``: every worker's own start / receive / finish seconds, from the
     engines (no instrumentation); receiving the weights is most of a worker's sync here. Rank 0's
-    phases add up to no more than its sync."""
+    phases add up to no more than its sync. A shard-exact transport's workers receive their shard's bytes."""
     from helpers import SOURCES, init_info
 
     layout = Layout(trainers=2, tp=2, backend=backend)
     cluster.setup(layout)
     cluster.make_engines(init_info(backend, layout), source=SOURCES[backend])
     stats = cluster.sync("phases")
+    if transport(backend).capabilities.shard_exact:
+        assert stats["bytes_received_per_worker"] == stats["lower_bound_per_worker"]
     assert sorted(stats["worker_phases"]) == list(range(layout.num_workers))
     for w, phases in stats["worker_phases"].items():
         assert set(phases) == {"start", "receive", "finish"}, (w, phases)

@@ -17,9 +17,10 @@ from weightsync.protocol import dtype_from_name, dtype_name
 from weightsync.transports.nccl import NCCLTrainerInitInfo, NCCLUpdateInfo, NCCLWorkerInitInfo
 
 
-def test_import_pulls_in_no_vllm_ray_or_nccl():
-    code = ("import weightsync, weightsync.transports.nccl, sys; "
-            "print(sorted({m.split('.')[0] for m in sys.modules} & {'vllm', 'ray', 'nccl'}))")
+def test_import_pulls_in_no_vllm_ray_nccl_or_nixl():
+    code = ("import weightsync, weightsync.transports.nccl, weightsync.transports.nixl, sys; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'vllm', 'ray', 'nccl', 'nixl', 'nixl_cu12', "
+            "'nixl_cu13'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

