@@ -24,7 +24,7 @@ from typing import Any
 
 from ..comm import describe
 
-__all__ = ["MARGIN_S", "ClientCalls", "client_result", "left", "settle"]
+__all__ = ["MARGIN_S", "ClientCalls", "client_result", "in_thread", "left", "settle"]
 
 MARGIN_S = 2.0
 """What a failed step's abort (or a failed init's call) may wait beyond ``timeout_s`` since the sync
@@ -51,6 +51,21 @@ def settle(fut: Future, seconds: float) -> bool:
     return bool(wait([fut], timeout=max(0.0, seconds)).done)
 
 
+def in_thread(call: Callable[[], Any], name: str) -> Future:
+    """``call()`` in a daemon thread of its own (one that never returns does not hold the process at
+    exit); its future."""
+    fut: Future = Future()
+
+    def run() -> None:
+        try:
+            fut.set_result(call())
+        except BaseException as e:  # noqa: BLE001 - the waiter gets it
+            fut.set_exception(e)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return fut
+
+
 class ClientCalls:
     """Rank 0's client calls, each in a thread: the engine's client thread, which runs them in order
     (a client without ``concurrent_calls`` must not be called from two threads at once), or, for a
@@ -64,18 +79,7 @@ class ClientCalls:
 
     def submit(self, call: Callable[[], Any], *, aside: bool = False) -> Future:
         """Run ``call`` in a client thread (see the class); its future."""
-        if aside and self.concurrent:
-            fut: Future = Future()
-
-            def run() -> None:
-                try:
-                    fut.set_result(call())
-                except BaseException as e:  # noqa: BLE001 - the waiter gets it
-                    fut.set_exception(e)
-
-            threading.Thread(target=run, name="weightsync-client-aside", daemon=True).start()
-        else:
-            fut = self._pool.submit(call)
+        fut = in_thread(call, "weightsync-client-aside") if aside and self.concurrent else self._pool.submit(call)
         self._inflight = [f for f in self._inflight if not f.done()] + [fut]
         return fut
 

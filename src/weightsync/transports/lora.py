@@ -26,7 +26,6 @@ rounds); why not broadcast or IPC: docs/lora.md.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, wait
@@ -40,7 +39,7 @@ from ..plan.regions import Region, Replicate, Shard
 from ..protocol import ParamMeta, dtype_from_name, dtype_name
 from ..trainer.lora import LoRASource, sender_regions
 from ..trainer.session import share_json
-from ..trainer.waits import MARGIN_S
+from ..trainer.waits import MARGIN_S, in_thread
 from ..worker.lora import lora_slots
 
 __all__ = ["LoRASync", "LoRAWorkerExtension", "WORKER_EXTENSION", "pair_cuts", "worker_plan", "worker_receive"]
@@ -163,20 +162,6 @@ class LoRAWorkerExtension:
 
 
 # ---- trainer side ------------------------------------------------------------------------------
-def _in_thread(call: Any) -> Future:
-    """``call()`` in a daemon thread (one that never returns does not hold the process at exit)."""
-    fut: Future = Future()
-
-    def run() -> None:
-        try:
-            fut.set_result(call())
-        except BaseException as e:  # noqa: BLE001 - the waiter gets it
-            fut.set_exception(e)
-
-    threading.Thread(target=run, name="weightsync-lora-rpc", daemon=True).start()
-    return fut
-
-
 def _rpc(engine: Any, method: str, args: tuple[Any, ...], timeout_s: float) -> Future:
     """``collective_rpc(method, args=args)`` on an ``LLM`` or a Ray actor handle of one, in a thread, bounded
     by ``timeout_s`` on its own too (vLLM's and Ray's timeouts); its future."""
@@ -187,8 +172,8 @@ def _rpc(engine: Any, method: str, args: tuple[Any, ...], timeout_s: float) -> F
 
             return ray.get(call.remote(method, timeout=timeout_s, args=args), timeout=timeout_s)
 
-        return _in_thread(remote)
-    return _in_thread(lambda: call(method, timeout=timeout_s, args=args))
+        return in_thread(remote, "weightsync-lora-rpc")
+    return in_thread(lambda: call(method, timeout=timeout_s, args=args), "weightsync-lora-rpc")
 
 
 def _replies(futures: list[Future], method: str, deadline: float) -> list[list[Any]]:
