@@ -113,7 +113,7 @@ def _bytes_equal(comm: Communicator, rank: int) -> dict[str, Any]:
             "broadcast": torch.equal(b, torch.arange(4096, dtype=torch.float32))}
 
 
-@pytest.mark.parametrize("secret", [None, "s3cret"], ids=["open", "sealed"])
+@pytest.mark.parametrize("secret", [None, "s3cret-" + "0" * 32], ids=["open", "sealed"])
 def test_bytes_arrive_equal_and_a_later_sync_reuses_every_registration(secret):
     results = _run(_bytes_equal, secret=secret)
     for rank, got in results.items():

@@ -65,12 +65,13 @@ def test_dtype_names_roundtrip_and_reject_unknown():
 
 
 def test_registries_are_lazy_and_list_names():
-    assert transport_names() == ["weightsync_ipc", "weightsync_m2n", "weightsync_nccl"]
+    assert transport_names() == ["weightsync_ipc", "weightsync_m2n", "weightsync_nccl", "weightsync_nixl"]
     assert WorkerEngineFactory.engine_class("weightsync_nccl").__name__ == "NCCLWorkerEngine"
     with pytest.raises(ValueError, match="unknown weight-transfer backend 'nccl'"):
         WorkerEngineFactory.engine_class("nccl")  # one name per transport
     with pytest.raises(ValueError, match=r"unknown weight-transfer backend 'gloo'; available: "
-                                         r"\['weightsync_ipc', 'weightsync_m2n', 'weightsync_nccl'\]"):
+                                         r"\['weightsync_ipc', 'weightsync_m2n', 'weightsync_nccl', "
+                                         r"'weightsync_nixl'\]"):
         WeightTransferTrainerFactory.engine_class("gloo")
     with pytest.raises(TypeError, match="init_info must be a TrainerInitInfo, got dict"):
         WeightTransferTrainerFactory.trainer_init({}, client=None)

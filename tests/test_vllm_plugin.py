@@ -27,6 +27,8 @@ def test_vllm_factories_build_our_engines_for_every_backend(cluster):
                            "trainer": "M2NTrainerEngine", "trainer_is_vllm": True},
         "weightsync_ipc": {"worker": "IPCWorkerEngine", "worker_is_vllm": True,
                            "trainer": "IPCTrainerEngine", "trainer_is_vllm": True},
+        "weightsync_nixl": {"worker": "NixlWorkerEngine", "worker_is_vllm": True,
+                            "trainer": "NixlTrainerEngine", "trainer_is_vllm": True},
     }
 
 
