@@ -12,11 +12,14 @@ import urllib.request
 
 import pytest
 
+from weightsync.registry import transport_names
+
 pytestmark = pytest.mark.timeout(900)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BIN = os.path.dirname(sys.executable)
-TRANSPORTS = ["weightsync_ipc", "weightsync_m2n", "weightsync_nccl"]
+TRANSPORTS = transport_names()
+"""The demo syncs every registered transport."""
 
 
 def run(*cmd: str) -> subprocess.CompletedProcess:
