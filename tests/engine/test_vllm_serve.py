@@ -217,7 +217,7 @@ BAD = [
                    "argument: 'world_size'"),
     ("init_weight_transfer_engine", {"init_info": {k: v for k, v in INIT.items() if k != "transport"}}, 400,
      "transport", "init_info.transport must name a weightsync transport for vLLM's 'weightsync' backend (one of "
-                  "['weightsync_ipc', 'weightsync_m2n', 'weightsync_nccl']), got None"),
+                  "['weightsync_ipc', 'weightsync_m2n', 'weightsync_nccl', 'weightsync_nixl']), got None"),
     ("init_weight_transfer_engine", {"init_info": INIT, "rank": 0}, 400, "rank",
      "unknown field(s) ['rank'] in the request body; expected ['init_info']"),
     ("update_weights", {"update_info": {"sync_id": "1"}}, 400, "sync_id",
