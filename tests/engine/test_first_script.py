@@ -110,13 +110,15 @@ def test_a_dead_engine_core_is_reported_as_such_trimmed_and_cleaned_up(ray_sessi
         SyncFailed,
         WeightTransferTrainerFactory,
     )
+    from weightsync.testing.llm_actor import READBACKS
     from weightsync.transports.nccl import NCCLTrainerInitInfo
 
     ray_session.stop_engines()  # one engine at a time on this machine
     path = weightsync.configs.path("tiny_qwen3")
     llm = ray.remote(num_cpus=0)(LLM).remote(
         model=path, load_format="dummy", skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
-        max_model_len=256, weight_transfer_config=WeightTransferConfig(backend="weightsync"))
+        max_model_len=256, weight_transfer_config=WeightTransferConfig(backend="weightsync"),
+        worker_extension_cls=READBACKS)  # the test's held call (weightsync_test_hold), called by name
     client = RayVLLMWeightSyncClient(llm, timeout_s=TIMEOUT_S)
     try:
         torch.manual_seed(0)
