@@ -202,7 +202,7 @@ class _Plan:
         self.staging = torch.empty(staging_bytes, dtype=torch.uint8, device=comm.device)
 
 
-class M2NTrainerEngine(TrainerEngine):
+class M2NTrainerEngine(TrainerEngine[M2NTrainerInitInfo, M2NUpdateInfo, dict[str, torch.Tensor]]):
     """M2N trainer engine; ``trainer_init`` and ``send_weights`` run on every trainer rank."""
 
     init_info_cls = M2NTrainerInitInfo

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import asdict
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Generic, Protocol, Self, TypedDict, TypeVar
 
 from ..comm import Communicator, describe
 from ..control import INIT_DONE, SyncKeys, announced, gather, init_ack
@@ -45,27 +45,76 @@ from ..stats import SyncStats
 from .session import check_finished, check_source, connect_fresh, leave, new_session, taken_over
 from .waits import MARGIN_S, ClientCalls, client_result, left, settle
 
-__all__ = ["TrainerEngine", "client_result"]
+if TYPE_CHECKING:
+    from ..registry import Transport
+    from .elastic import ElasticTrainerEngine
+
+__all__ = ["EngineClient", "TrainerEngine", "client_result"]
 
 _OK = "ok"
+Json = dict[str, object]
+
+TInit = TypeVar("TInit", bound=TrainerInitInfo)
+TUpdate = TypeVar("TUpdate", bound=WorkerUpdateInfo)
+TPrepared = TypeVar("TPrepared")
 
 
-class TrainerEngine:
+class SharedWorkerFields(TypedDict):
+    """The worker init info's fields every transport shares (``TrainerEngine._shared_worker_fields``)."""
+
+    master_address: str
+    master_port: int
+    timeout_s: float
+    rollback: bool
+    cast_dtypes: bool
+    partial: list[str]
+    session: str
+    take_over: bool
+    store_group: str
+
+
+class EngineClient(Protocol):
+    """What trainer rank 0 calls on the engines (``weightsync.clients``: Ray, HTTP, in-process), as
+    vLLM's weight-transfer API names it; the other ranks never call it."""
+
+    def init_weight_transfer_engine(self, init_info: Json, /) -> object: ...
+    def start_weight_update(self) -> object: ...
+    def update_weights(self, update_info: Json, /) -> object: ...
+    def finish_weight_update(self, weight_version: str | None, /) -> object: ...
+
+
+class TrainerEngine(Generic[TInit, TUpdate, TPrepared]):
     """Trainer-side engine, built by ``WeightTransferTrainerFactory.trainer_init`` on every trainer
     rank: the lifecycle every transport shares; a transport implements the hooks listed in the
-    module docstring. Rank 0 drives the client; every rank runs every collective."""
+    module docstring, typed by its init info ``TInit``, its workers' update info ``TUpdate`` and what its
+    ``_preflight`` prepares for ``_transfer`` (``TPrepared``). Rank 0 drives the client; every rank runs
+    every collective."""
 
     init_info_cls: ClassVar[type[TrainerInitInfo]]
-    spec: ClassVar[Any]
-    """The transport's declaration (``weightsync.registry.Transport``), set when it is declared."""
+    spec: ClassVar[Transport]
+    """The transport's declaration, set when it is declared (``weightsync.registry``)."""
     update_info_cls: ClassVar[type[WorkerUpdateInfo]] = WorkerUpdateInfo
     """The workers' update info (an abort is sent as one)."""
     data_plane: ClassVar[PlaneFactory] = TorchGroupPlane
     """The data plane this transport's parties join (``_data_rank``); its workers' engine names the same."""
     _chunks = 0  # chunks the last sync handed over on the store (ipc), whose keys ``_forget`` deletes
-    comm: Communicator | None  # the group's control channel (None: not connected, or shut down)
+    comm: Communicator  # the group's control channel (connected before any hook runs; ``shutdown`` drops it)
+    _calls: Communicator | None  # rank 0: the client calls' channel (``_watched``)
+    session: str
+    sync_id: int
+    failed: str | None  # why the last failed sync failed: the engines refuse syncs until re-initialized
+    _pool: ClientCalls
+    _outcome_ack: Callable[[int], str] | None  # rank 0: the last outcome's acknowledgements
+    _held_syncs: list[int]  # rank 0: syncs whose workers' "held" keys are on the store (``_forget``)
+    # one sync's progress, for its failure path (``_failed_sync``)
+    _t0: float
+    _started: bool
+    _start_sent: bool
+    _finished: bool
+    _update_call: Future[None] | None
+    _closed: bool  # ``shutdown`` ran
 
-    def __init__(self, init_info: TrainerInitInfo, *, client: Any, source: WeightSource | None) -> None:
+    def __init__(self, init_info: TInit, *, client: EngineClient, source: WeightSource | None) -> None:
         self.init_info = init_info
         self.rank = init_info.rank
         self.is_sender = init_info.rank == 0
@@ -77,7 +126,7 @@ class TrainerEngine:
         """What every worker's ``init_transfer_engine`` gets (``port``: the store's actual port)."""
         raise NotImplementedError
 
-    def _shared_worker_fields(self, port: int) -> dict[str, Any]:
+    def _shared_worker_fields(self, port: int) -> SharedWorkerFields:
         """The worker init info's fields every transport shares (``port``: the store's actual port)."""
         i = self.init_info
         return {"master_address": i.master_address, "master_port": port, "timeout_s": i.timeout_s,
@@ -86,20 +135,21 @@ class TrainerEngine:
 
     def _data_rank(self) -> tuple[int, int] | None:
         """``(rank, world size)`` of this trainer rank in the data plane, or None (control only)."""
+        return None
 
     def _handshake(self) -> None:
         """After connecting, before init is agreed (e.g. plan agreement). Every trainer rank."""
 
-    def _preflight(self, verify: bool) -> Any:
+    def _preflight(self, verify: bool) -> TPrepared:
         """Checks that need no peer and move no data (``ValueError`` naming the parameter); what ``_transfer`` needs."""
         raise NotImplementedError
 
-    def _update_info(self, prepared: Any, verify: bool) -> WorkerUpdateInfo | None:
+    def _update_info(self, prepared: TPrepared, verify: bool) -> TUpdate | None:
         """Rank 0: this sync's update info, sent from the client's thread right after the start call, so
         the workers enter their receive while the trainer ranks wake; None: ``_transfer`` sends it."""
         return None
 
-    def _transfer(self, prepared: Any, stats: SyncStats, verify: bool, started: Callable[[], None]) -> None:
+    def _transfer(self, prepared: TPrepared, stats: SyncStats, verify: bool, started: Callable[[], None]) -> None:
         """Move the weights; call ``started()`` (it waits until the engines accepted the update) before
         any data moves or the source's collectives run; local work may come first. On rank 0,
         ``self._update_call`` is the update call in flight (None when ``_update_info`` returned None:
@@ -111,8 +161,8 @@ class TrainerEngine:
 
     # ---- init ---------------------------------------------------------------------------
     @classmethod
-    def trainer_init(cls, init_info: TrainerInitInfo, *, client: Any,
-                     source: WeightSource | None = None) -> TrainerEngine:
+    def trainer_init(cls, init_info: TInit, *, client: EngineClient,
+                     source: WeightSource | None = None) -> Self | ElasticTrainerEngine:
         """Rendezvous with every worker (collective on every trainer rank)."""
         if not isinstance(init_info, cls.init_info_cls):
             raise TypeError(f"{cls.__name__} needs a {cls.init_info_cls.__name__}, got {type(init_info).__name__}")
@@ -122,18 +172,19 @@ class TrainerEngine:
 
             return ElasticTrainerEngine.trainer_init(cls, init_info, client=client, source=source)
         self = cls(init_info, client=client, source=source)
-        self.sync_id, self.failed, self.comm, self._calls = 0, None, None, None
+        self.sync_id, self.failed, self._calls, self._closed = 0, None, None, False
         self.session = new_session()  # rank 0's is the one the workers get
-        self._outcome_ack: Callable[[int], str] | None = None  # rank 0: the last outcome's acknowledgements
-        self._held_syncs: list[int] = []  # rank 0: syncs whose workers' "held" keys are on the store (``_forget``)
+        self._outcome_ack, self._held_syncs = None, []
         self._pool = ClientCalls(client)  # rank 0's client calls run there, waited for within timeout_s
-        i, fut, t0 = init_info, None, time.monotonic()
+        i, t0 = init_info, time.monotonic()
+        fut: Future[None] | None = None
+        comm: Communicator | None = None
         try:
             def connect() -> Communicator:
                 return Communicator.connect(i.master_address, i.master_port or 0, name=f"trainer rank {i.rank}",
                                             timeout_s=i.timeout_s, host_store=self.is_sender)
 
-            self.comm = connect() if self.is_sender else connect_fresh(connect, i.rank, i.timeout_s)
+            comm = self.comm = connect() if self.is_sender else connect_fresh(connect, i.rank, i.timeout_s)
             if self.is_sender:
                 self._calls = self.comm.second_channel()  # the client calls' threads report on it (``_watched``)
                 payload = {**asdict(self._worker_init_info(self.comm.port)), "transport": self.init_info.backend}
@@ -151,16 +202,16 @@ class TrainerEngine:
             else:
                 self.comm.read(INIT_DONE)  # raises a failure any rank or worker reported
         except BaseException as e:
-            if self.comm is not None:
-                self.comm.fail(describe(e), e)
+            if comm is not None:
+                comm.fail(describe(e), e)
                 if fut is not None:  # the workers learn it from the store too: they are not left connecting
                     settle(fut, left(t0, i.timeout_s, MARGIN_S))  # (a stuck worker is not waited for)
                 self._acknowledge(init_ack)  # rank 0 (the store's host) lingers until every rank saw it
             if self._calls is not None:
                 self._calls.shutdown()
             self._pool.shutdown(wait=False)
-            if isinstance(e, Exception) and not isinstance(e, ValueError) and self.comm is not None:
-                if (refused := refusal(self.comm.peer_error())) is not None:  # a worker refused: every rank says so
+            if isinstance(e, Exception) and not isinstance(e, ValueError) and comm is not None:
+                if (refused := refusal(comm.peer_error())) is not None:  # a worker refused: every rank says so
                     raise refused from e
             raise
         return self
@@ -177,7 +228,7 @@ class TrainerEngine:
         elif keys:
             self.comm.wait_for(keys, self.init_info.timeout_s)
 
-    def _start_update(self, update: WorkerUpdateInfo | None) -> Callable[[], Any]:
+    def _start_update(self, update: TUpdate | None) -> Callable[[], object]:
         """Rank 0: start the update on every engine and tell the other ranks, then send ``update`` from
         the same client thread at once (that call is ``self._update_call``); returns what waits until
         the start returned (without ``update``: it has)."""
@@ -185,12 +236,14 @@ class TrainerEngine:
             client_result(self._pool.submit(self._start_on_engines), self.init_info.timeout_s, "start_weight_update")
             self.comm.publish(self.keys.started, _OK)
             return lambda: None
-        payload, started = {**asdict(update), "session": self.session}, Future()  # (fenced: see ``session``)
+        payload = {**asdict(update), "session": self.session}  # (fenced: see ``session``)
+        started: Future[None] = Future()
+        calls = self._calls_channel
 
         def start_then_update() -> None:
             try:
                 self._start_on_engines()
-                self._calls.publish(self.keys.started, _OK)
+                calls.publish(self.keys.started, _OK)
             except BaseException as e:  # noqa: BLE001 - raised in the caller; no update is sent
                 started.set_exception(e)
                 return
@@ -233,7 +286,8 @@ class TrainerEngine:
             self._announce("abort")
         except Exception:  # noqa: BLE001 - the store is gone: the workers' own failure paths restore them
             return
-        calls = (lambda: self.client.update_weights(asdict(update)), lambda: self.client.finish_weight_update(None))
+        calls: tuple[Callable[[], object], ...] = (lambda: self.client.update_weights(asdict(update)),
+                                                   lambda: self.client.finish_weight_update(None))
         for call in calls:
             try:
                 call()
@@ -244,9 +298,16 @@ class TrainerEngine:
         """Where each worker publishes the bytes it received once it applied this sync's update."""
         return [self.keys.recv(w) for w in sorted(self._lower_bound())]
 
-    def _watched(self, call: Callable[[], Any], what: str, wake: Sequence[str] = ()) -> Future:
+    def _watched(self, call: Callable[[], object], what: str, wake: Sequence[str] = ()) -> Future[None]:
         """A client call in the client thread, its failure recorded on the store (``ClientCalls.watched``)."""
-        return self._pool.watched(call, what, self._calls, wake)
+        return self._pool.watched(call, what, self._calls_channel, wake)
+
+    @property
+    def _calls_channel(self) -> Communicator:
+        """Rank 0's channel for its client calls' threads (opened at init)."""
+        if self._calls is None:
+            raise RuntimeError("only trainer rank 0 calls the engines")
+        return self._calls
 
     def _applied(self) -> list[int] | None:
         """Rank 0: wait until every worker applied the update (the bytes each received, when read). With a
@@ -278,13 +339,13 @@ class TrainerEngine:
             except TimeoutError as e:
                 raise Refused(f"{REFUSED}could not ask whether every engine's generation is paused: {e}") from None
 
-    def _agreed_preflight(self, verify: bool) -> Any:
+    def _agreed_preflight(self, verify: bool) -> TPrepared:
         """``_preflight`` on every rank; any rank's error is every rank's (see the module docstring)."""
         try:
             self._check_paused()
-            prepared, error = self._preflight(verify), ""
+            prepared, error = [self._preflight(verify)], ""
         except ValueError as e:
-            prepared, error = None, str(e)
+            prepared, error = [], str(e)
         except BaseException as e:  # the source's own failure: the other ranks raise it now, not at a timeout
             try:
                 self.comm.publish(self.keys.preflight(self.rank), {"rank": self.rank, "error": describe(e)})
@@ -299,7 +360,7 @@ class TrainerEngine:
                                "(in its preflight: nothing moved, the engines were not asked to update)")
         if any(errors):  # nothing moved; the engines were not asked to update
             raise preflight_error(next(e for e in errors if e))
-        return prepared
+        return prepared[0]
 
     def send_weights(self, *, weight_version: str | None = None, verify: bool = False) -> SyncStats:
         """Push the source's weights to every worker; returns once every worker applied them (``verify``:
@@ -308,7 +369,7 @@ class TrainerEngine:
             raise PoisonedError(f"a previous sync failed ({self.failed}); the engines refuse updates until "
                                 f"re-initialized: call {type(self).__name__}.trainer_init(init_info, client=..., "
                                 "source=...) again on every trainer rank (the same master_port works)")
-        if self.comm is None:
+        if self._closed:
             raise RuntimeError("the engine was shut down; call trainer_init again")
         self.sync_id, self._t0 = self.sync_id + 1, time.monotonic()
         stats = SyncStats(backend=self.init_info.backend, rank=self.rank, weight_version=weight_version)
@@ -400,13 +461,15 @@ class TrainerEngine:
     def shutdown(self, *, drain: bool = True) -> None:
         """Release the group (and the store, on rank 0, once every rank read the last outcome).
         Call on every trainer rank. ``drain=False``: a client call still stuck is not waited for."""
-        if self.comm is not None and self.is_sender and self._outcome_ack:
+        if self._closed:
+            return
+        if self.is_sender and self._outcome_ack:
             self._acknowledge(self._outcome_ack)
-        elif self.comm is not None:
+        else:
             leave(self.comm, self.rank)
         self._pool.drain(self.init_info.timeout_s if drain else 0.0)  # the client calls a failure left running
         for comm in (self.comm, self._calls):
             if comm is not None:
                 comm.shutdown()
-        self.comm = None
+        self._closed = True
 

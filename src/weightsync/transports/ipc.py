@@ -113,7 +113,7 @@ class IPCUpdateInfo(MetadataUpdateInfo):
             raise ValueError(f"chunk must be in [0, num_chunks={self.num_chunks}), got {self.chunk}")
 
 
-class IPCTrainerEngine(TrainerEngine):
+class IPCTrainerEngine(TrainerEngine[IPCTrainerInitInfo, IPCUpdateInfo, tuple[list[ParamMeta], list[Bucket], str]]):
     """Colocated trainer engine. ``trainer_init`` and ``send_weights`` run on every trainer rank."""
 
     init_info_cls = IPCTrainerInitInfo

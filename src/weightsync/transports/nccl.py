@@ -105,7 +105,7 @@ class NCCLUpdateInfo(MetadataUpdateInfo):
     """A delta sync against this sync (every worker holds it): the entries are announced on the store."""
 
 
-class NCCLTrainerEngine(TrainerEngine):
+class NCCLTrainerEngine(TrainerEngine[NCCLTrainerInitInfo, NCCLUpdateInfo, tuple[list[ParamMeta], list[Bucket]]]):
     """Broadcast trainer engine. ``trainer_init`` and ``send_weights`` run on every trainer rank."""
 
     init_info_cls = NCCLTrainerInitInfo
