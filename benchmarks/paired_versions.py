@@ -6,7 +6,7 @@ machine in the same state. A version is a checkout: its own ``src/`` on ``PYTHON
 ``benchmarks/`` scripts, run in a fresh process each time; nothing else differs. Per row: the median of
 each version's seconds and the median of the per-repeat ratios new/old (taken moments apart: fair on a
 shared machine). Targets are judged alike for both versions (this checkout's ``_report.acceptance`` and
-``scale.targets``) on each version's medians.
+``scale.targets``) on each version's last repeat.
 
     python benchmarks/paired_versions.py --old /work/wt-old --repeats 2 --out docs/results/paired_versions.json
 """
@@ -77,6 +77,8 @@ def one_repeat(i: int, versions: dict[str, str], args: argparse.Namespace) -> di
             rep[v]["seconds"].update(tr["seconds"])
             rep[v]["errors"] += tr["errors"]
             rep[v]["transfer_result"] = tr["result"]
+            rep[v]["paired"] = {size: {k: x for k, x in p.items() if k != "samples"}
+                                for size, p in tr["result"]["paired"].items()}  # in-run ratios, load-robust
             print(f"  repeat {i} {v}: transfer_throughput --quick {time.perf_counter() - t0:.0f} s", flush=True)
     for shape in args.shapes:
         for v in order:
@@ -144,7 +146,8 @@ def main() -> None:
         with open(args.out, "w") as f:  # a checkpoint after every repeat
             json.dump({"versions": versions, "commits": commits, "started": started, "loadavg_start": load0,
                        "loadavg_now": os.getloadavg(), "repeats_done": i + 1, "rows": summary,
-                       "errors": {v: [e for r in reps for e in r[v]["errors"]] for v in versions}}, f, indent=1)
+                       "errors": {v: [e for r in reps for e in r[v]["errors"]] for v in versions},
+                       "paired": [{v: r[v].get("paired") for v in versions} for r in reps]}, f, indent=1)
     with open(args.out) as f:
         doc = json.load(f)
     doc["targets"] = targets(reps, os.path.join(versions["new"], "benchmarks"))
