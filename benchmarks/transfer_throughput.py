@@ -184,9 +184,6 @@ def run_paired_nixl(cluster: LocalCluster, sc: Scenario, model_dir: str, itemsiz
     on(ts + rs, "instrument")
     pair_bytes = on(ts + rs, "plan_pair_bytes")
     port, world, T = free_port(), len(ts) + len(rs), len(ts)
-    gather([a.submit("_nixl_probes:nixl_raw_setup", "127.0.0.1", port, i, world, T,
-                     {(T + p if i < T else p): n for p, n in pb.items()}, timeout_s=300)
-            for i, (a, pb) in enumerate(zip(ts + rs, pair_bytes))])
 
     def raw() -> float:
         res = gather([a.submit("_nixl_probes:nixl_raw_plan", STEPS, timeout_s=900) for a in ts + rs])
@@ -194,6 +191,9 @@ def run_paired_nixl(cluster: LocalCluster, sc: Scenario, model_dir: str, itemsiz
 
     samples = []
     try:
+        gather([a.submit("_nixl_probes:nixl_raw_setup", "127.0.0.1", port, i, world, T,
+                         {(T + p if i < T else p): n for p, n in pb.items()}, timeout_s=300)
+                for i, (a, pb) in enumerate(zip(ts + rs, pair_bytes))])
         for i in range(1 + repeats):
             raw_s = raw() if i % 2 else None  # alternate: no side always goes first
             first, nixl_s, st = steady(lambda v=f"x{i}": cluster.sync(weight_version=v), lambda: on(ts + rs, "timers"))
