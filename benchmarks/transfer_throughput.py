@@ -35,10 +35,11 @@ from typing import Any
 
 import _report
 import torch
-from _baselines import MiB, Scenario, measure_p2p, median_dicts, merge_p2p, on, run_naive, run_paired
+from _baselines import STEPS, MiB, Scenario, measure_p2p, median_dicts, merge_p2p, on, run_naive, run_paired, steady
 
 from weightsync.registry import transport as registered
-from weightsync.testing.cluster import Layout, LocalCluster, init_info
+from weightsync.testing.actors import gather
+from weightsync.testing.cluster import Layout, LocalCluster, free_port, init_info
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -53,7 +54,8 @@ BIG = ("1GB", "2GB")
 """Sizes after which the processes are restarted."""
 LAYOUTS = ("1:1:1", "1:2:1", "2:1:1", "1:4:1", "2:4:1", "4:2:1", "4:4:1", "2:2:2", "4:2:2")
 """trainers:TP:replicas of the layout sweep (2:2:1 comes from the size sweep)."""
-TRANSPORTS = ("weightsync_m2n", "weightsync_m2n/rollback", "weightsync_nccl", "weightsync_ipc", "naive")
+TRANSPORTS = ("weightsync_m2n", "weightsync_m2n/rollback", "weightsync_nixl", "weightsync_nccl", "weightsync_ipc",
+              "naive")
 """``weightsync_m2n/rollback``: the opt-in host snapshot (``rollback=True``; the default is off). Runs saved
 before the default changed have ``weightsync_m2n/no-rollback`` rows instead (their plain rows had it on)."""
 """``weightsync_m2n`` runs first: its plan gives every worker's lower bound for the other rows."""
@@ -163,6 +165,54 @@ def run_engine(cluster: LocalCluster, sc: Scenario, transport: str, model_dir: s
     }
 
 
+def run_paired_nixl(cluster: LocalCluster, sc: Scenario, model_dir: str, itemsize: int,
+                    repeats: int) -> dict[str, Any]:
+    """``weightsync_nixl`` against NIXL's own raw READs of the same plan's bytes (``_nixl_probes``: one
+    request per worker per trainer, no weightsync around it), on the same processes, interleaved: each
+    repeat times both sides (the order alternating) as ``_baselines.steady`` does (a warm-up, then the
+    mean of ``STEPS``); the medians of the per-repeat ratios are reported. A sync counts whole: the
+    slowest trainer rank's ``send_weights`` (``nixl_trainer_s``: plan, staging, announcing, the workers'
+    READs, applying, the outcome) and the driver's wall time (``nixl_s``) against the slowest worker's
+    raw step (``raw_s``)."""
+    layout = Layout(trainers=sc.trainers, tp=sc.tp, replicas=sc.replicas, model=model_dir, tp_aligned=sc.tp_aligned,
+                    dtype="float32" if itemsize == 4 else "bfloat16", backend="weightsync_nixl")
+    cluster.setup(layout)
+    ts, rs = cluster.active_trainers, cluster.active_receivers
+    cluster.on_trainers("shutdown_engine")
+    cluster.on_receivers("shutdown_weight_transfer_engine")  # the rows' engines: the workers are bound to them
+    cluster.make_engines(init_info(layout, buffer_bytes=sc.staging_mib * MiB), source="local")
+    on(ts + rs, "instrument")
+    pair_bytes = on(ts + rs, "plan_pair_bytes")
+    port, world, T = free_port(), len(ts) + len(rs), len(ts)
+
+    def raw() -> float:
+        res = gather([a.submit("_nixl_probes:nixl_raw_plan", STEPS, timeout_s=900) for a in ts + rs])
+        return max(r["seconds"] for r in res)
+
+    samples = []
+    try:
+        gather([a.submit("_nixl_probes:nixl_raw_setup", "127.0.0.1", port, i, world, T,
+                         {(T + p if i < T else p): n for p, n in pb.items()}, timeout_s=300)
+                for i, (a, pb) in enumerate(zip(ts + rs, pair_bytes))])
+        for i in range(1 + repeats):
+            raw_s = raw() if i % 2 else None  # alternate: no side always goes first
+            first, nixl_s, st = steady(lambda v=f"x{i}": cluster.sync(weight_version=v), lambda: on(ts + rs, "timers"))
+            tim = on(ts + rs, "timers")
+            trainer_s = max(t["send"] for t in tim[:T]) / STEPS
+            raw_s = raw_s if raw_s is not None else raw()
+            if i:
+                samples.append({"nixl_s": nixl_s, "nixl_trainer_s": trainer_s, "nixl_first_s": first, "raw_s": raw_s,
+                                "fraction_of_raw": raw_s / trainer_s, "fraction_of_raw_driver": raw_s / nixl_s,
+                                "bytes_per_worker": max(st["bytes_received_per_worker"].values()),
+                                "nixl_cpu_s": sum(t["cpu"] for t in tim) / STEPS})
+    finally:
+        gather([a.submit("_nixl_probes:nixl_raw_teardown") for a in ts + rs])
+        cluster.on_trainers("shutdown_engine")
+    out = median_dicts(samples)
+    out.update(samples=samples, pair_bytes=pair_bytes)
+    return out
+
+
 def finish_row(row: dict[str, Any], sc: Scenario, model_mb: float, lower: dict[int, int] | None) -> dict[str, Any]:
     per_worker = max(row["received_per_worker"].values())
     lower = row["lower_bound_per_worker"] or lower or {}
@@ -211,6 +261,12 @@ def run_scenario(cluster: LocalCluster, sc: Scenario, args: argparse.Namespace, 
               f"{pr['speedup']:.2f}x; {100 * pr['fraction_of_p2p']:.0f} % of raw p2p {pr['p2p_gbps']:.2f} GB/s; "
               f"{100 * pr['fraction_of_raw_plan']:.0f} % of the plan's traffic raw ({pr['raw_plan_s']:.3f} s)",
               flush=True)
+    if sc.sweep == "size" and "weightsync_nixl" in sc.transports and (sc.trainers, sc.replicas) == (2, 1):
+        pn = result.setdefault("paired_nixl", {})[sc.size] = run_paired_nixl(cluster, sc, model_dir, itemsize,
+                                                                             max(5, repeats))
+        print(f"    paired: weightsync_nixl {pn['nixl_trainer_s']:.3f} s (trainer), NIXL's own READs of the "
+              f"plan's bytes {pn['raw_s']:.3f} s: {100 * pn['fraction_of_raw']:.0f} % of raw "
+              f"({100 * pn['fraction_of_raw_driver']:.0f} % with the driver's calls)", flush=True)
     if result["memcpy"] is None:
         result["memcpy"] = on(cluster.active_trainers[:1], "memcpy", 64 * MiB, 8)[0]
 
@@ -338,10 +394,27 @@ def main() -> None:
     write_report(result, args.out)
 
 
+def nixl_markdown(result: dict[str, Any]) -> str:
+    """The paired ``weightsync_nixl`` / raw NIXL table (issue 53's target: >= 80 % of raw), if measured."""
+    paired = result.get("paired_nixl") or {}
+    if not paired:
+        return ""
+    lines = ["", "## weightsync_nixl against NIXL's own READs of the plan's bytes (paired)", "",
+             "| model | pairs | weightsync_nixl s (slowest trainer) | driver s | raw NIXL s | raw / weightsync_nixl "
+             "(range) | with the driver's calls | target >= 80 % |", "|---|---:|---:|---:|---:|---|---:|---|"]
+    for size, p in paired.items():
+        fr = [x["fraction_of_raw"] for x in p["samples"]]
+        lines.append(f"| {size} | {len(fr)} | {p['nixl_trainer_s']:.3f} | {p['nixl_s']:.3f} | {p['raw_s']:.3f} | "
+                     f"{100 * p['fraction_of_raw']:.0f} % ({100 * min(fr):.0f}-{100 * max(fr):.0f}) | "
+                     f"{100 * p['fraction_of_raw_driver']:.0f} % | "
+                     f"{'**met**' if p['fraction_of_raw'] >= 0.8 else '**missed**'} |")
+    return "\n".join(lines) + "\n"
+
+
 def write_report(result: dict[str, Any], out: str) -> None:
     """Print the markdown report; write it and the plots under ``out``."""
     os.makedirs(out, exist_ok=True)
-    text = _report.markdown(result)
+    text = _report.markdown(result) + nixl_markdown(result)
     print("\n" + text)
     with open(os.path.join(out, "transfer_throughput.md"), "w") as f:
         f.write(text)

@@ -16,6 +16,25 @@ A two-sided ``post(sends, recvs)`` is realised as a pull:
   peer per look (many messages each), with a notification that tells the sender they were read;
 - a send's work completes when that notification arrives, a receive's when its READ is done.
 
+Completion and buffer reuse, as NIXL defines them (nixl 1.5.1; ai-dynamo/nixl docs/BackendGuide.md,
+"Transfer Operations" and "Notification Handling"; the UCX plugin's ``postXfer``/``checkXfer`` in
+src/plugins/ucx/ucx_backend.cpp; the wheel's ``nixl_agent.transfer``/``check_xfer_state`` docstrings):
+
+- a READ's ``DONE`` on the reader's side means every descriptor of the request completed: the bytes
+  are in the reader's memory (a UCX get completes at its initiator when its data arrived);
+- the owner of the read memory gets no completion of its own (one-sided): it learns that its bytes
+  were taken only from a notification, and NIXL sends a request's ``notif_msg`` only "after all the
+  descriptors within a transfer request are sent" (the UCX plugin posts it from ``checkXfer`` once the
+  request's operations completed, and reports ``DONE`` only after that);
+- NIXL locks no memory: "the user is in charge of not corrupting the memory"; a standalone
+  ``send_notif`` has no ordering guarantee.
+
+So a sender's work completes only on the READ-bound notification, and the executor reuses a staging
+span, or lets a shard or a freed storage go, only after that work completed (``wait_all``): an owner
+never overwrites or frees a region a READ may still be reading. Announcements carry ``(tag, n)`` keys,
+so their order does not matter. After a failure the owner's ``abort`` deregisters while a READ may be
+in flight: that READ fails (``ERR``) and the reader's sync fails with it, as it does anyway.
+
 Descriptors travel as plain integers (address, length, device) in JSON, metadata as NIXL's own bytes
 (base64 in the JSON): never NIXL's ``get_serialized_descs``, which pickles. Every wait is bounded by
 ``timeout_s`` and raises :class:`~weightsync.errors.DataPlaneError` at once when the control plane
