@@ -41,7 +41,6 @@ import torch
 
 from ..comm import Communicator, describe
 from ..control import SyncKeys, m2n_dest, m2n_sources
-from ..dataplane import DataPlane, Op, Work
 from ..plan.regions import Replicate, Shard
 from ..plan.schedule import message_cap
 from ..plan.transfer import DestPiece
@@ -289,8 +288,8 @@ class LoRASync:
         outcome, which every rank returns or raises. Collective over the trainer ranks. Returns
         ``{"version", "seconds"}`` (rank 0 also ``"received"``: the bytes per worker); raises
         ``RuntimeError`` on every rank on failure, the previous version still serving. ``_fail_at``
-        (tests): this rank fails before sending worker ``_fail_at`` its bytes, after the workers before
-        it got theirs."""
+        (tests): this rank fails as it would post worker ``_fail_at`` its bytes (rounds posted before
+        went out)."""
         comm = port = None
         if self.source.rank == 0:
             try:
@@ -400,27 +399,16 @@ class LoRASync:
                 comm.publish(m2n_sources(0), sources_to_wire(source.sources))
             comm.join(source.rank, n + self.workers, device=device)
             agree_digest(comm, self.digest)
-            plane = comm.data if fail_at is None else _FailBefore(comm.data, n, fail_at)
-            run_rounds(plane, self._rounds, torch.empty(STAGING_BYTES, dtype=torch.uint8, device=device),
-                       sender=True, peer_rank=lambda w: n + w, dtypes=self._dtypes,
+            def peer_rank(w: int) -> int:  # (asked as a message to worker w is posted)
+                if w == fail_at:
+                    raise RuntimeError(f"injected failure before worker {w}'s bytes")
+                return n + w
+
+            run_rounds(comm.data, self._rounds, torch.empty(STAGING_BYTES, dtype=torch.uint8, device=device),
+                       sender=True, peer_rank=peer_rank, dtypes=self._dtypes,
                        tensor_of=lambda m, i: shards[m.items[i].name])
             return None
         except Exception as e:  # noqa: BLE001 - rank 0 settles it; every rank raises its outcome
             comm.fail(describe(e), e)
             return e
 
-
-class _FailBefore:
-    """A data plane that fails (tests: ``_fail_at``) when a send to ``peer`` is posted, after the sends
-    posted before it went out."""
-
-    def __init__(self, plane: DataPlane, num_trainer_ranks: int, worker: int) -> None:
-        self.plane, self.peer, self.worker = plane, num_trainer_ranks + worker, worker
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.plane, name)
-
-    def post(self, sends: Sequence[Op], recvs: Sequence[Op]) -> list[Work]:
-        if any(peer == self.peer for _, peer, _ in sends):
-            raise RuntimeError(f"injected failure before worker {self.worker}'s bytes")
-        return self.plane.post(sends, recvs)
