@@ -337,7 +337,8 @@ class LoRASync:
                 return self._publish(comm, {"version": self.version}, stats)
             except Exception as e:  # noqa: BLE001 - the sync failed (reported on every rank)
                 failed = [describe(e)]
-        why = failed[0] if failed else describe(error)
+        # the first failure any party reported (the others' errors follow from it), else what was seen here
+        why = comm.peer_error() or (failed[0] if failed else describe(error))
         try:
             self._on_engines("weightsync_lora_discard", (self.adapter_id,), "LoRA discard")
         except Exception:  # noqa: BLE001 - a stuck worker: its staged slot stays staged, never served
