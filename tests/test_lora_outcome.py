@@ -3,13 +3,18 @@
 Two FSDP2 trainer ranks (``helpers.ranks``, gloo) sync a PEFT adapter through :class:`LoRASync` into a
 stand-in engine of two workers: each worker is ``LoRAWorkerExtension`` (the methods vLLM mixes into its
 workers) over a record of what was staged and committed instead of vLLM's slots, called by method
-name as vLLM's ``collective_rpc`` calls it. The real engine is ``tests/engine/test_engine_lora.py``.
+name as vLLM's ``collective_rpc`` calls it. Worker 0 holds the first three quarters of every tensor's
+rows, worker 1 the last three quarters (both straddle the trainer shards' boundary). The real engine
+is ``tests/engine/test_engine_lora.py``.
 
 * a sync that fails on one rank after the other rank's bytes landed raises the same error on every
   rank, and no worker committed (oracle: every rank's outcome; the workers' record);
 * a worker stuck in its receive makes every rank raise within ``timeout_s`` + margin;
-* a sync that succeeds returns the same version on every rank, and every worker staged exactly the
-  trainer's full tensors (oracle: the full tensors gathered from the FSDP2 shards).
+* a sync that succeeds returns the same version on every rank, and every worker staged exactly its
+  rows of the trainer's tensors (oracle: the full tensors gathered from the FSDP2 shards), having
+  received over the reshard core's data plane exactly its rows' bytes (computed from the shapes);
+* a worker whose blocks changed after init (its destinations differ from the trainer's plan) fails
+  the sync on every rank at the plan digest agreement, before any data moves; nothing commits.
 """
 
 from __future__ import annotations
@@ -22,8 +27,8 @@ import pytest
 import torch
 
 from weightsync.plan.regions import Region
+from weightsync.plan.transfer import DestPiece
 from weightsync.transports.lora import LoRAWorkerExtension
-from weightsync.worker.lora import LoRABlock, _Adapter
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -32,25 +37,38 @@ MARGIN_S = 12.0
 """What every rank may take beyond ``timeout_s`` to raise (``MARGIN_S`` of the library, twice, and slack)."""
 
 
-class _Slots:
-    """Stands in for ``LoRASlots``: every worker takes every tensor whole; records what it staged."""
+def _rows(shape: tuple[int, ...], worker: int, quarters: int = 3) -> Region:
+    """Worker 0's block of a tensor: its first ``quarters`` quarters of rows; worker 1's: its last."""
+    n = -(-shape[0] * quarters // 4)
+    return Region((0 if worker == 0 else shape[0] - n, 0), (n, *shape[1:]))
 
-    def __init__(self) -> None:
-        self.adapters: dict[int, _Adapter] = {}
+
+class _Slots:
+    """Stands in for ``LoRASlots`` (its blocks as the plan's destinations, each into a tensor of its
+    own); records what it staged, committed and received."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, worker: int) -> None:
+        self.worker = worker
+        self.blocks: dict[int, dict[str, Region]] = {}
         self.staged: dict[int, dict[str, torch.Tensor]] = {}
         self.served: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
+        self.received: list[int] = []
 
-    def plan(self, adapter_id, config, metas):
-        blocks = tuple(LoRABlock(n, Region.full(tuple(s)), "m", "a", 0, (0, 0)) for n, s in metas)
-        self.adapters[adapter_id] = _Adapter(adapter_id, dict(config), blocks, {})
-        return list(blocks)
+    def plan(self, adapter_id, config, metas, quarters: int = 3):
+        self.blocks[adapter_id] = {n: _rows(tuple(s), self.worker, quarters) for n, s in metas}
 
-    def stage(self, adapter_id, pieces):
-        full = {b.name: torch.full(b.region.sizes, float("nan")) for b in self.adapters[adapter_id].blocks}
-        for name, region, data in pieces:
-            full[name][region.slices()] = data
-        self.staged[adapter_id] = full
-        return sum(d.numel() * d.element_size() for _, _, d in pieces)
+    def dests(self, adapter_id):
+        return [DestPiece(n, r, n, (0,) * r.ndim) for n, r in self.blocks[adapter_id].items()]
+
+    def begin(self, adapter_id):
+        self.staged[adapter_id] = {n: torch.full(r.sizes, float("nan")) for n, r in self.blocks[adapter_id].items()}
+        return self.staged[adapter_id]
+
+    def end(self, adapter_id, received):
+        self.received.append(received)
+        return received
 
     def commit(self, adapter_id, version):
         self.served[adapter_id] = (version, self.staged.pop(adapter_id))
@@ -65,7 +83,7 @@ class _Slots:
 class _Worker(LoRAWorkerExtension):
     def __init__(self, rank: int, stuck: threading.Event | None = None) -> None:
         self.rank, self.stuck = rank, stuck
-        self._weightsync_lora = _Slots()
+        self._weightsync_lora = _Slots(rank)
 
     def weightsync_lora_receive(self, *args):
         if self.stuck is not None:
@@ -107,9 +125,10 @@ def _model():
     return model
 
 
-def sync_outcome(fail_rank: int | None, stuck: bool) -> dict:
+def sync_outcome(fail_rank: int | None, stuck: bool, replanned: bool = False) -> dict:
     """Run in each rank process: one sync into a two-worker stand-in engine (rank 0 drives it);
-    ``fail_rank`` fails before worker 1's bytes; ``stuck``: worker 1 never answers its receive."""
+    ``fail_rank`` fails before worker 1's bytes; ``stuck``: worker 1 never answers its receive;
+    ``replanned``: worker 1's blocks change after init (half its rows, not three quarters)."""
     import torch.distributed as dist
 
     from weightsync.trainer.lora import LoRASource
@@ -121,6 +140,9 @@ def sync_outcome(fail_rank: int | None, stuck: bool) -> dict:
     workers = [_Worker(0), _Worker(1, release if stuck else None)]
     sync = LoRASync(LoRASource(model, 2, rank=rank), 1, [_Engine(workers)] if rank == 0 else [],
                     timeout_s=TIMEOUT_S)
+    if replanned and rank == 0:
+        slots = workers[1]._weightsync_lora
+        slots.plan(1, {}, [(n, _full_shape(n, model)) for n in slots.blocks[1]], quarters=2)
     t0 = time.monotonic()
     try:
         out = {"returned": sync.sync(_fail_at=1 if fail_rank == rank else None)}
@@ -133,16 +155,22 @@ def sync_outcome(fail_rank: int | None, stuck: bool) -> dict:
         out["served"] = [{i: (v, {k: t.clone() for k, t in ts.items()})
                           for i, (v, ts) in w._weightsync_lora.served.items()} for w in workers]
         out["full"] = full
+        out["received"] = [w._weightsync_lora.received for w in workers]
+        out["shard_bytes"] = sync.worker_bytes()
     return out
 
 
-def _run(fail_rank, stuck) -> list[dict]:
+def _full_shape(name: str, model) -> tuple[int, ...]:
+    return next(tuple(p.shape) for n, p in model.named_parameters() if n.replace(".default", "") == name)
+
+
+def _run(fail_rank, stuck, replanned=False) -> list[dict]:
     pytest.importorskip("peft")
     from helpers import ranks
 
     procs = ranks()
     procs.init(2)
-    return procs.run("test_lora_outcome:sync_outcome", fail_rank, stuck)
+    return procs.run("test_lora_outcome:sync_outcome", fail_rank, stuck, replanned)
 
 
 @pytest.mark.parametrize("fail_rank", [0, 1])
@@ -165,13 +193,28 @@ def test_a_stuck_worker_makes_every_rank_raise_within_timeout_s():
     assert out[0]["served"] == [{}, {}]
 
 
-def test_a_sync_returns_one_version_on_every_rank_and_each_worker_stages_the_trainers_tensors():
+def test_a_sync_returns_one_version_on_every_rank_and_each_worker_stages_its_rows_through_the_core():
     out = _run(None, False)
     assert [o["returned"]["version"] for o in out] == [1, 1], out
-    full = out[0]["full"]
-    for served in out[0]["served"]:
+    saved = {n.replace(".default", ""): t for n, t in out[0]["full"].items()}
+    for w, served in enumerate(out[0]["served"]):
         version, tensors = served[1]
         assert version == 1
-        saved = {n.replace(".default", ""): t for n, t in full.items()}
         assert tensors.keys() == saved.keys()
-        assert all(torch.equal(tensors[n], saved[n]) for n in saved)
+        rows = {n: _rows(tuple(t.shape), w) for n, t in saved.items()}
+        assert all(torch.equal(tensors[n], saved[n][rows[n].slices()]) for n in saved)
+        # the bytes the core's data plane delivered to this worker: its rows of every tensor, once
+        want = sum(rows[n].numel * t.element_size() for n, t in saved.items())
+        assert out[0]["received"][w] == [want] and out[0]["returned"]["received"][w] == want
+        assert want < sum(t.numel() * t.element_size() for t in saved.values())  # not the whole adapter
+    assert out[0]["shard_bytes"] == out[0]["returned"]["received"]
+
+
+def test_a_worker_whose_blocks_changed_since_init_fails_the_sync_at_the_digest_agreement():
+    """The plan digest all parties agree on covers the adapter's destinations: a worker re-planned after
+    the trainer planned makes every rank raise the same error before any byte moves; nothing commits."""
+    out = _run(None, False, replanned=True)
+    raised = [o.get("raised") for o in out]
+    assert all(raised) and raised[0] == raised[1], raised
+    assert "version 0 still serving" in raised[0] and "plan digest differs" in raised[0], raised[0]
+    assert out[0]["served"] == [{}, {}] and out[0]["received"] == [[], []]

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TypedDict, cast
 
 from ..comm import Communicator
-from ..control import m2n_dest
+from ..control import agree, m2n_dest, m2n_plan_digest
 from ..plan.regions import Region
 from ..plan.schedule import ALONE, PEERS, ItemProbe, Message, pair_rounds
 from ..plan.transfer import DestPiece, PairItems, TensorSource, TransferPlan, build_plan, dtype_itemsize
@@ -20,8 +20,8 @@ from .executor import DEPTH, FastRounds, run_rounds  # DEPTH, run_rounds re-expo
 from .packing import Spans
 
 __all__ = ["DEPTH", "FALLBACK", "DestsWire", "SourceWire", "sources_to_wire", "sources_from_wire", "sources_digest",
-           "source_name", "show_source", "dests_to_wire", "Gathered", "gather_plan", "Rounds", "my_messages",
-           "run_rounds"]
+           "source_name", "show_source", "dests_to_wire", "pieces_to_wire", "pieces_from_wire", "Gathered",
+           "gather_plan", "planned", "agree_digest", "Rounds", "my_messages", "run_rounds"]
 
 FALLBACK = "fallback:"
 """Prefix of the pseudo-parameter a fallback tensor lands in (whole), before ``load_weights``."""
@@ -87,6 +87,19 @@ def dests_to_wire(dests: WorkerDestinations, fp8: dict[str, int] | None = None) 
     }
 
 
+def pieces_to_wire(pieces: Sequence[DestPiece]) -> DestsWire:
+    """Destinations that are pieces only (no fallback, nothing through a loader), JSON-safe: what a
+    worker publishes for destinations that are not vLLM parameters (LoRA slots)."""
+    return {"pieces": [[p.name, list(p.region.offsets), list(p.region.sizes), p.param, list(p.param_offsets)]
+                       for p in pieces], "fallbacks": [], "tied": [], "via_loader": [], "fp8": {}}
+
+
+def pieces_from_wire(wire: DestsWire) -> list[DestPiece]:
+    """The pieces of a worker's wire destinations (:func:`pieces_to_wire`, :func:`dests_to_wire`)."""
+    return [DestPiece(cast(str, n), Region(tuple(cast("list[int]", o)), tuple(cast("list[int]", s))), cast(str, p),
+                      tuple(cast("list[int]", po))) for n, o, s, p, po in wire["pieces"]]
+
+
 @dataclass(frozen=True)
 class Gathered:
     plan: TransferPlan
@@ -120,6 +133,21 @@ def gather_plan(comm: Communicator, sources: list[TensorSource], num_workers: in
         via.append(list(raw.get("via_loader", ())))
         fp8.append(dict(raw.get("fp8", {})))
     return Gathered(build_plan(sources, pieces), pieces, fallbacks, via, fp8)
+
+
+def planned(sources: list[TensorSource], pieces: list[list[DestPiece]]) -> Gathered:
+    """The plan of destinations known without the store (pieces only: no fallback, no loader, no FP8),
+    as :func:`gather_plan` would build it from the same pieces published."""
+    n = len(pieces)
+    return Gathered(build_plan(sources, pieces), pieces, [[] for _ in range(n)], [[] for _ in range(n)],
+                    [{} for _ in range(n)])
+
+
+def agree_digest(comm: Communicator, digest: str) -> str:
+    """Every party of ``comm``'s data plane (joined) checks that all hold plan ``digest``, before any data
+    moves: a ``ValueError`` on every party when one differs."""
+    return cast(str, agree(comm, m2n_plan_digest, digest, rank=cast(int, comm.rank), ranks=comm.world_size,
+                           what="plan digest"))
 
 
 class Rounds:

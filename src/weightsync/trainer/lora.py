@@ -8,24 +8,24 @@ dropped), which is what vLLM's LoRA loader parses. ``metadata`` carries every te
 FSDP2 layout (the same ``ParamMeta`` as :class:`~weightsync.trainer.sources.DTensorModuleSource`);
 ``config`` the ``LoraConfig`` fields vLLM's loader reads (rank, alpha, rsLoRA, patterns).
 
-``pieces(blocks)`` cuts, from this rank's local shards only, the parts of the requested blocks of the
-full tensors this rank is the sender of: of ranks holding an equal region (replicated tensors, or a
-mesh dim that replicates), the lowest sends it, so every element goes once.
+For the reshard core (:mod:`weightsync.reshard`), ``sources`` are the adapter's tensors as the plan's
+``TensorSource`` s (every rank's region of each, from the same layout as ``metadata``) and ``shards()``
+this rank's local shards by name, views of the model's own storage (never gathered): the plan picks
+which rank sends each element, once, and the executor reads it from these shards.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from functools import cached_property
 from typing import Any
 
 import torch
 
-from ..plan.regions import Region, source_regions
+from ..plan.transfer import TensorSource
 from ..protocol import ParamMeta
-from .sources import DTensorModuleSource, _local, _named
+from .sources import DTensorModuleSource, _local, _named, tensor_sources
 
-__all__ = ["LoRASource", "sender_regions", "peft_saved_name", "unsynced_adapter_tensors", "CONFIG_KEYS"]
+__all__ = ["LoRASource", "peft_saved_name", "unsynced_adapter_tensors", "CONFIG_KEYS"]
 
 CONFIG_KEYS = ("r", "lora_alpha", "target_modules", "use_rslora", "rank_pattern", "alpha_pattern", "bias")
 """The ``LoraConfig`` fields an adapter sync carries (vLLM's ``PEFTHelper`` reads them)."""
@@ -70,13 +70,6 @@ def _check_config(cfg: Any, adapter: str) -> None:
         if value != default and value not in (None, False, [], ()):
             raise ValueError(f"{key}: adapter {adapter!r} has {key}={value!r}: {what} are not synced (vLLM "
                              f"serves plain LoRA on linear and embedding layers); train without it")
-
-
-def sender_regions(meta: ParamMeta) -> tuple[Region | None, ...]:
-    """Per trainer rank, the region of the full tensor it sends (None: a lower rank holds the same)."""
-    regions = source_regions(meta.shape, meta.mesh_shape, meta.placements, meta.rank_coordinates)
-    first: dict[Region, int] = {}
-    return tuple(reg if first.setdefault(reg, r) == r else None for r, reg in enumerate(regions))
 
 
 class LoRASource:
@@ -130,10 +123,6 @@ class LoRASource:
         return self._source.metadata
 
     @cached_property
-    def _senders(self) -> dict[str, Region | None]:
-        return {m.name: sender_regions(m)[self.rank] for m in self.metadata}
-
-    @cached_property
     def _locals(self) -> dict[str, torch.Tensor]:
         return {peft_saved_name(n, self.adapter): p for n, p in _named(self.model, None)
                 if peft_saved_name(n, self.adapter) is not None}
@@ -143,23 +132,11 @@ class LoRASource:
         """Bytes of the whole adapter (every tensor, full)."""
         return sum(int(torch.Size(m.shape).numel()) * m.dtype.itemsize for m in self.metadata)
 
-    def cuts(self, blocks: Sequence[tuple[str, Region]]) -> list[tuple[str, Region]]:
-        """The parts of ``blocks`` (name, region of the full tensor) this rank sends, in order."""
-        out = []
-        for name, block in blocks:
-            mine = self._senders.get(name)
-            if mine is None:
-                continue
-            part = block.intersect(mine)
-            if part is not None and not part.is_empty:
-                out.append((name, part))
-        return out
+    @cached_property
+    def sources(self) -> list[TensorSource]:
+        """The adapter's tensors as the reshard plan's sources (each trainer rank's region of each)."""
+        return tensor_sources(self.metadata)
 
-    def pieces(self, blocks: Sequence[tuple[str, Region]]) -> list[tuple[str, Region, torch.Tensor]]:
-        """This rank's parts of ``blocks`` with their data, views of the local shards (no gather)."""
-        out = []
-        for name, part in self.cuts(blocks):
-            local = _local(self._locals[name]).detach()
-            mine = self._senders[name]
-            out.append((name, part, local[part.shift(mine.offsets).slices()]))
-        return out
+    def shards(self) -> dict[str, torch.Tensor]:
+        """This rank's local shard of every adapter tensor, by name: views of the model's storage."""
+        return {name: _local(p).detach() for name, p in self._locals.items()}

@@ -5,23 +5,29 @@ side :class:`~weightsync.worker.lora.LoRASlots` (vLLM's stacked LoRA tensors, vL
 :class:`LoRASync` drives it from the trainer, every rank constructing one (rank 0 with the engines):
 
 * init: every worker resolves the adapter's tensors to the blocks its TP rank holds and checks them
-  (:func:`worker_plan`); any worker's refusal is a ``ValueError`` naming the field on every trainer rank,
-  before anything moves. Rank 0 shares the plans over the trainer's own process group.
+  (:func:`worker_plan`), answering them as the reshard plan's destinations (``DestPiece`` s into its
+  slot's matrices); any worker's refusal is a ``ValueError`` naming the field on every trainer rank,
+  before anything moves. Rank 0 shares them over the trainer's own process group and every trainer
+  rank plans: the adapter's shards (``LoRASource.sources``) are the plan's sources, and its rounds
+  are cut once (:mod:`weightsync.reshard.handshake`).
 * a sync: rank 0 hosts a store; workers (:func:`worker_receive`, in the engine's ``collective_rpc``)
-  and trainer ranks join a fresh data plane (gloo on CPU, NCCL on CUDA); each
-  trainer rank sends every worker one message: the parts of that worker's blocks in its own shards,
-  packed (M2N's pairing: each element once, from the lowest rank that holds it). A worker receives
-  exactly its shard of the adapter, writes it into a free slot, and reports. Only when every worker
-  staged does rank 0 commit (the adapter id switches to the new slot on every worker); otherwise every
-  worker discards its staged slot and the previous version keeps serving. Rank 0 publishes the outcome
-  on the store and every rank returns or raises it: one outcome on every rank, as for every transport.
+  and trainer ranks join a fresh data plane (gloo on CPU, NCCL on CUDA); rank 0 publishes the sources,
+  each worker its destinations, every worker plans from them and all parties agree on the plan's
+  digest before any data moves (a worker whose blocks changed since init fails the sync). Then the
+  reshard executor (:func:`~weightsync.reshard.handshake.run_rounds`) moves the rounds, as for M2N:
+  each element once, from the trainer rank the plan picks, read from its local shard, written
+  into a free slot of each worker that holds it. A worker reports the bytes it received. Only when
+  every worker staged does rank 0 commit (the adapter id switches to the new slot on every worker);
+  otherwise every worker discards its staged slot and the previous version keeps serving. Rank 0
+  publishes the outcome on the store and every rank returns or raises it: one outcome on every rank,
+  as for every transport.
 * the workers are called by method name (:class:`LoRAWorkerExtension`, mixed into vLLM's workers by
   ``worker_extension_cls=WORKER_EXTENSION``) with JSON-safe arguments: no function is sent, so vLLM
   needs no ``VLLM_ALLOW_INSECURE_SERIALIZATION``. Every wait is bounded by ``timeout_s`` (plus
   ``MARGIN_S`` for each clean-up step): a stuck worker makes every trainer rank raise.
 
-Transports: this is M2N's shard-to-shard pairing on its data plane (one packed message per pair, no
-rounds); why not broadcast or IPC: docs/lora.md.
+Transports: this is M2N's reshard core with the adapter as one more kind of source and destination;
+why not broadcast or IPC: docs/lora.md.
 """
 
 from __future__ import annotations
@@ -29,37 +35,43 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, wait
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from ..comm import Communicator, describe
-from ..control import SyncKeys
-from ..plan.regions import Region, Replicate, Shard
+from ..control import SyncKeys, m2n_dest, m2n_sources
+from ..plan.regions import Replicate, Shard
+from ..plan.schedule import message_cap
+from ..plan.transfer import DestPiece
 from ..protocol import ParamMeta, dtype_from_name, dtype_name
-from ..trainer.lora import LoRASource, sender_regions
+from ..reshard.handshake import (
+    DestsWire,
+    Gathered,
+    Rounds,
+    agree_digest,
+    gather_plan,
+    my_messages,
+    pieces_from_wire,
+    pieces_to_wire,
+    planned,
+    run_rounds,
+    sources_from_wire,
+    sources_to_wire,
+)
+from ..trainer.lora import LoRASource
 from ..trainer.session import share_json
 from ..trainer.waits import MARGIN_S, in_thread
 from ..worker.lora import lora_slots
 
-__all__ = ["LoRASync", "LoRAWorkerExtension", "WORKER_EXTENSION", "pair_cuts", "worker_plan", "worker_receive"]
+__all__ = ["LoRASync", "LoRAWorkerExtension", "WORKER_EXTENSION", "STAGING_BYTES", "worker_plan", "worker_receive"]
 
-Blocks = list[tuple[str, Region]]
+STAGING_BYTES = 32 << 20
+"""Each party's staging buffer for a sync's rounds (touched only as far as the rounds in flight need;
+every party cuts the same messages from it)."""
 _OUTCOME_MARGIN_S = 4 * MARGIN_S
 """How long past ``timeout_s`` ranks > 0 wait for rank 0's outcome: rank 0 waits for the workers' replies
 until ``MARGIN_S`` past ``timeout_s``, then for the commit or discard at most ``MARGIN_S`` more."""
-
-
-def pair_cuts(blocks: Sequence[tuple[str, Region]], metas: Sequence[ParamMeta], trainer_rank: int) -> Blocks:
-    """The parts of a worker's ``blocks`` that ``trainer_rank`` sends it, in order (both ends compute it)."""
-    senders = {m.name: sender_regions(m)[trainer_rank] for m in metas}
-    out = []
-    for name, block in blocks:
-        mine = senders.get(name)
-        part = block.intersect(mine) if mine is not None else None
-        if part is not None and not part.is_empty:
-            out.append((name, part))
-    return out
 
 
 def meta_wire(m: ParamMeta) -> list[Any]:
@@ -83,46 +95,50 @@ WORKER_EXTENSION = "weightsync.transports.lora.LoRAWorkerExtension"
 
 
 def worker_plan(worker: Any, adapter_id: int, config: dict[str, Any], wire: list[list[Any]]) -> dict[str, Any]:
-    """Resolve and check; ``{"rank", "blocks"}`` or ``{"error"}`` (never raises into vLLM)."""
+    """Resolve and check; ``{"rank", "pieces"}`` (its blocks as the plan's destinations, the wire form of
+    ``DestsWire``) or ``{"error"}`` (never raises into vLLM)."""
     try:
         metas = [meta_unwire(w) for w in wire]
         slots = lora_slots(worker)
-        blocks = slots.plan(adapter_id, config, [(m.name, m.shape) for m in metas])
-        slots.adapters[adapter_id].metas = list(metas)
-        return {"rank": int(worker.rank), "blocks": [(b.name, b.region.offsets, b.region.sizes) for b in blocks]}
+        slots.plan(adapter_id, config, [(m.name, m.shape) for m in metas])
+        return {"rank": int(worker.rank), "pieces": pieces_to_wire(slots.dests(adapter_id))["pieces"]}
     except Exception as e:  # noqa: BLE001 - reported to the trainer, raised there
         return {"error": describe(e)}
 
 
+def _cap(num_trainer_ranks: int, num_workers: int) -> int:
+    """The largest message of a sync's rounds (the same on every party)."""
+    return message_cap(STAGING_BYTES, num_trainer_ranks, num_workers, buffers=2)
+
+
 def worker_receive(worker: Any, adapter_id: int, host: str, port: int, base: int, world: int,
                    num_trainer_ranks: int, timeout_s: float) -> dict[str, Any]:
-    """Join the sync's data plane as ``base + worker.rank``, receive this worker's blocks from every
-    trainer rank and stage them; ``{"received": bytes}`` or ``{"error"}``."""
+    """Join the sync's data plane as ``base + worker.rank``, publish this worker's destinations, plan,
+    agree on the digest, and receive its blocks into a staged slot; ``{"received": bytes}`` or ``{"error"}``."""
     comm = None
     slots = lora_slots(worker)
     try:
-        a = slots.adapters[adapter_id]
         comm = Communicator.connect(host, port, name=f"worker {worker.rank}", timeout_s=timeout_s)
-        comm.join(base + int(worker.rank), world)
-        blocks = [(b.name, b.region) for b in a.blocks]
-        dtype = a.metas[0].dtype
-        recvs, cuts = [], []
-        for t in range(num_trainer_ranks):
-            parts = pair_cuts(blocks, a.metas, t)
-            if parts:
-                buf = torch.empty(sum(r.numel for _, r in parts), dtype=dtype)
-                recvs.append((buf, t, 0))
-                cuts.append(parts)
-        comm.data.exchange([], recvs, "LoRA adapter")
-        pieces = []
-        for (buf, _, _), parts in zip(recvs, cuts):
-            for (name, region), flat in zip(parts, buf.split([r.numel for _, r in parts])):
-                pieces.append((name, region, flat.view(region.sizes)))
-        received = slots.stage(adapter_id, pieces)
-        return {"received": received}
+        n, w = num_trainer_ranks, base - num_trainer_ranks + int(worker.rank)
+        targets = slots.begin(adapter_id)
+        comm.join(base + int(worker.rank), world, device=slots.device)
+        sources = sources_from_wire(comm.read(m2n_sources(0)))
+        comm.publish(m2n_dest(w), pieces_to_wire(slots.dests(adapter_id)))
+        plan = gather_plan(comm, sources, world - n).plan
+        agree_digest(comm, plan.digest)
+        rounds = my_messages(plan, sources, rank=w, sender=False, cap=_cap(n, world - n))
+        staging = torch.empty(STAGING_BYTES, dtype=torch.uint8, device=slots.device)
+        received = run_rounds(comm.data, rounds, staging, sender=False, peer_rank=lambda r: r,
+                              dtypes={s.name: s.dtype for s in sources},
+                              tensor_of=lambda m, i: targets[m.items[i].param])
+        return {"received": slots.end(adapter_id, received)}
     except Exception as e:  # noqa: BLE001 - reported to the trainer, raised there
         if comm is not None:
             comm.fail(describe(e), e)
+        try:
+            slots.discard(adapter_id)
+        except Exception:  # noqa: BLE001 - an adapter never planned here: nothing staged
+            pass
         return {"error": describe(e)}
     finally:
         if comm is not None:
@@ -230,8 +246,13 @@ class LoRASync:
         plans = self._share(self._plan_all() if source.rank == 0 else None)
         if isinstance(plans, dict):
             raise (ValueError if plans.get("kind") == "ValueError" else RuntimeError)(plans["error"])
-        self.plans: list[list[Blocks]] = [[[(n, Region(o, s)) for n, o, s in w["blocks"]]
-                                           for w in sorted(ws, key=lambda w: w["rank"])] for ws in plans]
+        self.dests: list[list[DestPiece]] = [
+            pieces_from_wire(cast(DestsWire, w)) for ws in plans for w in sorted(ws, key=lambda w: w["rank"])]
+        self.engine_workers = [len(ws) for ws in plans]
+        self._plan: Gathered = planned(source.sources, self.dests)
+        self._dtypes = {s.name: s.dtype for s in source.sources}
+        self._rounds: Rounds = my_messages(self._plan.plan, source.sources, rank=source.rank, sender=True,
+                                           cap=_cap(source.num_trainer_ranks, self.workers))
 
     def _plan_all(self) -> Any:
         """Rank 0: every engine's workers' plans, or the error every rank raises."""
@@ -251,20 +272,24 @@ class LoRASync:
 
     @property
     def workers(self) -> int:
-        return sum(len(ws) for ws in self.plans)
+        return len(self.dests)
+
+    @property
+    def digest(self) -> str:
+        """The plan's digest (every party of a sync agrees on it before any data moves)."""
+        return self._plan.plan.digest
 
     def worker_bytes(self) -> list[int]:
         """Each worker's shard of the adapter, in bytes (what it receives per sync)."""
-        itemsize = self.source.metadata[0].dtype.itemsize
-        return [sum(r.numel for _, r in blocks) * itemsize for ws in self.plans for blocks in ws]
+        return list(self._plan.plan.coverage().lower_bound)
 
     def sync(self, *, _fail_at: int | None = None) -> dict[str, Any]:
         """Send this rank's parts; rank 0 then commits (or discards) on every worker and publishes the
         outcome, which every rank returns or raises. Collective over the trainer ranks. Returns
         ``{"version", "seconds"}`` (rank 0 also ``"received"``: the bytes per worker); raises
         ``RuntimeError`` on every rank on failure, the previous version still serving. ``_fail_at``
-        (tests): this rank fails before sending worker ``_fail_at`` its bytes, after the workers before
-        it got theirs."""
+        (tests): this rank fails as it would post worker ``_fail_at`` its bytes (rounds posted before
+        went out)."""
         comm = port = None
         if self.source.rank == 0:
             try:
@@ -292,10 +317,10 @@ class LoRASync:
         """Rank 0: start every worker's receive, send, then settle the outcome on every worker."""
         n = self.source.num_trainer_ranks
         futures, base = [], n
-        for e, ws in zip(self.engines, self.plans):
+        for e, num in zip(self.engines, self.engine_workers):
             args = (self.adapter_id, self.host, port, base, n + self.workers, n, self.timeout_s)
             futures.append(_rpc(e, "weightsync_lora_receive", args, self.timeout_s))
-            base += len(ws)
+            base += num
         error = self._send(comm, fail_at)
         try:
             replies = [r for ws in _replies(futures, "weightsync_lora_receive", t0 + self.timeout_s + MARGIN_S)
@@ -312,7 +337,8 @@ class LoRASync:
                 return self._publish(comm, {"version": self.version}, stats)
             except Exception as e:  # noqa: BLE001 - the sync failed (reported on every rank)
                 failed = [describe(e)]
-        why = failed[0] if failed else describe(error)
+        # the first failure any party reported (the others' errors follow from it), else what was seen here
+        why = comm.peer_error() or (failed[0] if failed else describe(error))
         try:
             self._on_engines("weightsync_lora_discard", (self.adapter_id,), "LoRA discard")
         except Exception:  # noqa: BLE001 - a stuck worker: its staged slot stays staged, never served
@@ -359,27 +385,31 @@ class LoRASync:
         return {"version": self.version, "seconds": time.monotonic() - t0}
 
     def _send(self, comm: Communicator, fail_at: int | None) -> BaseException | None:
-        """Every rank: join the sync's data plane and send each worker this rank's parts; the error, if any
-        (recorded on the store first: every party waiting there wakes)."""
-        n = self.source.num_trainer_ranks
-        works: list[Any] = []
-        keep: list[torch.Tensor] = []  # the packed buffers stay alive until their sends complete
+        """Every rank: join the sync's data plane, agree on the plan's digest with every worker and send
+        this rank's rounds from its local shards; the error, if any (recorded on the store first: every
+        party waiting there wakes)."""
+        n, source = self.source.num_trainer_ranks, self.source
         try:
-            comm.join(self.source.rank, n + self.workers)
-            blocks_per_worker = [blocks for ws in self.plans for blocks in ws]
-            for w, blocks in enumerate(blocks_per_worker):
-                if fail_at == w:
-                    comm.data.wait_all(works, "LoRA adapter")
+            shards = source.shards()
+            for s in source.sources:
+                if tuple(shards[s.name].shape) != s.regions[source.rank].sizes:
+                    raise ValueError(f"parameter {s.name!r}: expected a local shard of {s.regions[source.rank].sizes}, "
+                                     f"the model holds {tuple(shards[s.name].shape)}")
+            device = next(iter(shards.values())).device
+            if source.rank == 0:
+                comm.publish(m2n_sources(0), sources_to_wire(source.sources))
+            comm.join(source.rank, n + self.workers, device=device)
+            agree_digest(comm, self.digest)
+            def peer_rank(w: int) -> int:  # (asked as a message to worker w is posted)
+                if w == fail_at:
                     raise RuntimeError(f"injected failure before worker {w}'s bytes")
-                pieces = self.source.pieces(pair_cuts(blocks, self.source.metadata, self.source.rank))
-                if pieces:
-                    wire = self.source.metadata[0].dtype
-                    buf = torch.cat([p.reshape(-1).to(wire) for _, _, p in pieces])
-                    keep.append(buf)
-                    works += comm.data.post([(buf, n + w, 0)], [])
-            comm.data.wait_all(works, "LoRA adapter")
+                return n + w
+
+            run_rounds(comm.data, self._rounds, torch.empty(STAGING_BYTES, dtype=torch.uint8, device=device),
+                       sender=True, peer_rank=peer_rank, dtypes=self._dtypes,
+                       tensor_of=lambda m, i: shards[m.items[i].name])
             return None
         except Exception as e:  # noqa: BLE001 - rank 0 settles it; every rank raises its outcome
-            works.clear()  # a pending work keeps gloo's connections open: peers would not wake
             comm.fail(describe(e), e)
             return e
+

@@ -13,9 +13,13 @@ already registered is served from its slot and never loaded from a path. :class:
   without a table of ours. An embedding's ``lora_embedding_A`` / ``_B`` go whole to every TP rank, A
   transposed (``[vocab, r]``), as vLLM's ``VocabParallelEmbeddingWithLoRA.set_lora`` writes them.
   Bad input is refused here, naming the field, before anything is written.
-* :meth:`LoRASlots.stage` writes the received blocks into a free slot (zeroed first), casting and
-  folding the scaling into B as vLLM's loading does (``lora_b.to(lora_dtype) *= alpha / r``), so the
-  slot's bytes equal what vLLM makes from the same adapter saved to a directory.
+* :meth:`LoRASlots.dests` gives the blocks as the reshard plan's destinations (``DestPiece`` s, one
+  per block, into the param ``<module>.lora_<a|b>.<slice>``: the slot's 2-D matrix, an embedding's A
+  as its transpose); :meth:`LoRASlots.begin` picks a free slot, zeroes it and hands out those
+  matrices for the reshard executor to write the received blocks into (casting to the slot's dtype);
+  :meth:`LoRASlots.end` then folds the scaling into B as vLLM's loading does
+  (``lora_b.to(lora_dtype) *= alpha / r``), so the slot's bytes equal what vLLM makes from the same
+  adapter saved to a directory.
 * :meth:`LoRASlots.commit` switches the adapter id to the staged slot (the old slot is freed);
   :meth:`LoRASlots.discard` drops a staged slot. Until the commit the previous version serves, so a
   failed sync leaves it serving. Each adapter has its own slot, version and staging.
@@ -31,6 +35,7 @@ from typing import Any
 import torch
 
 from ..plan.regions import Region
+from ..plan.transfer import DestPiece
 from .destinations import on_other_stage
 
 __all__ = ["LoRABlock", "LoRASlots", "lora_slots"]
@@ -48,6 +53,11 @@ class LoRABlock:
     at: tuple[int, int]  # (row, col) of the block in the slot's 2-D matrix
     transposed: bool = False  # an embedding's A: the slot holds it transposed (``[vocab, r]``)
 
+    @property
+    def param(self) -> str:
+        """The slot matrix it lands in, as a destination's param (``slot_tensors``' key)."""
+        return f"{self.module}.lora_{self.which}.{self.sub}"
+
 
 @dataclass
 class _Adapter:
@@ -59,7 +69,6 @@ class _Adapter:
     staged: int | None = None  # the slot a sync is writing into
     version: int | None = None
     received: int = 0  # bytes received by the last stage
-    metas: Any = None  # the trainer's metadata of the adapter's tensors (set by the transport)
 
 
 def _manager(worker: Any) -> Any:
@@ -213,62 +222,52 @@ class LoRASlots:
         raise ValueError(f"max_loras: no free LoRA slot to stage adapter_id {adapter_id} into "
                          f"(slots: {list(self.manager.lora_index_to_id)})")
 
-    def stage(self, adapter_id: int, pieces: list[tuple[str, Region, torch.Tensor]]) -> int:
-        """Write received blocks (``(tensor name, region in the full tensor, data)``; any cut of the
-        planned blocks, e.g. one per trainer shard) into a free slot; returns the bytes received.
-        Raises, leaving the serving slot untouched, if a piece is not this worker's or blocks are
-        left uncovered."""
+    def dests(self, adapter_id: int) -> list[DestPiece]:
+        """The adapter's blocks on this worker as the reshard plan's destinations."""
+        return [DestPiece(b.name, b.region, b.param, b.at) for b in self._adapter(adapter_id).blocks]
+
+    @property
+    def device(self) -> torch.device:
+        """Where the slots are (the data plane's device on this worker)."""
+        stacked = next(iter(self.manager.modules.values())).lora_a_stacked
+        return (stacked if isinstance(stacked, torch.Tensor) else stacked[0]).device
+
+    def begin(self, adapter_id: int) -> dict[str, torch.Tensor]:
+        """Stage a sync of ``adapter_id``: a free slot, zeroed (as vLLM's activation: what the adapter lacks is
+        zero); its matrices by param (:meth:`dests`), for the received blocks. The serving slot is untouched."""
         a = self._adapter(adapter_id)
         self.discard(adapter_id)
         a.staged = self._free_slot(adapter_id)
-        try:
-            a.received = self._stage(a, pieces)
-        except BaseException:
-            self.discard(adapter_id)
-            raise
-        return a.received
+        for module in self.manager.modules.values():
+            module.reset_lora(a.staged)
+        return self._matrices(a)
 
-    def _stage(self, a: _Adapter, pieces: list[tuple[str, Region, torch.Tensor]]) -> int:
-        adapter_id, slot = a.adapter_id, a.staged
-        for module in self.manager.modules.values():  # as vLLM's activation: what the adapter lacks is zero
-            module.reset_lora(slot)
-        by_name: dict[str, list[LoRABlock]] = {}
+    def end(self, adapter_id: int, received: int) -> int:
+        """The staged slot received every block (``received`` bytes): fold the scaling into B, as vLLM's
+        ``LoRALayerWeights.optimize`` (in the slot's dtype); ready to :meth:`commit`."""
+        a = self._adapter(adapter_id)
+        if a.staged is None:
+            raise ValueError(f"adapter_id {adapter_id}: nothing staged")
+        matrices = self._matrices(a)
         for b in a.blocks:
-            by_name.setdefault(b.name, []).append(b)
-        covered = dict.fromkeys(a.blocks, 0)
-        received = 0
-        for name, region, data in pieces:
-            block = next((b for b in by_name.get(name, ()) if b.region.contains(region)), None)
-            if block is None or tuple(data.shape) != region.sizes:
-                raise ValueError(f"adapter_id {adapter_id}: piece {name!r} {region} is not one of this worker's "
-                                 f"blocks or does not match its data's shape {tuple(data.shape)}")
-            received += data.numel() * data.element_size()
-            covered[block] += region.numel
-            self._write(a, block, slot, region, data)
-        short = [b for b, n in covered.items() if n != b.region.numel]
-        if short:
-            raise ValueError(f"adapter_id {adapter_id}: {len(short)} block(s) not received exactly once, e.g. "
-                             f"{short[0].name!r} {short[0].region}")
+            scale = a.scaling.get(b.name, 1)
+            if b.which == "b" and scale != 1:
+                matrices[b.param][Region(b.at, b.region.sizes).slices()] *= scale
+        a.received = received
         return received
 
-    def _write(self, a: _Adapter, block: LoRABlock, slot: int, region: Region, data: torch.Tensor) -> None:
-        layer = self.manager.modules[block.module]
-        stacked = layer.lora_a_stacked if block.which == "a" else layer.lora_b_stacked
-        if _is_embedding(layer):  # one tensor, no fused slices: A ``[slot, vocab, r]``, B ``[slot, 1, dim, r]``
-            stacked = stacked.unsqueeze(1) if block.which == "a" else stacked
-        else:
-            stacked = stacked[block.sub]
-        value = data.to(device=stacked.device, dtype=stacked.dtype)
-        scale = a.scaling.get(block.name, 1)
-        if block.which == "b" and scale != 1:  # as vLLM's LoRALayerWeights.optimize
-            value = value.clone() if value is data else value
-            value *= scale
-        r0 = block.at[0] + region.offsets[0] - block.region.offsets[0]
-        c0 = block.at[1] + region.offsets[1] - block.region.offsets[1]
-        if block.transposed:
-            stacked[slot, 0, c0:c0 + region.sizes[1], r0:r0 + region.sizes[0]].copy_(value.t())
-            return
-        stacked[slot, 0, r0:r0 + region.sizes[0], c0:c0 + region.sizes[1]].copy_(value)
+    def _matrices(self, a: _Adapter) -> dict[str, torch.Tensor]:
+        """The 2-D matrices of the staged slot that ``a``'s blocks land in (views), by param: laid out as
+        the adapter's tensors are (an embedding's A transposed back to ``[r, vocab]``)."""
+        out: dict[str, torch.Tensor] = {}
+        for b in a.blocks:
+            layer = self.manager.modules[b.module]
+            stacked = layer.lora_a_stacked if b.which == "a" else layer.lora_b_stacked
+            if _is_embedding(layer):  # one tensor, no fused slices: A ``[slot, vocab, r]``, B ``[slot, 1, dim, r]``
+                out[b.param] = stacked[a.staged].t() if b.transposed else stacked[a.staged, 0]
+            else:
+                out[b.param] = stacked[b.sub][a.staged, 0]
+        return out
 
     def commit(self, adapter_id: int, version: int) -> None:
         """Serve ``adapter_id`` from its staged slot; the slot that served it is freed."""
