@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+
 from doc_blocks import ROOT, RUNNERS, Block, all_blocks, code_lines, fragment_problem, page_blocks
 
 BLOCKS = all_blocks()
@@ -38,7 +39,8 @@ def test_the_checks_can_fail(tmp_path, monkeypatch):
     page.write_text("# t\n\n```python\nprint(1)\n```\n\n<!-- fragment: pyproject.toml -->\n```bash\nnot there\n```\n")
     monkeypatch.setattr(doc_blocks, "ROOT", str(tmp_path))
     blocks = page_blocks("page.md")
-    assert [(b.line, b.lang, b.kind) for b in blocks] == [(3, "python", None), (8, "bash", ("fragment", "pyproject.toml"))]
+    assert [(b.line, b.lang, b.kind) for b in blocks] == [(3, "python", None),
+                                                          (8, "bash", ("fragment", "pyproject.toml"))]
     monkeypatch.setattr(doc_blocks, "ROOT", ROOT)
     assert "'not there' is not in pyproject.toml" in fragment_problem(blocks[1], "pyproject.toml")
     assert "does not exist" in fragment_problem(blocks[1], "no/such/file.py")
