@@ -61,6 +61,7 @@ ap.add_argument("--url", default="http://127.0.0.1:8000", help="the vllm serve b
 ap.add_argument("--wait", type=float, default=600.0, help="seconds to wait for the server to start")
 cli = ap.parse_args()
 wait_ready(cli.url, cli.wait)
+before = server_tokens(cli.url, cli.model)
 model = AutoModelForCausalLM.from_pretrained(cli.model, dtype=torch.float32)
 batch = torch.tensor([PROMPT * 4])  # one optimizer step on a toy batch: weights the server does not have yet
 model(batch, labels=batch).loss.backward()
@@ -76,5 +77,6 @@ try:
 finally:
     engine.shutdown()
 tokens, hf = server_tokens(cli.url, cli.model), hf_tokens(model)
-print(f"synced in {stats.seconds:.3f} s, verified={stats.verified}, server tokens {tokens}, HF tokens {hf}")
+print(f"synced in {stats.seconds:.3f} s, verified={stats.verified}, server tokens before {before}, "
+      f"after {tokens}, HF tokens {hf}")
 raise SystemExit(0 if stats.verified and tokens == hf else 1)

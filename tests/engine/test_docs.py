@@ -31,7 +31,7 @@ def test_pages_with_their_own_test_are_run_there():
     for page, test in OWN_TESTS.items():
         assert any(b.page == page for b in BLOCKS), f"{page} has no runs: engine block"
         with open(os.path.join(HERE, test)) as f:
-            assert f"engine_blocks({page!r})" in f.read(), f"{test} does not run {page}'s block"
+            assert f'engine_blocks("{page}")' in f.read(), f"{test} does not run {page}'s block"
 
 
 @pytest.mark.parametrize("block", [b for b in BLOCKS if b.page not in OWN_TESTS], ids=lambda b: b.id)
