@@ -119,7 +119,9 @@ def test_serve_cpu_script_syncs_over_http_then_trains_trl_three_steps_and_stops_
     assert [s.split(":")[0] for s in steps] == ["step 1", "step 2", "step 3"], stdout
     for line in steps:
         assert re.fullmatch(rf"step \d: loss {metric} reward {metric}", line), line
-    version = json.loads(stdout.strip().splitlines()[-1])["weight_version"]
+    info = [line for line in stdout.splitlines() if line.startswith('{"weight_version"')]  # the script's curl
+    assert len(info) == 1, stdout[-3000:]
+    version = json.loads(info[0])["weight_version"]
     assert version == "trl-step3", "the server holds the weights of TRL's third sync (one sync per step)"
     assert session_processes(proc.pid) == [], "processes of vllm serve left after the script stopped it"
 
