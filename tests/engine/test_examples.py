@@ -72,18 +72,25 @@ def test_grpo_example_cpu_mode_trains_three_steps_on_engine_rollouts_each_sync_v
         assert line.endswith("verified: vLLM TP=2 == reload(trainer weights), greedy == HF transformers"), line
 
 
-def session_processes(sid: int) -> list[str]:
-    """The live processes of session ``sid`` (a script started in its own session, and all it started)."""
+def session_processes(sid: int, within_s: float = 60.0) -> list[str]:
+    """The processes of session ``sid`` (a script started in its own session, and all it started) still
+    alive ``within_s`` seconds from now (processes being killed take a moment to go; zombies count as gone)."""
+    import time
+
     import psutil
 
-    left = []
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        try:
-            if os.getsid(p.pid) == sid:
-                left.append(" ".join(p.info["cmdline"] or [])[:200])
-        except (OSError, psutil.Error):
-            continue
-    return left
+    deadline = time.monotonic() + within_s
+    while True:
+        left = []
+        for p in psutil.process_iter(["pid", "name", "cmdline", "status"]):
+            try:
+                if os.getsid(p.pid) == sid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                    left.append(f"{p.pid} {p.info['name']}: {' '.join(p.info['cmdline'] or [])[:200]}")
+            except (OSError, psutil.Error):
+                continue
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
 
 
 @pytest.mark.timeout(1400)  # one server start, a sync and TRL's 3 steps (about 5 minutes on a quiet 2-core machine)
