@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -99,3 +101,20 @@ def fragment_problem(block: Block, path: str) -> str | None:
         except ValueError:
             return f"{block.id}: the line {line!r} is not in {path} (after the block's previous lines)"
     return None
+
+
+def run_block(block: Block, workdir: str, env: dict[str, str], timeout_s: float) -> subprocess.CompletedProcess:
+    """Run ``block`` as written from the repository root: Python in a fresh interpreter (this one's venv),
+    shell in bash; this venv's ``python`` first on PATH. Asserts it holds no ``...`` and exits 0."""
+    assert "..." not in block.code, f"{block.id}: a block that runs has no `...`"
+    env = dict(env, PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""))
+    if block.is_python:
+        script = os.path.join(workdir, "block.py")
+        with open(script, "w") as f:
+            f.write(block.code)
+        cmd = [sys.executable, script]
+    else:
+        cmd = ["bash", "-e", "-o", "pipefail", "-c", block.code]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+    assert proc.returncode == 0, f"{block.id} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
+    return proc

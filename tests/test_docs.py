@@ -9,12 +9,10 @@ excerpt of an existing file, line by line in order (so it cannot drift from the 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 
-from doc_blocks import ROOT, RUNNERS, Block, all_blocks, code_lines, fragment_problem, page_blocks
+from doc_blocks import ROOT, RUNNERS, Block, all_blocks, code_lines, fragment_problem, page_blocks, run_block
 
 BLOCKS = all_blocks()
 
@@ -55,13 +53,4 @@ def test_ci_block_names_scripts_ci_runs(block: Block):
 
 @pytest.mark.parametrize("block", [b for b in BLOCKS if b.kind == ("runs", "main")], ids=lambda b: b.id)
 def test_main_block_runs_as_written(block: Block, tmp_path):
-    assert "..." not in block.code, f"{block.id}: a block that runs has no `...`"
-    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-    if block.is_python:
-        script = tmp_path / "block.py"
-        script.write_text(block.code)
-        cmd = [sys.executable, str(script)]
-    else:
-        cmd = ["bash", "-e", "-o", "pipefail", "-c", block.code]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{block.id} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    run_block(block, str(tmp_path), dict(os.environ), timeout_s=600)
