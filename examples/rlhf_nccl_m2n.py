@@ -51,8 +51,11 @@ def run_gpu(model_name: str) -> None:
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
             super().__init__(*args, **kwargs)
 
+        def __repr__(self) -> str:  # Ray prefixes an actor's log lines with its repr (LLM's: the whole model)
+            return "MyLLM"
+
     @ray.remote(num_cpus=1, num_gpus=1)
-    class FSDPWorker:
+    class FSDPWorker:  # one per trainer rank: init_process_group, then fully_shard
         def __init__(self, rank: int, addr: str, port: int):
             os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
             dist.init_process_group("nccl", rank=rank, world_size=TRAINERS)
@@ -67,18 +70,17 @@ def run_gpu(model_name: str) -> None:
 
         def setup_engine(self, llm, addr: str, port: int, num_workers: int) -> None:
             """Every rank: the source reads FSDP2 layouts without gathering; rank 0 drives vLLM."""
-            self.engine = WeightTransferTrainerFactory.trainer_init(
-                M2NTrainerInitInfo(master_address=addr, master_port=port, num_trainer_ranks=TRAINERS,
-                                   world_size=TRAINERS + num_workers, dst_mesh_dims=(1, num_workers),
-                                   rank=self.rank),
+            self.engine = WeightTransferTrainerFactory.trainer_init(  # M2N: FSDP2 shards -> vLLM TP shards
+                M2NTrainerInitInfo.for_deployment(num_trainer_ranks=TRAINERS, replicas=1, tp=num_workers,
+                                                  rank=self.rank, master_address=addr, master_port=port),
                 client=RayVLLMWeightSyncClient(llm),
                 source=DTensorModuleSource(self.model, TRAINERS),
             )
 
         def send_weights(self, version: str) -> dict:
             """Generation paused for the sync (rank 0 drives vLLM; syncs are refused otherwise)."""
-            with paused(self.engine.client) if self.rank == 0 else nullcontext():
-                stats = self.engine.send_weights(weight_version=version)
+            with paused(self.engine.client) if self.rank == 0 else nullcontext():  # syncs refuse serving engines
+                stats = self.engine.send_weights(weight_version=version)  # returns once every worker applied it
             return {"seconds": stats.seconds, "gbps": stats.gbps, "bytes": stats.bytes_sent}
 
     ray.init()
@@ -86,7 +88,7 @@ def run_gpu(model_name: str) -> None:
     trainers = [FSDPWorker.remote(r, addr, port) for r in range(TRAINERS)]
     llm = ray.remote(num_cpus=0, num_gpus=0)(MyLLM).remote(
         model=model_name, tensor_parallel_size=TP, enforce_eager=True, distributed_executor_backend="ray",
-        load_format="dummy", weight_transfer_config=WeightTransferConfig(backend="weightsync_m2n"))
+        load_format="dummy", weight_transfer_config=WeightTransferConfig(backend="weightsync"))
     params = SamplingParams(temperature=0, max_tokens=16)
     before = ray.get(llm.generate.remote(PROMPTS, params))
     print("before sync (dummy weights):", [o.outputs[0].text for o in before])

