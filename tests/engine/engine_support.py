@@ -139,18 +139,21 @@ class Outcome:
 
 def run_cases(session: RaySession, trainer_actors: list[Any], cases: list[Case], *,
               timeout_s: float = 120.0) -> dict[Case, Outcome]:
-    """Start the engine(s) the ``cases`` share once, run each case on them in turn, stop them."""
+    """Run each of ``cases`` (of one ``Case.engine()``) on the session's engines of that configuration
+    (``reuse``: started once for every module on them, as many as the most replicas a case has; a case
+    of fewer replicas syncs into the first ones), in turn. The engines are left running for the next
+    user of the same configuration; the next start of another one stops them."""
     t0 = time.perf_counter()
     try:
-        handles = start_engines(session, cases[0].engine(), count=cases[0].replicas)
+        handles = start_engines(session, cases[0].engine(), count=max(c.replicas for c in cases), reuse=True)
     except BaseException as e:  # noqa: BLE001 - reported by every test of every case
         return {c: Outcome(c, [], [], [], {}, error=e) for c in cases}
     start_s = time.perf_counter() - t0
-    try:
-        return {c: run_scenario(handles, trainer_actors, c, seed=i, start_s=start_s, timeout_s=timeout_s)
-                for i, c in enumerate(cases)}
-    finally:
-        session.stop_engines()
+    out = {c: run_scenario(handles[:c.replicas], trainer_actors, c, seed=i, start_s=start_s, timeout_s=timeout_s)
+           for i, c in enumerate(cases)}
+    if any(o.error is not None for o in out.values()):
+        session.stop_engines()  # in whatever state the failure left them: the next user starts its own
+    return out
 
 
 def run_scenario(handles: list[Any], trainer_actors: list[Any], case: Case, *, seed: int, start_s: float,

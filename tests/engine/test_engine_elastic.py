@@ -22,7 +22,7 @@ TIMEOUT_S = 30.0
 
 @pytest.fixture(scope="module")
 def engines(ray_session):
-    handles = list(start_engines(ray_session, ENGINE, count=3))
+    handles = list(start_engines(ray_session, ENGINE, count=3, reuse=True))  # test_engine_sync's cells' + 2
     yield handles
     ray_session.engines = handles  # (the joiner included: stopped with the others)
 

@@ -16,8 +16,8 @@ it saw:
 
 The matrix is every transport x TP {1, 2} x {bfloat16, float32} x {tied, untied}: vLLM's ``weightsync``
 backend serves whichever transport a trainer names, so the three transports of one (TP, dtype,
-model) share one engine start (8 starts, not 24); then nccl and M2N into two separate engines
-(replicas), each verified.
+model) share one engine start (8 configurations, not 24), with the other modules on the same configuration
+(``run_cases``); nccl and M2N also into two separate engines (replicas), each verified.
 """
 
 from __future__ import annotations
@@ -43,19 +43,18 @@ def cells(check: str, transport: str | None = None) -> list:
     return [pytest.param(case, id=case.id) for case in CASES if transport in (None, case.transport)]
 
 
-_RUN: dict[tuple, dict] = {}
-"""Outcomes of the engine started last, per case (one engine configuration alive at a time)."""
+_RUN: dict = {}
+"""Outcomes of the engine configuration run last, per case (one engine configuration alive at a time)."""
 
 
 @pytest.fixture(scope="module")
 def outcome(request, ray_session, trainer_actors):
     case = request.param
-    key = (case.engine(), case.replicas)
-    if key not in _RUN:  # cells run grouped by engine (CASES order): start it once for all of them
+    if case.engine() not in _RUN:  # cells run grouped by engine (conftest): run them all on it at once
         _RUN.clear()
-        group = [c for c in CASES if (c.engine(), c.replicas) == key]
-        _RUN[key] = run_cases(ray_session, trainer_actors, group, timeout_s=120.0)
-    return _RUN[key][case]
+        group = [c for c in CASES if c.engine() == case.engine()]
+        _RUN[case.engine()] = run_cases(ray_session, trainer_actors, group, timeout_s=120.0)
+    return _RUN[case.engine()][case]
 
 
 @pytest.mark.parametrize("outcome", cells("reload"), indirect=True, scope="module")

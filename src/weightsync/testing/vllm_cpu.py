@@ -17,6 +17,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -34,13 +35,16 @@ ENGINE_ENV = {
     "VLLM_RPC_BASE_PATH": os.path.join(_TMP, "rpc"),
     "VLLM_LOGGING_LEVEL": "ERROR",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
-    "RAY_AUTH_MODE": "disabled",
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # Ray's single-machine mode: node on 127.0.0.1, ports on loopback
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_DEDUP_LOGS": "0",
     "TOKENIZERS_PARALLELISM": "false",
     "PYTHONWARNINGS": "ignore::DeprecationWarning,ignore::FutureWarning",
 }
-"""Environment of every process of a CPU session (set before Ray starts, inherited by actors and vLLM)."""
+"""Environment of every process of a CPU session (set before Ray starts, inherited by actors and vLLM). Ray's
+own token authentication is left as Ray defaults it (on for a new local cluster: ``RAY_AUTH_MODE`` unset)."""
+
+LOOPBACK = "127.0.0.1"
 
 
 def has_vllm_cpu() -> bool:
@@ -63,8 +67,9 @@ def config_dir(model: str) -> str:
 
 
 class RaySession:
-    """A local Ray cluster on this machine; ``LLM`` engines start through it, one set at a time.
-    ``verbose`` lets vLLM's, Ray's and the actors' logs through (off: warnings and errors only)."""
+    """A local Ray cluster on this machine, bound to loopback (its node's address is 127.0.0.1, so every Ray
+    process listens there only) with Ray's default token authentication; ``LLM`` engines start through it,
+    one set at a time. ``verbose`` lets vLLM's, Ray's and the actors' logs through (off: errors only)."""
 
     def __init__(self, num_cpus: int = 4, verbose: bool = False) -> None:
         env = dict(ENGINE_ENV, VLLM_LOGGING_LEVEL="INFO") if verbose else ENGINE_ENV
@@ -78,53 +83,127 @@ class RaySession:
             handler = logging.StreamHandler()
             handler.setLevel(logging.ERROR)
             logging.getLogger("vllm").addHandler(handler)
+            logging.getLogger("ray._private.authentication").setLevel(logging.ERROR)  # "token auth is enabled"
         import ray
 
         self.temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths have a limit
-        t0 = time.perf_counter()
+        t0 = self._t0 = time.perf_counter()
+        _single_machine()
         ray.init(include_dashboard=False, _temp_dir=self.temp_dir, num_cpus=num_cpus, log_to_driver=verbose,
                  configure_logging=verbose, logging_level="INFO" if verbose else "ERROR")
+        self.node_ip = ray.util.get_node_ip_address()
+        if self.node_ip != LOOPBACK:
+            ray.shutdown()
+            raise RuntimeError(f"Ray's node came up on {self.node_ip}, not {LOOPBACK}: its ports would listen beyond "
+                               "loopback (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 must reach Ray before it starts)")
         self.init_s = time.perf_counter() - t0
         self.engines: list[Any] = []
         self._config: tuple[Any, ...] | None = None  # what the running engines were started with
         self.starts: list[dict[str, Any]] = []
+        self.upcoming: Callable[[], dict[str, Any] | None] | None = None
+        """Set by a caller that knows which engines it asks for next (the engine tier's conftest): returns
+        ``start_engines``' arguments of that configuration (or None). Once the engines asked for are up, one
+        engine of it starts in the background (``_prestart``); ``start_engines`` of it takes that one."""
+        self._next: tuple[tuple[Any, ...], list[Any], float] | None = None  # (config, handles, when started)
 
     def start_engines(self, backend: str, *, tp: int, dtype: str, model: str, count: int = 1,
                       max_model_len: int = 256, label: str | None = None, load_format: str = "dummy",
                       reuse: bool = False, pp: int = 1) -> list[Any]:
         """``count`` separate ``LLM`` actors (``WeightTransferConfig(backend=backend)``; dummy weights, or
         with ``load_format="auto"`` the checkpoint in the ``model`` directory); the previous engines
-        are stopped first. With ``reuse``, running engines started with the same arguments are
-        returned instead, if they still answer (their weights are whatever the last sync left)."""
+        are stopped first. With ``reuse``, running engines started with the same arguments (``count``
+        aside) are returned instead, if they all still answer (their weights are whatever the last sync
+        left): the first ``count`` of them, with more started beside them where fewer run."""
+        import ray
+
+        config = (backend, tp, pp, dtype, model, max_model_len, load_format)
+        if reuse and self.engines and self._config == config:
+            try:
+                ray.get([h.ready.remote() for h in self.engines], timeout=60)
+            except Exception:  # noqa: BLE001 - gone or stuck: start new ones
+                pass
+            else:
+                if count > len(self.engines):
+                    self.engines = self.engines + self._start(config, count - len(self.engines), label)
+                self._prestart()
+                return self.engines[:count]
+        self.stop_engines()
+        self._config = config
+        adopted = self._adopt(config, label)
+        self.engines = adopted + (self._start(config, count - len(adopted), label) if count > len(adopted) else [])
+        self._prestart()
+        return self.engines
+
+    def _spawn(self, config: tuple[Any, ...], count: int) -> list[Any]:
+        """``count`` engine actors of ``config``, starting (not waited for)."""
         import ray
         from vllm.config import WeightTransferConfig
 
         from .llm_actor import EngineActor
 
-        config = (backend, tp, pp, dtype, model, count, max_model_len, load_format)
-        if reuse and self.engines and self._config == config:
-            try:
-                ray.get([h.ready.remote() for h in self.engines], timeout=60)
-                return self.engines
-            except Exception:  # noqa: BLE001 - gone or stuck: start new ones
-                pass
-        self.stop_engines()
-        self._config = config
+        backend, tp, pp, dtype, model, max_model_len, load_format = config
         actor = ray.remote(num_cpus=0)(EngineActor)
+        return [actor.remote(model=config_dir(model), load_format=load_format, enforce_eager=True,
+                             skip_tokenizer_init=True, max_model_len=max_model_len, tensor_parallel_size=tp,
+                             pipeline_parallel_size=pp, dtype=dtype, distributed_executor_backend="mp", seed=0,
+                             weight_transfer_config=WeightTransferConfig(backend=backend))
+                for _ in range(count)]
+
+    def _start(self, config: tuple[Any, ...], count: int, label: str | None, *,
+               handles: list[Any] | None = None) -> list[Any]:
+        """``count`` engines of ``config`` (or ``handles``, started before), once they are up."""
+        import ray
+
         t0 = time.perf_counter()
-        handles = [actor.remote(model=config_dir(model), load_format=load_format, enforce_eager=True,
-                                skip_tokenizer_init=True, max_model_len=max_model_len, tensor_parallel_size=tp,
-                                pipeline_parallel_size=pp,
-                                dtype=dtype, distributed_executor_backend="mp", seed=0,
-                                weight_transfer_config=WeightTransferConfig(backend=backend))
-                   for _ in range(count)]
-        self.engines = handles
-        ray.get([h.ready.remote() for h in handles], timeout=900)
+        handles = handles or self._spawn(config, count)
+        try:
+            ray.get([h.ready.remote() for h in handles], timeout=900)
+        except BaseException:
+            self.engines = self.engines + handles  # stopped with the others
+            raise
         start_s = time.perf_counter() - t0
         rss = ray.get([h.rss_mb.remote() for h in handles])
-        self.starts.append({"engine": label or f"{backend}-tp{tp}-{dtype}-{model}", "count": count,
+        backend, tp, _, dtype, model = config[:5]
+        self.starts.append({"engine": label or f"{backend}-tp{tp}-{dtype}-{model}", "count": len(handles),
                             "start_s": round(start_s, 1), "rss_mb": [round(r) for r in rss]})
         return handles
+
+    def _prestart(self) -> None:
+        """Start one engine of the configuration ``upcoming`` names, in the background (unless it runs)."""
+        plan = self.upcoming() if self.upcoming is not None else None
+        if plan is None:
+            return
+        config = (plan["backend"], plan["tp"], plan.get("pp", 1), plan["dtype"], plan["model"],
+                  plan.get("max_model_len", 256), plan.get("load_format", "dummy"))
+        if config == self._config or (self._next is not None and self._next[0] == config):
+            return
+        self._drop_next()
+        self._next = (config, self._spawn(config, 1), time.perf_counter())
+
+    def _adopt(self, config: tuple[Any, ...], label: str | None) -> list[Any]:
+        """The engine ``_prestart`` started for ``config``, once up ([] if none, or if it failed to start)."""
+        if self._next is None or self._next[0] != config:
+            self._drop_next()
+            return []
+        _, handles, since = self._next
+        self._next = None
+        try:
+            handles = self._start(config, 1, label, handles=handles)
+        except Exception:  # noqa: BLE001 - started again in the foreground, where its error shows
+            self.stop_engines()
+            return []
+        self.starts[-1]["engine"] += f" (started {since - self._t0:.0f} s into the session, ahead)"
+        return handles
+
+    def _drop_next(self) -> None:
+        """Stop the engine ``_prestart`` started (no longer asked for)."""
+        if self._next is not None:
+            running, self.engines = self.engines, self._next[1]
+            self._next = None
+            try:
+                self.stop_engines()
+            finally:
+                self.engines = running
 
     def stop_engines(self) -> None:
         import ray
@@ -143,8 +222,20 @@ class RaySession:
         import ray
 
         self.stop_engines()
+        self._drop_next()
         ray.shutdown()
         shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+def _single_machine() -> None:
+    """Ray's single-machine mode, also where ``ray`` was imported before ``ENGINE_ENV`` was set: Ray reads
+    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` at import into ``ray_constants.ENABLE_RAY_CLUSTER``; off, a new
+    local node takes 127.0.0.1 as its address (``services.get_node_ip_address``), and Ray's GCS, raylet,
+    agents and workers then bind their ports to loopback only. (``ray.init(_node_ip_address="127.0.0.1")``
+    does not: Ray replaces a loopback node address by the machine's external one.)"""
+    from ray._private import ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False
 
 
 def init_info(backend: str, *, trainers: int, tp: int, replicas: int = 1, pp: int = 1, buffer_bytes: int = 64 << 20,
