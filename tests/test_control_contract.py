@@ -58,7 +58,8 @@ def test_the_key_scan_finds_a_spelled_key():
 def test_sync_keys_are_distinct_and_outcome_keys_leave_held_for_the_next_delta():
     keys = SyncKeys(7)
     outcome = keys.outcome_keys(ranks=2, workers=4, chunks=3)
-    assert len(set(outcome)) == len(outcome) == 4 + 5 * 2 + 3 * 4 + 3 * 3  # per worker: recv, phases, finishing
+    # per worker: recv, phases, drafter, finishing
+    assert len(set(outcome)) == len(outcome) == 4 + 5 * 2 + 4 * 4 + 3 * 3
     assert all(k.startswith("sync7/") for k in outcome)
     assert keys.held(0) not in outcome and keys.recv(3) in outcome and keys.chunk(2, 1) in outcome
     assert SyncKeys(7).sizes(1) != SyncKeys(71).sizes(1) != SyncKeys(7).sums(1)

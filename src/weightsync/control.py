@@ -175,6 +175,10 @@ class SyncKeys:
     def phases(self, worker: int) -> str:
         return f"{self._p}/phases/{worker}"
 
+    def drafter(self, worker: int) -> str:
+        """Bytes of the drafter's parameters ``worker``'s sync wrote (an engine with a synced drafter)."""
+        return f"{self._p}/drafter/{worker}"
+
     def finishing(self, worker: int) -> str:
         """``worker`` reached its finish (its engine's workers commit only once all of them did)."""
         return f"{self._p}/finishing/{worker}"
@@ -187,7 +191,7 @@ class SyncKeys:
         """Every key this sync may have set but ``held``: once every rank read the outcome, nothing
         reads them again."""
         per_rank = [k(r) for r in range(ranks) for k in (self.preflight, self.sent, self.ack, self.sizes, self.sums)]
-        per_worker = [k(w) for w in range(workers) for k in (self.recv, self.phases, self.finishing)]
+        per_worker = [k(w) for w in range(workers) for k in (self.recv, self.phases, self.drafter, self.finishing)]
         chunked = ([self.chunk(b, r) for b in range(chunks) for r in range(ranks)]
                    + [self.applied(b) for b in range(chunks)])
         return [self.started, self.verdict, self.delta, self.sum, *per_rank, *per_worker, *chunked]

@@ -143,6 +143,11 @@ class TrainerInitInfo:
     """A sync refuses to start (``Refused``, on every trainer rank, before anything moves) unless every
     engine reports its generation paused (``client.pause_generation()`` or ``clients.paused``);
     False allows syncs while the engines serve (requests may then run on half-written weights)."""
+    drafter: str = "synced"
+    """An engine with a speculative-decoding drafter (MTP layers, an EAGLE head; docs/drafter.md): ``"synced"``
+    (the default) writes the drafter's parameters too, from the tensors the source sends under the drafter
+    checkpoint's names (an init that sends none of them is refused, naming the drafter and its parameters);
+    ``"frozen"`` says this trainer trains no drafter: the engine keeps it as it is, on purpose."""
 
     on_engine_failure: str = "fail"
     """``"fail"`` (all-or-nothing): a worker's failure fails the sync on every replica. ``"drop"``:
@@ -183,6 +188,8 @@ class TrainerInitInfo:
             raise ValueError(f"{name}.require_paused must be a bool, got {self.require_paused!r}")
         if self.delta_baseline not in ("cpu", "device"):
             raise ValueError(f"{name}.delta_baseline must be 'cpu' or 'device', got {self.delta_baseline!r}")
+        if self.drafter not in ("synced", "frozen"):
+            raise ValueError(f"{name}.drafter must be 'synced' or 'frozen', got {self.drafter!r}")
         if not isinstance(self.take_over, bool):
             raise ValueError(f"{name}.take_over must be a bool, got {self.take_over!r}")
         if self.delta and self.cast_dtypes:
@@ -244,6 +251,8 @@ class WorkerInitInfo:
     until it shuts down; an init of another session is refused unless it asks ``take_over`` ("": none)."""
     take_over: bool = False
     """This init takes the worker over from the session it is bound to (``TrainerInitInfo.take_over``)."""
+    drafter: str = "synced"
+    """``"frozen"``: keep vLLM's speculative-decoding drafter as it is (``TrainerInitInfo.drafter``)."""
     store_group: str = ""
     """The id (hex) of the sealed store's group, which its host drew (``Communicator.group``): the worker
     refuses a store that says another ("": a store without a secret)."""

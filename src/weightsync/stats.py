@@ -59,6 +59,10 @@ class SyncStats:
     """Seconds per phase as each worker measured it (rank 0 only): ``start`` (rollback snapshot,
     staging), ``receive`` (wire waits and applying),
     ``finish`` (vLLM's processing of post-processed layers, layerwise finalize)."""
+    drafter_bytes_per_worker: dict[int, int] = field(default_factory=dict)
+    """Engines with a speculative-decoding drafter (docs/drafter.md): bytes of the drafter's own parameters
+    each worker's sync wrote (its shard of them; part of ``bytes_received_per_worker``), rank 0 only;
+    empty when no engine has a synced drafter."""
     weight_version: str | None = None
     """The version the engines report after this sync (``send_weights(weight_version=...)``)."""
     delta: DeltaStats | None = None
@@ -93,6 +97,8 @@ class SyncStats:
                 "lower_bound_per_worker": self.lower_bound_per_worker, "num_tensors": self.num_tensors,
                 "num_steps": self.num_steps, "phases": _rounded(self.phases),
                 "worker_phases": {w: _rounded(p) for w, p in self.worker_phases.items()}}
+        if self.drafter_bytes_per_worker:
+            head["drafter_bytes_per_worker"] = self.drafter_bytes_per_worker
         if self.delta is not None:
             head["delta"] = self.delta
         if self.replicas or self.dropped:

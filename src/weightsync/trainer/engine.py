@@ -71,6 +71,7 @@ class SharedWorkerFields(TypedDict):
     session: str
     take_over: bool
     store_group: str
+    drafter: str
 
 
 class EngineClient(Protocol):
@@ -131,7 +132,8 @@ class TrainerEngine(Generic[TInit, TUpdate, TPrepared]):
         i = self.init_info
         return {"master_address": i.master_address, "master_port": port, "timeout_s": i.timeout_s,
                 "rollback": i.rollback, "cast_dtypes": i.cast_dtypes, "partial": list(i.partial),
-                "session": self.session, "take_over": i.take_over, "store_group": self.comm.group}
+                "session": self.session, "take_over": i.take_over, "store_group": self.comm.group,
+                "drafter": i.drafter}
 
     def _data_rank(self) -> tuple[int, int] | None:
         """``(rank, world size)`` of this trainer rank in the data plane, or None (control only)."""
@@ -421,6 +423,8 @@ class TrainerEngine(Generic[TInit, TUpdate, TPrepared]):
                 stats.bytes_received_per_worker = dict(zip(workers, map(int, received)))
                 stats.worker_phases = {w: p for w in workers
                                        if (p := self.comm.peek(self.keys.phases(w))) is not None}
+                stats.drafter_bytes_per_worker = {w: int(b) for w in workers
+                                                  if (b := self.comm.peek(self.keys.drafter(w))) is not None}
                 self.comm.publish(self.keys.verdict, _OK)
                 self._outcome_ack = self.keys.ack
                 self._held_syncs.append(self.sync_id)

@@ -61,16 +61,22 @@ def unwrapped_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in WRAPPERS)
 
 
-def _named(module: torch.nn.Module, name_map: Callable[[str], str | None] | None) -> list[tuple[str, torch.Tensor]]:
+def _named(module: torch.nn.Module, name_map: Callable[[str], str | None] | None,
+           drafter: torch.nn.Module | None = None) -> list[tuple[str, torch.Tensor]]:
     """(name sent, parameter): ``named_parameters()`` names without torch's wrapper segments, through
-    ``name_map`` (None skips a parameter)."""
+    ``name_map`` (None skips a parameter); then the ``drafter``'s (its own names, same ``name_map``)."""
     out = []
-    for name, p in module.named_parameters():
-        name = unwrapped_name(name)
-        hf = name_map(name) if name_map is not None else name
-        if hf is not None:
-            out.append((hf, p))
+    for part in (module, drafter):
+        for name, p in part.named_parameters() if part is not None else ():
+            name = unwrapped_name(name)
+            hf = name_map(name) if name_map is not None else name
+            if hf is not None:
+                out.append((hf, p))
     names = [n for n, _ in out]
+    if drafter is not None and len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"the drafter's parameter name(s) {dup} are also the model's: send the drafter's under "
+                         "'drafter.<name>' (name_map=) so the engine tells them apart")
     if len(set(names)) != len(names):
         dup = sorted({n for n in names if names.count(n) > 1})
         raise ValueError(f"name_map maps several parameters to the same name(s): {dup} (names as "
@@ -89,19 +95,25 @@ class FullTensorSource(WeightSource):
             come without torch's wrapper segments (:data:`WRAPPERS`: ``torch.compile``'s ``_orig_mod``,
             ``checkpoint_wrapper``'s ``_checkpoint_wrapped_module``), so a wrapped model sends HF names.
         dtype: optional wire dtype (e.g. ``torch.bfloat16`` from an fp32 master copy).
+        drafter: optional speculative-decoding drafter the trainer trains (an EAGLE head, MTP layers
+            held apart from ``module``): its parameters are sent after the model's, under its own names
+            (those of its checkpoint), through ``name_map`` too (docs/drafter.md).
     """
 
     def __init__(self, module: torch.nn.Module, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 name_map: Callable[[str], str | None] | None = None, dtype: torch.dtype | None = None) -> None:
+                 name_map: Callable[[str], str | None] | None = None, dtype: torch.dtype | None = None,
+                 drafter: torch.nn.Module | None = None) -> None:
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
         self.module, self.bucket_bytes, self.name_map, self.dtype = module, bucket_bytes, name_map, dtype
+        self.drafter = _checked_drafter(drafter)
 
     @cached_property
     def metadata(self) -> list[ParamMeta]:
-        return [ParamMeta(n, self.dtype or p.dtype, tuple(p.shape)) for n, p in _named(self.module, self.name_map)]
+        return [ParamMeta(n, self.dtype or p.dtype, tuple(p.shape))
+                for n, p in _named(self.module, self.name_map, self.drafter)]
 
     def _full(self, p: torch.Tensor) -> torch.Tensor:
         t = p.detach()
@@ -114,7 +126,7 @@ class FullTensorSource(WeightSource):
         # the tensors are detached before gathering instead.
         group: list[tuple[str, torch.Tensor]] = []
         used = 0
-        for name, p in _named(self.module, self.name_map):
+        for name, p in _named(self.module, self.name_map, self.drafter):
             nbytes = p.numel() * (self.dtype or p.dtype).itemsize
             if group and used + nbytes > self.bucket_bytes:
                 yield from group
@@ -140,11 +152,14 @@ class DTensorModuleSource(WeightSource):
             tensors (``...experts.gate_proj`` [E, ...]), stacked from the local shards on each sync
             (see the module doc): a few plan items per layer instead of per expert, for one extra
             copy of the rank's expert shards while a sync runs.
+        drafter: optional speculative-decoding drafter the trainer trains (an EAGLE head, MTP layers
+            held apart from ``module``; plain or ``fully_shard``-ed on the same mesh): its parameters
+            are sent after the model's, under its own names, through ``name_map`` too (docs/drafter.md).
     """
 
     def __init__(self, module: torch.nn.Module, num_trainer_ranks: int, *,
                  name_map: Callable[[str], str | None] | None = None, dtype: torch.dtype | None = None,
-                 fuse_experts: bool = False) -> None:
+                 fuse_experts: bool = False, drafter: torch.nn.Module | None = None) -> None:
         if not isinstance(num_trainer_ranks, int) or num_trainer_ranks < 1:
             raise ValueError(f"num_trainer_ranks must be an int >= 1, got {num_trainer_ranks!r}")
         if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
@@ -153,6 +168,7 @@ class DTensorModuleSource(WeightSource):
             raise ValueError(f"fuse_experts must be a bool, got {fuse_experts!r}")
         self.module, self.num_trainer_ranks, self.name_map, self.dtype = module, num_trainer_ranks, name_map, dtype
         self.fuse_experts = fuse_experts
+        self.drafter = _checked_drafter(drafter)
 
     def wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """What a tensor of ``dtype`` is sent as."""
@@ -172,7 +188,7 @@ class DTensorModuleSource(WeightSource):
 
     def _metas(self) -> list[ParamMeta]:
         metas = []
-        for name, p in _named(self.module, self.name_map):
+        for name, p in _named(self.module, self.name_map, self.drafter):
             if not _is_dtensor(p):
                 coords = tuple((r,) for r in range(self.num_trainer_ranks))
                 metas.append(ParamMeta(name, self.wire_dtype(p.dtype), tuple(p.shape),
@@ -199,7 +215,7 @@ class DTensorModuleSource(WeightSource):
         """This rank's shard of every tensor, in metadata order (no collectives); a fused expert
         tensor's is its members' stacked."""
         metas = self.metadata  # (sets self._members)
-        named = _named(self.module, self.name_map)
+        named = _named(self.module, self.name_map, self.drafter)
         if not self._members:
             yield from ((name, _local(p).detach()) for name, p in named)
             return
@@ -210,6 +226,12 @@ class DTensorModuleSource(WeightSource):
                 yield m.name, _local(local[m.name]).detach()
             else:
                 yield m.name, torch.stack([_local(local[n]).detach() for n in group])
+
+
+def _checked_drafter(drafter: torch.nn.Module | None) -> torch.nn.Module | None:
+    if drafter is not None and not isinstance(drafter, torch.nn.Module):
+        raise TypeError(f"drafter must be a torch.nn.Module or None, got {type(drafter).__name__}")
+    return drafter
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:

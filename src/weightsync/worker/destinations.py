@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from ..plan.transfer import DestPiece
+from .drafter import Alias, WithDrafter
 from .experts import ExpertLayers, is_fused_moe
 from .fp8 import block_size, check_blocks, scale_name
 from .placers import FUSED_LAYERS, Placed, Placement, Target, Unplaced, place
@@ -108,9 +109,13 @@ class _ModelView:
         self.owner = {id(p): n for n, p in self.params.items()}
         self.packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
         self.experts = ExpertLayers(self.modules)
+        self.aliases: dict[str, Alias | str] = {}  # trainer names the drafter's loader takes (WithDrafter)
 
     def find(self, name: str) -> tuple[str, Any, Any] | None:
         """``(vllm param name, module, shard id)`` for HF ``name``, or None."""
+        alias = self.aliases.get(name)
+        if isinstance(alias, Alias) and alias.whole is None and not alias.shared:
+            return alias.param, self.modules[alias.param.rpartition(".")[0]], alias.shard
         path, _, attr = name.rpartition(".")
         if path in self.modules and isinstance(getattr(self.modules[path], attr, None), torch.nn.Parameter):
             return name, self.modules[path], None
@@ -167,6 +172,11 @@ def _loaded(module: Any, attr: str, fp8: bool = False) -> torch.Tensor:
 def _target(view: _ModelView, name: str, shape: tuple[int, ...],
             doubts: dict[str, str]) -> Target | Unplaced | _Tied | _Elsewhere:
     """The vLLM parameter HF tensor ``name`` reaches, or why no placer is asked."""
+    alias = view.aliases.get(name)
+    if isinstance(alias, Alias) and alias.shared:
+        return _Tied(alias.param)  # the drafter's copy is the target's parameter: sent under the target's name
+    if isinstance(alias, Alias) and alias.whole is not None:
+        return Unplaced(alias.whole, alias.param)
     found = view.find(name)
     if found is None:
         return _Elsewhere() if on_other_stage(view.model, name) else Unplaced(UNKNOWN)
@@ -211,6 +221,8 @@ def _place_tensor(view: _ModelView, name: str, shape: tuple[int, ...],
 def resolve_destinations(model: torch.nn.Module, metas: Sequence[tuple[str, str, Sequence[int]]]) -> WorkerDestinations:
     """Destinations on this worker for HF tensors ``(name, dtype name, shape)``, in that order."""
     view = _ModelView(model)
+    if isinstance(model, WithDrafter):  # the names the target has no place for may be the drafter's
+        view.aliases = model.aliases([m for m in metas if view.find(m[0]) is None and not on_other_stage(model, m[0])])
     doubts = probe_prefused(view, metas)
     pieces: list[DestPiece] = []
     fallbacks: list[Fallback] = []

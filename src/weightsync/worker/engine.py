@@ -44,6 +44,7 @@ from ..infos import TAKEN_OVER, WorkerInitInfo, WorkerUpdateInfo, parse_info
 from ..registry import TRANSPORTS, transport, transports_with
 from .agreement import fingerprint, weights_changed
 from .applier import LayerwiseApplier
+from .drafter import NOT_FOUND, WithDrafter, drafter_bytes, find_drafter, require_drafter
 from .fp8 import refuse_full_tensors
 
 __all__ = ["WorkerEngine"]
@@ -75,6 +76,10 @@ class WorkerEngine:
         self.device = torch.device(device)
         self.model = model
         self._default_model, self._default_model_config = model, self.model_config
+        self._target = model
+        self._drafter = find_drafter(model, vllm_config)  # vLLM's speculative-decoding drafter, if any
+        self.drafter_bytes: int | None = None
+        """Bytes of the drafter's own parameters a sync writes on this worker (None: no drafter synced)."""
         self.poisoned: str | None = None
         self.comm: Communicator | None = None
         self.info: Any = None
@@ -133,8 +138,28 @@ class WorkerEngine:
         from .agreement import check_model
 
         wire = [m if isinstance(m, dict) else m.wire() for m in metas]
-        return check_model(self.model, [(m["name"], m["dtype"], m["shape"]) for m in wire],
-                           cast_dtypes=self.info.cast_dtypes, partial=tuple(self.info.partial))
+        triples = [(m["name"], m["dtype"], m["shape"]) for m in wire]
+        require_drafter(self.model, triples)
+        dests = check_model(self.model, triples, cast_dtypes=self.info.cast_dtypes, partial=tuple(self.info.partial))
+        self.drafter_bytes = drafter_bytes(self.model, dests, triples) if isinstance(self.model, WithDrafter) else None
+        return dests
+
+    def _use_drafter(self, info: Any) -> None:
+        """Sync the drafter beside the target (the model every hook works on becomes :class:`WithDrafter`),
+        or keep it as it is when the trainer declared it frozen; refused when vLLM has one this cannot reach."""
+        drafter, self.drafter_bytes = self._drafter, None
+        if drafter == NOT_FOUND and info.drafter != "frozen":
+            raise ValueError("vLLM's engine runs speculative decoding with a draft model that weightsync cannot reach "
+                             "(no vLLM worker on the call stack answered get_draft_model()): call "
+                             "weightsync.worker.drafter.attach_drafter(target, drafter) where the models are built, "
+                             "or declare drafter='frozen' in the trainer's init info")
+        if not isinstance(drafter, torch.nn.Module) or info.drafter == "frozen":
+            model: torch.nn.Module = self._target
+        elif isinstance(self._default_model, WithDrafter) and self._default_model.drafter is drafter:
+            model = self._default_model
+        else:
+            model = WithDrafter(self._target, drafter)
+        self.model = self._default_model = model
 
     def _check_full_tensor_metadata(self, metas: list[Any] | None = None) -> Any:
         """Full-tensor transports: check the metadata trainer rank 0 published at init (``None``) or
@@ -208,6 +233,7 @@ class WorkerEngine:
             self.comm = Communicator.connect(i.master_address, i.master_port, name=f"worker {self.worker_rank}",
                                              timeout_s=i.timeout_s, group=i.store_group)
             self._check_deployment(i)
+            self._use_drafter(i)
             self._init(i)
         except BaseException as e:
             if self.comm is not None:  # reported: every trainer rank raises it (see the module docstring)
@@ -387,6 +413,8 @@ class WorkerEngine:
             self.held = self._sync_id
             keys = SyncKeys(self._sync_id)
             self.comm.publish(keys.phases(self.worker_rank), self.phases)
+            if self.drafter_bytes is not None:
+                self.comm.publish(keys.drafter(self.worker_rank), self.drafter_bytes)
             self.comm.publish(keys.held(self.worker_rank), self.held)
 
     def _engine_not_finishing(self) -> str | None:
