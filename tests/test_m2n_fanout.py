@@ -102,7 +102,7 @@ def test_dense_then_delta_fan_out_unchanged(cluster):
         lay = layout(1, replicas, dtype="bfloat16", trainer_dtype="float32")
         cluster.setup(lay, fresh=True)
         cluster.make_engines(init_info("weightsync_m2n", lay, buffer_bytes=1 << 16, delta=True, fan_out="chain"),
-                             source="local")
+                             source="local", wire_dtype="bfloat16")
         dense, dense_sent, _ = counted_sync(cluster, "v0")
         assert dense["delta"]["base"] is None and mismatches(cluster) == {}
         cluster.train_step(1, lr=1e-5)
@@ -113,6 +113,26 @@ def test_dense_then_delta_fan_out_unchanged(cluster):
         per_r[replicas] = ([c["sent"] for c in dense_sent], [c["sent"] for c in delta_sent])
     assert per_r[3] == per_r[1]
     assert sum(per_r[1][1]) < sum(per_r[1][0])  # (the delta went sparse)
+
+
+def test_a_worker_that_lost_its_weights_takes_its_position_dense_in_every_replica(cluster):
+    """A delta is forwarded as replica 0 received it, so a position goes sparse only where every
+    replica's worker there holds the base: replica 1's worker 1 lost its weights, so position 1 goes
+    dense to both replicas (each worker its whole shard), position 0 sparse; all bit-exact."""
+    lay = layout(2, 2, dtype="bfloat16", trainer_dtype="float32")
+    cluster.setup(lay, fresh=True)
+    cluster.make_engines(init_info("weightsync_m2n", lay, delta=True), source="local", wire_dtype="bfloat16")
+    cluster.sync("v0")
+    cluster.train_step(1, lr=1e-5)
+    assert cluster.sync("v1")["delta"]["workers"] == [0, 1, 2, 3]
+    cluster.receivers[3].call("test_delta:lose_weights")
+    cluster.train_step(2, lr=1e-5)
+    stats = cluster.sync("v2", verify=True)
+    received, shard = stats["bytes_received_per_worker"], stats["lower_bound_per_worker"]
+    assert stats["delta"]["workers"] == [0, 2] and stats["verified"]
+    assert received[1] == shard[1] and received[3] == shard[3]
+    assert received[0] == received[2] < shard[0]
+    assert mismatches(cluster) == {}
 
 
 def test_a_replica_killed_mid_fan_out_fails_every_rank(cluster):
