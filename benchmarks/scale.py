@@ -6,6 +6,7 @@ Launch (CPU, one core; no GPU needed)::
     PYTHONPATH=src python benchmarks/scale.py           # every layer (a few minutes)
     PYTHONPATH=src python benchmarks/scale.py --shape qwen3-tp   # one shape (see SHAPES)
     PYTHONPATH=src python benchmarks/scale.py --device cuda      # the same on one GPU (see below)
+    PYTHONPATH=src python benchmarks/scale.py --fan-out          # plans only: replica fan-out vs direct
 
 Each shape is the real structure (true tensor names, shapes' row structure, FSDP ranks, TP / EP
 layout), so the plan has its true item count; the bytes are scaled down by ``S``: every tensor of
@@ -36,6 +37,14 @@ layer ratio (marked ``~``). The last line: ``scale targets: K/N met`` (host CPU 
 NVLink bound; median message >= 1 MiB; k2 init < 5 s and < 1 GiB per rank; k2's host CPU < 2x
 DeepSeek-V3 TP's, with ~60x the tensors at ~2/3 of the bytes: issue 36's "10x the items").
 
+``--fan-out`` (plans only, no executor run; ``docs/results/scale_fanout.json``): for the TP shapes with
+several replicas, the direct plan (every replica from the trainers) against the fan-out one (replica 0
+from the trainers, the rest forwarded worker to worker, :mod:`weightsync.plan.fanout`, ``auto``): the
+busiest trainer rank's bytes per sync, and the wire bound at NVLink / IB: the busiest link's bytes
+(trainer egress, worker ingress; with fan-out also a worker's egress, its children times its shard)
+over the link rate, plus with fan-out the pipeline's fill (the cost model's time for the deepest
+replica less its bytes term, chunks = the message cap).
+
 ``--device cuda`` puts every tensor and the staging buffer on the GPU: the copies are kernels, as in a
 real sync, so host CPU s is the executor's work and its launches (until the last launch returns) and
 "device s" the kernels' time (CUDA events); memcpy s prices the bytes at the GPU's copy rate.
@@ -57,6 +66,7 @@ from _scale_shapes import LABELS, SHAPES, S, _fsdp_rows, _fused, _scaled, _worke
 from plan_scale import _fsdp, _reset_peak, _rss_mib
 
 from weightsync.plan import DestPiece, TensorSource, build_plan
+from weightsync.plan.fanout import LinkCost, plan_fan_out
 from weightsync.plan.schedule import ALONE, message_cap
 from weightsync.reshard.executor import run_rounds
 from weightsync.reshard.handshake import my_messages
@@ -213,6 +223,51 @@ def measure(shape: str, quick: bool, device: str = "cpu") -> dict:
             "anchors": ANCHORS if anchored else {}, "trainer": trainer, "worker": worker}
 
 
+FAN_OUT_SHAPES = ("qwen3-tp", "dsv3-tp")
+
+
+def _fan_bound(fan_cov, replicas: int, cap: int, bw: float) -> tuple[float, str]:
+    """Fan-out wire bound at link rate ``bw`` (see the module docstring) and the trees chosen."""
+    fan = plan_fan_out(replicas, fan_cov.recv_bytes, chunk_bytes=cap, cost=LinkCost(bandwidth=bw))
+    assert fan is not None  # (several replicas)
+    out = max(t.degree for t in fan.trees) * max(fan_cov.recv_bytes)
+    links = max(max(fan_cov.send_bytes), max(fan_cov.recv_bytes), out) / bw
+    fill = max(t.seconds - t.degree * b / bw for t, b in zip(fan.trees, fan_cov.recv_bytes))
+    return links + max(fill, 0.0), ",".join(sorted({f"{t.shape} {t.degree}" for t in fan.trees}))
+
+
+def measure_fan_out(shape: str) -> dict:
+    """Plans only (every layer): the direct plan over every replica against replica 0's, true bytes."""
+    build, full, heads, ranks, tp, replicas, ep, _ = SHAPES[shape]
+    model, members = _fused(_scaled(build(full)))
+    sources = [TensorSource(n, s, "bfloat16" if len(s) > 1 else "float16",
+                            _fsdp_rows(s, ranks) if n in members else _fsdp(s, ranks, 1)) for n, s, _, _ in model]
+    one = [_worker_pieces(model, tp, t, ep, heads) for t in range(tp)]
+    true = lambda d: 2 * S if d == "bfloat16" else 2  # noqa: E731 - the true bytes of a scaled element
+    direct = build_plan(sources, one * replicas).coverage(true)
+    fanned = build_plan(sources, one).coverage(true)
+    cap = message_cap(STAGING, ranks, tp, buffers=2)
+    row = {"shape": shape, "label": LABELS[shape], "replicas": replicas, "tp": tp, "trainer_ranks": ranks,
+           "trainer_bytes_direct": max(direct.send_bytes), "trainer_bytes_fanout": max(fanned.send_bytes),
+           "worker_bytes": max(fanned.recv_bytes)}
+    for name, bw in (("nvlink", NVLINK), ("ib", IB)):
+        row[f"wire_{name}_direct_s"] = max(max(direct.send_bytes), max(direct.recv_bytes)) / bw
+        row[f"wire_{name}_fanout_s"], row["trees"] = _fan_bound(fanned, replicas, cap, bw)
+    return row
+
+
+def fan_out_table(rows: list[dict]) -> str:
+    lines = ["| shape | replicas | bytes / trainer rank, direct | with fan-out | trees (auto) "
+             "| NVLink 450 s direct | fan-out | IB 50 s direct | fan-out |",
+             "|---|---:|---:|---:|---|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['label']} | {r['replicas']} | {r['trainer_bytes_direct'] / 1e9:.2f} GB "
+                     f"| {r['trainer_bytes_fanout'] / 1e9:.2f} GB | {r['trees']} "
+                     f"| {r['wire_nvlink_direct_s']:.3f} | {r['wire_nvlink_fanout_s']:.3f} "
+                     f"| {r['wire_ib_direct_s']:.3f} | {r['wire_ib_fanout_s']:.3f} |")
+    return "\n".join(lines)
+
+
 def _x(r: dict, v: float) -> float:
     return v * r["extrapolate"]
 
@@ -312,7 +367,16 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="JSON path (default results/scale.json, --quick: scale_quick.json)")
     ap.add_argument("--png", default=None, help="also plot the table to this PNG path")
     ap.add_argument("--from-json", default=None, help="print and plot a saved JSON instead of measuring")
+    ap.add_argument("--fan-out", action="store_true", help="plans only: replica fan-out vs direct (module docstring)")
     args = ap.parse_args()
+    if args.fan_out:
+        fan_rows = [measure_fan_out(s) for s in args.shape or FAN_OUT_SHAPES]
+        print(fan_out_table(fan_rows))
+        res = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+        os.makedirs(res, exist_ok=True)
+        with open(args.out or os.path.join(res, "scale_fanout.json"), "w") as f:
+            json.dump({"rows": fan_rows}, f, indent=1)
+        return
     if args.device != "cpu" and not torch.cuda.is_available():
         ap.error(f"--device {args.device}: CUDA is not available here")
     if args.from_json:

@@ -85,9 +85,10 @@ def test_fifty_delta_syncs_between_optimizer_steps_stay_bit_exact(cluster, layou
 
 @pytest.mark.parametrize("layout", list(LAYOUTS.values()), ids=list(LAYOUTS))
 def test_a_worker_that_lost_its_weights_gets_the_next_sync_dense(cluster, layout):
-    """M2N: that worker alone; a broadcast goes to every worker alike, so all of them."""
+    """M2N: that worker alone (replicas not fanned out: with fan-out, its position in every replica,
+    ``test_m2n_fanout``); a broadcast goes to every worker alike, so all of them."""
     cluster.setup(layout, fresh=True)
-    make_delta_engines(cluster, layout)
+    make_delta_engines(cluster, layout, **({"fan_out": "off"} if layout.backend in RESHARD else {}))
     cluster.sync("v0")
     cluster.train_step(1, lr=1e-5)
     cluster.sync("v1")

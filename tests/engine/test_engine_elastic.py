@@ -54,6 +54,35 @@ def _check(trainers, handles, version: str, token_prompts) -> None:
         assert c["differ"] == [] and c["version"] == version and c["hf_equal"], c
 
 
+def test_engines_fed_by_fan_out_equal_vllms_reload(engines, trainer_actors):
+    """One group of the three engines (``on_engine_failure="fail"``), ``fan_out="chain"``: the trainer
+    ranks send one replica's bytes (a third of what ``fan_out="off"`` sends, measured in the same run),
+    engine 0 forwards to engine 1, engine 1 to engine 2; dense then delta, every engine's tensors equal
+    vLLM's own reload of the trainer's weights and its greedy tokens HF's."""
+    trainers = vllm_cpu.Trainers(trainer_actors[:2])
+    trainers.setup(ENGINE.model, ENGINE.dtype, seed=4)
+    token_prompts = vllm_cpu.prompts(151)
+    sent = {}
+    try:
+        for fan_out in ("off", "chain"):
+            info = vllm_cpu.init_info("weightsync_m2n", trainers=2, tp=1, replicas=3, timeout_s=TIMEOUT_S,
+                                      delta=True, fan_out=fan_out)
+            trainers.make_engines(info, engines, "local")
+            stats = trainers.send_weights(f"{fan_out}-dense")
+            sent[fan_out] = [s["bytes_sent"] for s in stats]
+            assert stats[0]["bytes_received_per_worker"] == stats[0]["lower_bound_per_worker"]
+            _check(trainers, engines, f"{fan_out}-dense", token_prompts)
+            if fan_out == "off":
+                _on_trainers(trainers, "shutdown_engine")  # (its session releases the engines)
+        assert [3 * s for s in sent["chain"]] == sent["off"]
+        trainers.train_step(1)
+        stats = trainers.send_weights("chain-delta")
+        assert stats[0]["delta"]["workers"] == [0, 1, 2]
+        _check(trainers, engines, "chain-delta", token_prompts)
+    finally:
+        trainers.teardown()
+
+
 def test_a_killed_engine_is_dropped_a_new_one_joins_and_one_leaves(ray_session, engines, trainer_actors):
     import ray
 

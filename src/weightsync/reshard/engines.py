@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import ClassVar, TypedDict, cast
 
@@ -32,6 +32,7 @@ import torch
 from ..comm import Communicator
 from ..control import Listing, SyncKeys, agree, m2n_dest, m2n_plan_digest, m2n_sources, m2n_sources_digest
 from ..infos import TrainerInitInfo, WorkerInitInfo, WorkerUpdateInfo
+from ..plan.fanout import FAN_OUT_MODES, FanOut, plan_fan_out
 from ..plan.fp8_blocks import check_block, wire_sources
 from ..plan.regions import Region, uncovered
 from ..plan.schedule import Message, message_cap
@@ -43,6 +44,7 @@ from ..trainer.sources import tensor_sources
 from ..worker.applier import LayerwiseApplier
 from ..worker.engine import WorkerEngine
 from .delta import Baseline
+from .executor import Relay
 from .fp8 import TrainerWire, split_dests, wire_stats, with_pieces
 from .handshake import (
     FALLBACK,
@@ -81,6 +83,7 @@ class DeploymentFields(TypedDict, total=False):
     staging_bytes: int
     fp8_wire: bool
     fp8_block: tuple[int, int]
+    fan_out: str
 
 
 class _DeltaFields(TypedDict, total=False):
@@ -108,9 +111,20 @@ class M2NTrainerInitInfo(TrainerInitInfo):
     trainer the quantization and, while it sends, fp8 copies of those blocks."""
     fp8_block: tuple[int, int] = (128, 128)
     """The blocks ``fp8_wire`` quantizes: every FP8 layer's ``weight_block_size`` (else refused at init)."""
+    fan_out: str = "off"
+    """Several replicas in the group (``dst_mesh_dims[0] > 1``): ``"off"`` (the default) sends every replica its
+    pieces from the trainer ranks (each trainer rank's egress is R times one replica's); otherwise the
+    trainers send replica 0's only and each worker forwards every round it received, as it arrives, to
+    the same-position workers of the replicas below it (:mod:`weightsync.plan.fanout`): ``"chain"``,
+    ``"tree"`` (binary) or ``"auto"`` (the cost model's pick per position). Where the replicas' layouts
+    differ, ``"auto"`` sends directly and ``"chain"``/``"tree"`` are refused at init. Off by default: it cuts
+    the trainers' egress and keeps a worker's ingress, so it pays only where the trainer side is the narrower
+    link, and on one CPU host it made syncs 2.4-3.7x slower (docs/benchmarks.md)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.fan_out not in FAN_OUT_MODES:
+            raise ValueError(f"fan_out must be one of {', '.join(map(repr, FAN_OUT_MODES))}, got {self.fan_out!r}")
         if not isinstance(self.fp8_wire, bool):
             raise ValueError(f"fp8_wire must be a bool, got {self.fp8_wire!r}")
         self._set(fp8_block=check_block(self.fp8_block))
@@ -154,6 +168,7 @@ class M2NWorkerInitInfo(WorkerInitInfo):
     staging_bytes: int = DEFAULT_STAGING_BYTES
     fp8_wire: bool = False
     fp8_block: list[int] = field(default_factory=lambda: [128, 128])
+    fan_out: str = "off"
 
 
 @dataclass(kw_only=True)
@@ -184,22 +199,53 @@ class M2NSyncStats(SyncStats):
 
 
 class _Plan:
-    """What both engines keep from the handshake."""
+    """What both engines keep from the handshake. With replicas fanned out (``fan``), the plan
+    addresses replica 0's workers (``positions`` of them) and a worker's rounds are its position's."""
 
-    def __init__(self, comm: Communicator, sources: list[TensorSource], num_trainers: int, num_workers: int,
-                 staging_bytes: int, *, rank: int, sender: bool) -> None:
+    def __init__(self, comm: Communicator, sources: list[TensorSource], num_trainers: int,
+                 dst_mesh_dims: Sequence[int], staging_bytes: int, *, rank: int, sender: bool,
+                 fan_out: str = "off") -> None:
         self.sources = sources
         self.dtypes = {s.name: s.dtype for s in sources}
-        self.gathered = gather_plan(comm, sources, num_workers)
-        self.digest = self.gathered.plan.digest
+        replicas, tp = dst_mesh_dims
+        num_workers = replicas * tp
+        fanned = fan_out != "off" and replicas > 1
+        self.gathered = g = gather_plan(comm, sources, num_workers, tp if fanned else None)
+        if fanned and g.positions != tp and fan_out != "auto":
+            raise ValueError(f"fan_out={fan_out!r}: the replicas' workers do not all have the destinations of "
+                             f"replica 0's worker at their position (different layouts); use fan_out='auto' or 'off'")
+        self.positions = g.positions
+        cap = message_cap(staging_bytes, num_trainers, g.positions, buffers=2)  # a round stages <= half of it
+        self.fan: FanOut | None = None
+        if g.positions != num_workers:
+            self.fan = plan_fan_out(replicas, g.plan.coverage().lower_bound, chunk_bytes=cap, mode=fan_out)
+        self.digest = g.plan.digest
         joined = cast(int, comm.rank)  # (its rank in the data plane it joined)
-        agree(comm, m2n_plan_digest, self.digest, rank=joined, ranks=comm.world_size, what="plan digest")
-        cap = message_cap(staging_bytes, num_trainers, num_workers, buffers=2)  # a round stages <= half of it
-        g = self.gathered
+        agreed = self.digest + ("" if self.fan is None else " fan-out " + self.fan.describe())
+        agree(comm, m2n_plan_digest, agreed, rank=joined, ranks=comm.world_size, what="plan digest")
         self.dense_only = [{*via, *(FALLBACK + n for n, _ in fb)} for via, fb in zip(g.via_loader, g.fallbacks)]
-        self.rounds = my_messages(g.plan, sources, rank=rank, sender=sender, cap=cap, dense_only=self.dense_only)
+        self.rounds = my_messages(g.plan, sources, rank=rank if sender else rank % g.positions, sender=sender,
+                                  cap=cap, dense_only=self.dense_only)
         self.nbytes = self.rounds.nbytes  # what this rank sends or receives dense
         self.staging = torch.empty(staging_bytes, dtype=torch.uint8, device=comm.device)
+
+    def per_worker(self, values: Sequence[int]) -> dict[int, int]:
+        """Per plan worker ``values`` -> per worker (each replica's worker: its position's)."""
+        n = len(self.gathered.pieces)
+        return {w: values[w % self.positions] for w in range(n)}
+
+    def workers(self, positions: Iterable[int]) -> list[int]:
+        """Plan workers -> every worker at those positions (the same list where nothing is fanned out)."""
+        at = set(positions)
+        return [w for w in range(len(self.gathered.pieces)) if w % self.positions in at]
+
+    def relay(self, worker: int, num_trainers: int) -> tuple[Relay | None, int | None]:
+        """A worker's part in the fan-out and the data-plane rank it receives from (None: the trainers)."""
+        if self.fan is None:
+            return None, None
+        parent = self.fan.parent(worker)
+        children = tuple(num_trainers + c for c in self.fan.children(worker))
+        return Relay(children, parent is not None, num_trainers), None if parent is None else num_trainers + parent
 
 
 class M2NTrainerEngine(TrainerEngine[M2NTrainerInitInfo, M2NUpdateInfo, dict[str, torch.Tensor]]):
@@ -215,7 +261,8 @@ class M2NTrainerEngine(TrainerEngine[M2NTrainerInitInfo, M2NUpdateInfo, dict[str
         i = self.init_info
         return M2NWorkerInitInfo(**self._shared_worker_fields(port), num_trainer_ranks=i.num_trainer_ranks,
                                  world_size=i.world_size, dst_mesh_dims=list(i.dst_mesh_dims),
-                                 staging_bytes=i.staging_bytes, fp8_wire=i.fp8_wire, fp8_block=list(i.fp8_block))
+                                 staging_bytes=i.staging_bytes, fp8_wire=i.fp8_wire, fp8_block=list(i.fp8_block),
+                                 fan_out=i.fan_out)
 
     def _data_rank(self) -> tuple[int, int]:
         return self.rank, self.init_info.world_size
@@ -230,8 +277,8 @@ class M2NTrainerEngine(TrainerEngine[M2NTrainerInitInfo, M2NUpdateInfo, dict[str
         self._names = [s.name for s in sources]
         if i.fp8_wire:  # the derived sources of each block-FP8 candidate (every party derives them alike)
             sources = wire_sources(sources, i.fp8_block)
-        self.plan = _Plan(self.comm, sources, i.num_trainer_ranks, math.prod(i.dst_mesh_dims), i.staging_bytes,
-                          rank=i.rank, sender=True)
+        self.plan = _Plan(self.comm, sources, i.num_trainer_ranks, i.dst_mesh_dims, i.staging_bytes,
+                          rank=i.rank, sender=True, fan_out=i.fan_out)
         self._wire = TrainerWire(sources, i.fp8_block, i.rank, self.plan.rounds) if i.fp8_wire else None
         self._local_shapes = {s.name: s.regions[i.rank].sizes for s in sources}
         self._baseline = Baseline.for_engine(i)
@@ -267,15 +314,17 @@ class M2NTrainerEngine(TrainerEngine[M2NTrainerInitInfo, M2NUpdateInfo, dict[str
                             **(wire_stats(g.fp8, stats.lower_bound_per_worker) if self.is_sender else {}))
 
     def _lower_bound(self) -> dict[int, int]:
-        return dict(enumerate(self.plan.gathered.plan.coverage().lower_bound))
+        return self.plan.per_worker(self.plan.gathered.plan.coverage().lower_bound)
 
     def _decide_delta(self) -> tuple[int | None, list[int]]:
         """Rank 0, before the update starts: the base version of this delta sync and the workers that
-        hold it (from what each reported at its last finish), published for every rank."""
+        hold it (from what each reported at its last finish), published for every rank (fanned out: the
+        plan workers whose every replica holds it, as a delta is forwarded unchanged)."""
         base = cast(Baseline, self._baseline).version  # (a delta sync: there is a baseline)
-        holders = self._holding(base, math.prod(self.init_info.dst_mesh_dims))
+        held = set(self._holding(base, math.prod(self.init_info.dst_mesh_dims)))
+        holders = [p for p in range(self.plan.positions) if set(self.plan.workers([p])) <= held]
         self.comm.publish(SyncKeys(self.sync_id).delta, [base, holders])
-        return base, holders
+        return base, self.plan.workers(holders)
 
     def _delta_workers(self) -> tuple[int | None, list[int]]:
         """Every rank, before any data moves: rank 0's decision (``_decide_delta``)."""
@@ -294,8 +343,8 @@ class M2NTrainerEngine(TrainerEngine[M2NTrainerInitInfo, M2NUpdateInfo, dict[str
 
         enc = baseline.encode(self.plan.rounds, shards, self.plan.dtypes, eligible=eligible)
         self.comm.publish(SyncKeys(self.sync_id).sizes(self.rank), enc.counts)
-        stats.delta = DeltaStats(base=base, workers=holders, changed=enc.changed, compared=enc.compared,
-                                 dense_bytes=self.plan.nbytes,
+        stats.delta = DeltaStats(base=base, workers=self.plan.workers(holders), changed=enc.changed,
+                                 compared=enc.compared, dense_bytes=self.plan.nbytes,
                                  diff_seconds=time.perf_counter() - t0, baseline_bytes=baseline.nbytes)
         return enc.payloads
 
@@ -381,9 +430,12 @@ class M2NWorkerEngine(WorkerEngine):
         if info.fp8_wire:
             sources = wire_sources(sources, cast("tuple[int, ...]", block))  # (fp8_wire: its block)
         self._staged = wire.staged if info.fp8_wire else None  # FP8 weight -> boxes this worker quantizes
-        self.plan = _Plan(self.comm, sources, info.num_trainer_ranks, math.prod(info.dst_mesh_dims),
-                          info.staging_bytes, rank=w, sender=False)
+        self.plan = _Plan(self.comm, sources, info.num_trainer_ranks, info.dst_mesh_dims,
+                          info.staging_bytes, rank=w, sender=False, fan_out=info.fan_out)
         self.fallbacks = self.plan.gathered.fallbacks[w]
+        self.position = w % self.plan.positions  # the plan worker whose rounds this worker receives
+        self._relay, parent = self.plan.relay(w, info.num_trainer_ranks)
+        self._peer_rank: Callable[[int], int] = (lambda r: r) if parent is None else (lambda r: parent)
         via = set(dests.via_loader)
         self._via_modules = dests.via_loader_modules
         self._unwritten = _unwritten(self.model, [p for p in dests.pieces if p.param not in via])
@@ -411,8 +463,9 @@ class M2NWorkerEngine(WorkerEngine):
             params[FALLBACK + name] = torch.empty(s.shape, dtype=getattr(torch, s.dtype), device=self.device)
         sums: dict[int, int] | None = {} if u.verify else None
         received = run_rounds(self.comm.data, self.plan.rounds, self.plan.staging, sender=False,
-                              peer_rank=lambda r: r, dtypes=self.plan.dtypes,
-                              tensor_of=lambda m, i: params[m.items[i].param], sums=sums, sparse=self._sparse(u))
+                              peer_rank=self._peer_rank, dtypes=self.plan.dtypes,
+                              tensor_of=lambda m, i: params[m.items[i].param], sums=sums, sparse=self._sparse(u),
+                              relay=self._relay)
         if sums is not None:
             self._verify(u.sync_id, sums)
         # every sync, dense or delta: a dense write (the first, or after a lost base) leaves the padding
@@ -430,13 +483,13 @@ class M2NWorkerEngine(WorkerEngine):
             return {}
         self._check_holds(u.delta_base)
         return {(r, int(k)): n for r in range(self.info.num_trainer_ranks)
-                for k, n in self.comm.read(SyncKeys(u.sync_id).sizes(r)).get(str(w), {}).items()}
+                for k, n in self.comm.read(SyncKeys(u.sync_id).sizes(r)).get(str(self.position), {}).items()}
 
     def _verify(self, sync_id: int, applied: dict[int, int]) -> None:
-        """Compare what this worker applied from each trainer rank with what that rank sent."""
+        """Compare what this worker applied from each trainer rank with what that rank sent (to its position)."""
         w = str(self.worker_rank)
         for src in range(self.info.num_trainer_ranks):
-            sent = self.comm.read(SyncKeys(sync_id).sums(src)).get(w)
+            sent = self.comm.read(SyncKeys(sync_id).sums(src)).get(str(self.position))
             if sent != applied.get(src):
                 raise ValueError(f"verify: worker {w} applied data from trainer rank {src} with checksum "
                                  f"{applied.get(src)}, the trainer sent {sent}")

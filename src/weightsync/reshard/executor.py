@@ -49,7 +49,8 @@ from ..protocol import dtype_from_name
 from .delta import decode, patch, sparse_nbytes
 from .packing import ByteRuns, Flat, Layout, Spans, Staging, fold_checksum, fold_value  # Staging: re-exported
 
-__all__ = ["DEPTH", "FAST_ITEMS", "FastRounds", "ItemKey", "ItemsOf", "SlotKind", "Sparse", "Staging", "TensorOf",
+__all__ = ["DEPTH", "FAST_ITEMS", "FastRounds", "ItemKey", "ItemsOf", "Relay", "SlotKind", "Sparse", "Staging",
+           "TensorOf",
            "compile_rounds", "item_view", "itemsize_of_message", "numels", "run_rounds"]
 
 
@@ -95,6 +96,23 @@ class _Kept(Protocol):
 DEPTH = 8
 """Staged rounds a rank keeps posted at once (they share the staging buffer, each its own span)."""
 
+@dataclass(frozen=True)
+class Relay:
+    """A worker's part in the replica fan-out (:mod:`weightsync.plan.fanout`): it receives the rounds
+    of its position's plan from the trainers (replica 0) or from its parent worker, and forwards each
+    message, once its round arrived, to each of ``children`` (data-plane ranks) as it received it
+    (dense, sparse or fp8 bytes alike). Over one (parent, child) pair the messages of every trainer
+    rank travel, so their tags say the trainer rank too (:meth:`tag`)."""
+
+    children: tuple[int, ...]  # data-plane ranks this worker forwards every message to, in order
+    from_parent: bool  # its messages come from a worker (tags by :meth:`tag`), not from the trainers
+    trainers: int  # trainer ranks (the plan's sources)
+
+    def tag(self, m: Message) -> int:
+        """A message's tag over a (parent, child) pair: unique per (trainer rank, message index)."""
+        return m.src + self.trainers * m.index
+
+
 class SlotKind(enum.Enum):
     """Where a message's bytes are on this rank while the data plane moves them."""
 
@@ -128,8 +146,10 @@ class _Executor(Generic[_SparseT]):
     def __init__(self, plane: DataPlane, staging: torch.Tensor, *, peer_rank: Callable[[int], int],
                  dtypes: Mapping[str, str], tensor_of: TensorOf, sums: dict[int, int] | None,
                  sparse: Mapping[tuple[int, int], torch.Tensor | int] | None, ready: Callable[[], object] | None,
-                 spans: Spans | None = None) -> None:
+                 spans: Spans | None = None, relay: Relay | None = None) -> None:
         self.plane, self.peer_rank, self.dtypes, self.tensor_of = plane, peer_rank, dtypes, tensor_of
+        self.relay = relay
+        self.forwarding = relay is not None and bool(relay.children)
         self.spans = Spans() if spans is None else spans  # kept across syncs by the caller's rounds
         # (a sender's sparse slots are payloads, a receiver's counts: run_rounds' caller says which)
         self.sums, self.sparse, self.ready = sums, cast("Mapping[tuple[int, int], _SparseT]", sparse or {}), ready
@@ -238,6 +258,9 @@ class _Executor(Generic[_SparseT]):
     def key(self, m: Message) -> tuple[int, int]:
         return (self.peer(m), m.index)
 
+    def tag(self, m: Message) -> int:
+        return self.relay.tag(m) if self.relay is not None and self.relay.from_parent else m.index
+
     def run(self, plan_rounds: Iterable[list[Message]]) -> int:
         for rnd in plan_rounds:
             self._round(rnd)
@@ -288,8 +311,14 @@ class _Executor(Generic[_SparseT]):
         own = [self._own(kind) for kind in kinds]
         if all(own) or (any(own) and not self.whole_rounds):
             e_rnd, e_bufs, e_kinds = ([x[i] for i, o in enumerate(own) if o] for x in (rnd, slots, kinds))
-            self.early.append(self._post(Posted(cast("list[Message]", e_rnd), cast("list[torch.Tensor]", e_bufs),
-                                                cast("list[SlotKind]", e_kinds), [])))  # (own slots: tensors)
+            posted = self._post(Posted(cast("list[Message]", e_rnd), cast("list[torch.Tensor]", e_bufs),
+                                       cast("list[SlotKind]", e_kinds), []))  # (own slots: tensors)
+            if self.forwarding:  # forwarded as it arrives: completed in order with the staged rounds
+                self.in_flight.append(posted)
+                if len(self.in_flight) == DEPTH:
+                    self._complete(self.in_flight.popleft())
+            else:
+                self.early.append(posted)
             if all(own):
                 return
             r_rnd, r_slots, r_kinds = ([x[i] for i, o in enumerate(own) if not o] for x in (rnd, slots, kinds))
@@ -327,7 +356,7 @@ class _Executor(Generic[_SparseT]):
         if ops is None:
             self._prepare(posted)
             rnd = cast("list[Message]", posted.rnd)  # (only a compiled part comes with its ops)
-            ops = [(buf, self.peer_rank(self.peer(m)), m.index) for m, buf in zip(rnd, posted.bufs)]
+            ops = [(buf, self.peer_rank(self.peer(m)), self.tag(m)) for m, buf in zip(rnd, posted.bufs)]
         if self.held is not None:
             self.held.append((ops, posted.works))
         else:
@@ -351,7 +380,14 @@ class _Executor(Generic[_SparseT]):
                 torch._foreach_copy_(*posted.copies)
             return
         self.moved += sum(b.numel() for b in posted.bufs)  # what the data plane filled, padding included
+        if not self.forwarding:
+            self._finish(posted)
+            return
+        relay = cast(Relay, self.relay)  # (forwarding: a relay)
+        sends = [(buf, child, relay.tag(m)) for child in relay.children for m, buf in zip(posted.rnd, posted.bufs)]
+        works = self.plane.post(sends, [])  # on the wire while this worker applies the round
         self._finish(posted)
+        self.plane.wait_all(works[::-1], "M2N fan-out")  # the span is free (and reused) only after this
 
     def _fold(self, m: Message, views: Iterable[torch.Tensor]) -> None:
         acc = 0
@@ -470,7 +506,7 @@ _End = _Sender | _Receiver  # one end of the rounds
 def run_rounds(plane: DataPlane, plan_rounds: Iterable[list[Message]], staging: torch.Tensor, *, sender: bool,
                peer_rank: Callable[[int], int], dtypes: Mapping[str, str], tensor_of: TensorOf,
                sums: dict[int, int] | None = None, sparse: Sparse | None = None,
-               ready: Callable[[], object] | None = None) -> int:
+               ready: Callable[[], object] | None = None, relay: Relay | None = None) -> int:
     """Execute rounds; returns payload bytes moved.
 
     A message whose bytes are ready in this rank's own memory needs no staging: one item contiguous
@@ -503,14 +539,21 @@ def run_rounds(plane: DataPlane, plan_rounds: Iterable[list[Message]], staging: 
     packs that much of its staging while ``ready()`` is still to be called (the engines start).
     A dense sync (no ``sums``, no ``sparse``) over rounds kept as arrays (``handshake.Rounds``) is
     compiled for the next ones, which run from lists while every tensor keeps its layout
-    (:func:`compile_rounds`): the same ops in the same order and the same bytes."""
+    (:func:`compile_rounds`): the same ops in the same order and the same bytes.
+    With ``relay`` (a worker in the replica fan-out, :class:`Relay`): its receives are tagged by
+    :meth:`Relay.tag` where they come from a parent worker, and every round it receives (direct
+    messages too, then completed in order with the staged ones) is forwarded to its children once it
+    arrived, while it is applied; the round's span is reused only after the children received it.
+    No deadlock: a child posts its rounds as a receiver does and completes them in order, so a
+    parent's forward of round k is matched once the child completed its rounds < k, which needs only
+    the parent's earlier forwards. A relay runs the general path (not compiled)."""
     end: type[_Sender] | type[_Receiver] = _Sender if sender else _Receiver
     paused = gc.isenabled()  # a sync's views are freed by their counts: no cyclic GC pass over the plan's objects
     gc.disable()
     try:
         ex = end(plane, staging, peer_rank=peer_rank, dtypes=dtypes, tensor_of=tensor_of, sums=sums,
-                 sparse=sparse, ready=ready, spans=getattr(plan_rounds, "spans", None))
-        dense = sums is None and not sparse and hasattr(plan_rounds, "fast")
+                 sparse=sparse, ready=ready, spans=getattr(plan_rounds, "spans", None), relay=relay)
+        dense = sums is None and not sparse and hasattr(plan_rounds, "fast") and relay is None
         fast = cast(_Kept, plan_rounds).fast if dense else None
         if fast is not None:
             views = fast.views(tensor_of, ex.runs, peer_rank, ex.whole_rounds, ex.staging.room,

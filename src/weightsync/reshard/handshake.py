@@ -102,26 +102,32 @@ def pieces_from_wire(wire: DestsWire) -> list[DestPiece]:
 
 @dataclass(frozen=True)
 class Gathered:
-    plan: TransferPlan
+    plan: TransferPlan  # to the first ``positions`` workers (replica 0, where the replicas are fanned out)
+    positions: int  # the workers the plan addresses (all of them, or one replica's)
     pieces: list[list[DestPiece]]  # per worker, fallbacks included as whole-tensor pieces
     fallbacks: list[list[tuple[str, str]]]  # per worker: (name, reason)
     via_loader: list[list[str]]  # per worker: vLLM params received in checkpoint layout, then processed
     fp8: list[dict[str, int]]  # per worker: its block-FP8 counts (blocks quantized by the trainer / by it)
 
 
-def gather_plan(comm: Communicator, sources: list[TensorSource], num_workers: int) -> Gathered:
+def gather_plan(comm: Communicator, sources: list[TensorSource], num_workers: int,
+                positions: int | None = None) -> Gathered:
     """Read every worker's destinations from the store and build the plan (every rank, same result).
+    ``positions`` (replica fan-out: the workers of one replica): the plan addresses workers
+    ``0 .. positions - 1`` only, when every worker's destinations equal those of its position's worker
+    in replica 0 (else the plan addresses every worker: ``Gathered.positions`` says which).
 
     Raises ``ValueError`` with a worker's own error when it could not resolve its destinations.
     """
     by_name = {s.name: s for s in sources}
     interned: dict[str, list[DestPiece]] = {}  # equal layouts (replicas) share one list object
-    pieces, fallbacks, via, fp8 = [], [], [], []
+    pieces, fallbacks, via, fp8, keys = [], [], [], [], []
     for w in range(num_workers):
         raw = comm.read(m2n_dest(w))
         if "error" in raw:
             raise ValueError(f"worker {w} could not resolve destinations: {raw['error']}")
         key = json.dumps([raw["pieces"], [f[0] for f in raw["fallbacks"]]])
+        keys.append(json.dumps([key, raw.get("via_loader", ()), raw.get("fp8", {})]))
         if key not in interned:
             lst = [DestPiece(n, Region(tuple(o), tuple(s)), p, tuple(po)) for n, o, s, p, po in raw["pieces"]]
             for name, _, _ in raw["fallbacks"]:
@@ -132,7 +138,10 @@ def gather_plan(comm: Communicator, sources: list[TensorSource], num_workers: in
         fallbacks.append([(n, r) for n, r, _ in raw["fallbacks"]])
         via.append(list(raw.get("via_loader", ())))
         fp8.append(dict(raw.get("fp8", {})))
-    return Gathered(build_plan(sources, pieces), pieces, fallbacks, via, fp8)
+    n = num_workers
+    if positions is not None and all(keys[w] == keys[w % positions] for w in range(num_workers)):
+        n = positions
+    return Gathered(build_plan(sources, pieces[:n]), n, pieces, fallbacks, via, fp8)
 
 
 def planned(sources: list[TensorSource], pieces: list[list[DestPiece]]) -> Gathered:

@@ -1,0 +1,162 @@
+"""Replica fan-out on the M2N reshard core: the trainer ranks send one replica's worth whatever the
+replica count (counted on the data plane's own send and receive ops), every worker receives exactly
+its shard bytes once, every replica ends bit-exact, dense then delta; a replica killed in the middle
+of the fan-out under on_engine_failure="fail" makes every rank raise."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from helpers import init_info, mismatches
+from test_failures import TIMEOUT, kill_mid_sync, recover_and_verify
+from weightsync.testing.cluster import Layout
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
+
+_COUNTS: dict[str, int] = {}
+_ORIGINAL: list = []
+
+
+def count_wire(on: bool) -> None:
+    """Inside a process: count the bytes of every send and receive op posted on the torch data plane
+    (on), or restore its ``post`` (off)."""
+    from weightsync.dataplane.torch_group import TorchGroupPlane
+
+    if not _ORIGINAL:
+        _ORIGINAL.append(TorchGroupPlane.post)
+    if not on:
+        TorchGroupPlane.post = _ORIGINAL[0]
+        return
+    original = _ORIGINAL[0]
+
+    def counted(self, sends, recvs):
+        _COUNTS["sent"] = _COUNTS.get("sent", 0) + sum(t.nbytes for t, _, _ in sends)
+        _COUNTS["received"] = _COUNTS.get("received", 0) + sum(t.nbytes for t, _, _ in recvs)
+        return original(self, sends, recvs)
+
+    TorchGroupPlane.post = counted
+
+
+def take_counts() -> dict[str, int]:
+    """Inside a process: the bytes counted since the last call (then zeroed)."""
+    out = {"sent": _COUNTS.get("sent", 0), "received": _COUNTS.get("received", 0)}
+    _COUNTS.clear()
+    return out
+
+
+def counted_sync(cluster, version: str) -> tuple[dict, list[dict], list[dict]]:
+    """One sync with every party's data-plane ops counted: rank 0's stats, each trainer rank's and
+    each worker's counts."""
+    procs = cluster.active_trainers + cluster.active_receivers
+    for a in procs:
+        a.call("test_m2n_fanout:count_wire", True)
+        a.call("test_m2n_fanout:take_counts")
+    try:
+        stats = cluster.sync(weight_version=version)
+    finally:
+        counts = [a.call("test_m2n_fanout:take_counts") for a in procs]
+        for a in procs:
+            a.call("test_m2n_fanout:count_wire", False)
+    n = len(cluster.active_trainers)
+    return stats, counts[:n], counts[n:]
+
+
+def layout(tp: int, replicas: int, **kw) -> Layout:
+    return Layout(trainers=2, tp=tp, replicas=replicas, backend="weightsync_m2n", **kw)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_trainer_egress_is_one_replica_whatever_the_replica_count(cluster, tp):
+    sent: dict[tuple[int, str], list[int]] = {}
+    for replicas, fan_out in ((1, "auto"), (2, "off"), (2, "chain"), (4, "auto"), (4, "tree")):
+        lay = layout(tp, replicas)
+        cluster.setup(lay, fresh=True)  # (the same seed: the same weights every time)
+        cluster.make_engines(init_info("weightsync_m2n", lay, buffer_bytes=1 << 16, fan_out=fan_out), source="local")
+        stats, trainers, workers = counted_sync(cluster, f"{replicas}-{fan_out}")
+        assert mismatches(cluster) == {}, (replicas, fan_out)
+        sent[replicas, fan_out] = [c["sent"] for c in trainers]
+        assert all(c["received"] == 0 for c in trainers)
+        # every worker received exactly its shard's bytes once, wherever they came from
+        lower = stats["lower_bound_per_worker"]
+        assert sorted(lower) == list(range(lay.num_workers))
+        assert [lower[w] for w in range(lay.num_workers)] == [lower[w % tp] for w in range(lay.num_workers)]
+        assert [c["received"] for c in workers] == [lower[w] for w in range(lay.num_workers)], fan_out
+        assert stats["bytes_received_per_worker"] == lower
+        forwarded = sum(c["sent"] for c in workers)
+        assert forwarded == (0 if fan_out == "off" or replicas == 1 else (replicas - 1) * sum(lower[p] for p in
+                                                                                             range(tp)))
+    one = sent[1, "auto"]
+    assert all(s > 0 for s in one)
+    for key in ((2, "chain"), (4, "auto"), (4, "tree")):
+        assert sent[key] == one, (key, sent)
+    assert sent[2, "off"] == [2 * s for s in one]  # without fan-out each trainer rank sends every replica's
+
+
+def test_dense_then_delta_fan_out_unchanged(cluster):
+    """A delta sync's sparse messages are forwarded as replica 0 received them: every trainer rank
+    sends the same bytes at 1 and 3 replicas, and every replica is bit-exact."""
+    per_r = {}
+    for replicas in (1, 3):
+        lay = layout(1, replicas, dtype="bfloat16", trainer_dtype="float32")
+        cluster.setup(lay, fresh=True)
+        cluster.make_engines(init_info("weightsync_m2n", lay, buffer_bytes=1 << 16, delta=True, fan_out="chain"),
+                             source="local", wire_dtype="bfloat16")
+        dense, dense_sent, _ = counted_sync(cluster, "v0")
+        assert dense["delta"]["base"] is None and mismatches(cluster) == {}
+        cluster.train_step(1, lr=1e-5)
+        delta, delta_sent, workers = counted_sync(cluster, "v1")
+        assert delta["delta"]["workers"] == list(range(replicas)) and delta["delta"]["base"] == 1
+        assert mismatches(cluster) == {}, replicas
+        assert len({c["received"] for c in workers}) == 1  # each replica got what replica 0 got
+        per_r[replicas] = ([c["sent"] for c in dense_sent], [c["sent"] for c in delta_sent])
+    assert per_r[3] == per_r[1]
+    assert sum(per_r[1][1]) < sum(per_r[1][0])  # (the delta went sparse)
+
+
+def test_a_worker_that_lost_its_weights_takes_its_position_dense_in_every_replica(cluster):
+    """A delta is forwarded as replica 0 received it, so a position goes sparse only where every
+    replica's worker there holds the base: replica 1's worker 1 lost its weights, so position 1 goes
+    dense to both replicas (each worker its whole shard), position 0 sparse; all bit-exact."""
+    lay = layout(2, 2, dtype="bfloat16", trainer_dtype="float32")
+    cluster.setup(lay, fresh=True)
+    cluster.make_engines(init_info("weightsync_m2n", lay, delta=True), source="local", wire_dtype="bfloat16")
+    cluster.sync("v0")
+    cluster.train_step(1, lr=1e-5)
+    assert cluster.sync("v1")["delta"]["workers"] == [0, 1, 2, 3]
+    cluster.receivers[3].call("test_delta:lose_weights")
+    cluster.train_step(2, lr=1e-5)
+    stats = cluster.sync("v2", verify=True)
+    received, shard = stats["bytes_received_per_worker"], stats["lower_bound_per_worker"]
+    assert stats["delta"]["workers"] == [0, 2] and stats["verified"]
+    assert received[1] == shard[1] and received[3] == shard[3]
+    assert received[0] == received[2] < shard[0]
+    assert mismatches(cluster) == {}
+
+
+def test_a_replica_killed_mid_fan_out_fails_every_rank(cluster):
+    """Chain 0 -> 1 -> 2: replica 1's worker dies while the trainers still send; every trainer rank
+    raises within the timeout, and replicas 0 and 2 roll back to the last version and refuse updates."""
+    lay = layout(1, 3)
+
+    def make_info():
+        return init_info("weightsync_m2n", lay, buffer_bytes=1 << 14, timeout_s=TIMEOUT, fan_out="chain")
+
+    elapsed = kill_mid_sync(cluster, lay, make_info(), "local", pick=lambda c: c.receivers[1])
+    assert elapsed < 2 * TIMEOUT
+    for a in (cluster.receivers[0], cluster.receivers[2]):
+        assert a.call("weightsync.testing.receiver:weight_version") == "good"
+        assert a.call("weightsync.testing.probes:engine_poisoned")
+    recover_and_verify(cluster, lay, make_info, "local")
+
+
+def test_fan_out_is_validated_naming_the_field():
+    lay = layout(1, 2)
+    with pytest.raises(ValueError, match="fan_out must be one of 'auto', 'chain', 'tree', 'off', got 'star'"):
+        init_info("weightsync_m2n", lay, fan_out="star")
+    info = init_info("weightsync_m2n", lay)
+    assert info.fan_out == "auto"
+    with pytest.raises(ValueError, match="fan_out must be one of"):
+        dataclasses.replace(info, fan_out=None)
+
