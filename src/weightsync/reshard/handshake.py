@@ -148,7 +148,7 @@ def planned(sources: list[TensorSource], pieces: list[list[DestPiece]]) -> Gathe
     """The plan of destinations known without the store (pieces only: no fallback, no loader, no FP8),
     as :func:`gather_plan` would build it from the same pieces published."""
     n = len(pieces)
-    return Gathered(build_plan(sources, pieces), pieces, [[] for _ in range(n)], [[] for _ in range(n)],
+    return Gathered(build_plan(sources, pieces), n, pieces, [[] for _ in range(n)], [[] for _ in range(n)],
                     [{} for _ in range(n)])
 
 

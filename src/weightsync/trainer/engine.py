@@ -46,7 +46,6 @@ from .session import check_finished, check_source, connect_fresh, leave, new_ses
 from .waits import MARGIN_S, ClientCalls, client_result, left, settle
 
 if TYPE_CHECKING:
-    from ..registry import Transport
     from .elastic import ElasticTrainerEngine
 
 __all__ = ["EngineClient", "TrainerEngine", "client_result"]
@@ -74,6 +73,15 @@ class SharedWorkerFields(TypedDict):
     drafter: str
 
 
+class Declared(Protocol):
+    """What the engine reads of its transport's declaration (``weightsync.registry.Transport``)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def source(self) -> str: ...
+
+
 class EngineClient(Protocol):
     """What trainer rank 0 calls on the engines (``weightsync.clients``: Ray, HTTP, in-process), as
     vLLM's weight-transfer API names it; the other ranks never call it."""
@@ -92,7 +100,7 @@ class TrainerEngine(Generic[TInit, TUpdate, TPrepared]):
     every collective."""
 
     init_info_cls: ClassVar[type[TrainerInitInfo]]
-    spec: ClassVar[Transport]
+    spec: ClassVar[Declared]
     """The transport's declaration, set when it is declared (``weightsync.registry``)."""
     update_info_cls: ClassVar[type[WorkerUpdateInfo]] = WorkerUpdateInfo
     """The workers' update info (an abort is sent as one)."""
