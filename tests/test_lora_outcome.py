@@ -8,8 +8,10 @@ name as vLLM's ``collective_rpc`` calls it. The real engine is ``tests/engine/te
 * a sync that fails on one rank after the other rank's bytes landed raises the same error on every
   rank, and no worker committed (oracle: every rank's outcome; the workers' record);
 * a worker stuck in its receive makes every rank raise within ``timeout_s`` + margin;
-* a sync that succeeds returns the same version on every rank, and every worker staged exactly the
-  trainer's full tensors (oracle: the full tensors gathered from the FSDP2 shards).
+* a sync that succeeds returns the same version on every rank (a ``SyncStats``), and every worker staged
+  exactly the trainer's full tensors (oracle: the full tensors gathered from the FSDP2 shards);
+* an engine whose base weights differ from the trainer's (one element of one norm) is refused at init
+  on every rank naming that parameter (the stand-in engine's base: the trainer's, gathered).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from functools import partial
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -35,7 +38,8 @@ MARGIN_S = 12.0
 class _Slots:
     """Stands in for ``LoRASlots``: every worker takes every tensor whole; records what it staged."""
 
-    def __init__(self) -> None:
+    def __init__(self, base: dict[str, torch.Tensor]) -> None:
+        self.manager = SimpleNamespace(model=SimpleNamespace(named_parameters=lambda: list(base.items())))
         self.adapters: dict[int, _Adapter] = {}
         self.staged: dict[int, dict[str, torch.Tensor]] = {}
         self.served: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
@@ -63,9 +67,9 @@ class _Slots:
 
 
 class _Worker(LoRAWorkerExtension):
-    def __init__(self, rank: int, stuck: threading.Event | None = None) -> None:
+    def __init__(self, rank: int, base: dict[str, torch.Tensor], stuck: threading.Event | None = None) -> None:
         self.rank, self.stuck = rank, stuck
-        self._weightsync_lora = _Slots()
+        self._weightsync_lora = _Slots(base)
 
     def weightsync_lora_receive(self, *args):
         if self.stuck is not None:
@@ -107,22 +111,27 @@ def _model():
     return model
 
 
-def sync_outcome(fail_rank: int | None, stuck: bool) -> dict:
+def sync_outcome(fail_rank: int | None, stuck: bool, other_base: bool = False) -> dict:
     """Run in each rank process: one sync into a two-worker stand-in engine (rank 0 drives it);
-    ``fail_rank`` fails before worker 1's bytes; ``stuck``: worker 1 never answers its receive."""
+    ``fail_rank`` fails before worker 1's bytes; ``stuck``: worker 1 never answers its receive;
+    ``other_base``: worker 1's base differs from the trainer's in one element of ``model.norm.weight``."""
     import torch.distributed as dist
 
-    from weightsync.trainer.lora import LoRASource
+    from weightsync.trainer.lora import LoRASource, peft_base_name
     from weightsync.transports.lora import LoRASync
 
     rank = dist.get_rank()
     model = _model()
+    base = {peft_base_name(n, "default"): p.full_tensor().detach().clone() for n, p in model.named_parameters()
+            if peft_base_name(n, "default") is not None}  # (a collective: every rank gathers)
+    changed = {**base, "model.norm.weight": base["model.norm.weight"].clone()}
+    changed["model.norm.weight"][5] += 0.5
     release = threading.Event()
-    workers = [_Worker(0), _Worker(1, release if stuck else None)]
-    sync = LoRASync(LoRASource(model, 2, rank=rank), 1, [_Engine(workers)] if rank == 0 else [],
-                    timeout_s=TIMEOUT_S)
+    workers = [_Worker(0, base), _Worker(1, changed if other_base else base, release if stuck else None)]
     t0 = time.monotonic()
     try:
+        sync = LoRASync(LoRASource(model, 2, rank=rank), 1, [_Engine(workers)] if rank == 0 else [],
+                        timeout_s=TIMEOUT_S)
         out = {"returned": sync.sync(_fail_at=1 if fail_rank == rank else None)}
     except Exception as e:  # noqa: BLE001 - the test reads every rank's outcome
         out = {"raised": f"{type(e).__name__}: {e}"}
@@ -136,13 +145,13 @@ def sync_outcome(fail_rank: int | None, stuck: bool) -> dict:
     return out
 
 
-def _run(fail_rank, stuck) -> list[dict]:
+def _run(fail_rank, stuck, other_base=False) -> list[dict]:
     pytest.importorskip("peft")
     from helpers import ranks
 
     procs = ranks()
     procs.init(2)
-    return procs.run("test_lora_outcome:sync_outcome", fail_rank, stuck)
+    return procs.run("test_lora_outcome:sync_outcome", fail_rank, stuck, other_base)
 
 
 @pytest.mark.parametrize("fail_rank", [0, 1])
@@ -166,8 +175,14 @@ def test_a_stuck_worker_makes_every_rank_raise_within_timeout_s():
 
 
 def test_a_sync_returns_one_version_on_every_rank_and_each_worker_stages_the_trainers_tensors():
+    from weightsync import SyncStats
+
     out = _run(None, False)
-    assert [o["returned"]["version"] for o in out] == [1, 1], out
+    stats = [o["returned"] for o in out]
+    assert all(type(s) is SyncStats for s in stats), stats
+    assert [(s.backend, s.rank, s.weight_version) for s in stats] == [("lora", 0, "1"), ("lora", 1, "1")], stats
+    assert stats[0].bytes_received_per_worker == stats[0].lower_bound_per_worker, stats[0]
+    assert sum(s.bytes_sent for s in stats) == sum(stats[0].bytes_received_per_worker.values())  # each once
     full = out[0]["full"]
     for served in out[0]["served"]:
         version, tensors = served[1]
@@ -175,3 +190,15 @@ def test_a_sync_returns_one_version_on_every_rank_and_each_worker_stages_the_tra
         saved = {n.replace(".default", ""): t for n, t in full.items()}
         assert tensors.keys() == saved.keys()
         assert all(torch.equal(tensors[n], saved[n]) for n in saved)
+
+
+def test_an_engine_serving_another_base_is_refused_at_init_on_every_rank_naming_the_parameter():
+    out = _run(None, False, other_base=True)
+    raised = [o.get("raised") for o in out]
+    assert all(raised), f"a rank returned instead of raising: {[o.get('returned') for o in out]}"
+    assert raised[0] == raised[1], raised
+    assert raised[0].startswith("Refused: parameter 'model.norm.weight': worker 1 serves other base weights than "
+                                "the trainer's (its float32 values' fingerprint "), raised[0]
+    assert raised[0].endswith("start it from the trainer's base checkpoint (not load_format='dummy', not another "
+                              "model or revision)"), raised[0]
+    assert out[0]["served"] == [{}, {}]  # nothing synced

@@ -12,6 +12,7 @@ from typing import TypedDict, cast
 
 from ..comm import Communicator
 from ..control import m2n_dest
+from ..errors import refusal
 from ..plan.regions import Region
 from ..plan.schedule import ALONE, PEERS, ItemProbe, Message, pair_rounds
 from ..plan.transfer import DestPiece, PairItems, TensorSource, TransferPlan, build_plan, dtype_itemsize
@@ -99,15 +100,16 @@ class Gathered:
 def gather_plan(comm: Communicator, sources: list[TensorSource], num_workers: int) -> Gathered:
     """Read every worker's destinations from the store and build the plan (every rank, same result).
 
-    Raises ``ValueError`` with a worker's own error when it could not resolve its destinations.
+    Raises ``Refused`` with a worker's own refusal (its ``ValueError``: a model mismatch), as the
+    worker reports it on the store (``worker N: ValueError: ...``); ``RuntimeError`` for another failure.
     """
     by_name = {s.name: s for s in sources}
     interned: dict[str, list[DestPiece]] = {}  # equal layouts (replicas) share one list object
     pieces, fallbacks, via, fp8 = [], [], [], []
     for w in range(num_workers):
         raw = comm.read(m2n_dest(w))
-        if "error" in raw:
-            raise ValueError(f"worker {w} could not resolve destinations: {raw['error']}")
+        if "error" in raw:  # a worker's refusal (a model mismatch, naming the parameter): ``Refused``, as on the store
+            raise refusal(f"worker {w}: {raw['error']}") or RuntimeError(f"worker {w}: {raw['error']}")
         key = json.dumps([raw["pieces"], [f[0] for f in raw["fallbacks"]]])
         if key not in interned:
             lst = [DestPiece(n, Region(tuple(o), tuple(s)), p, tuple(po)) for n, o, s, p, po in raw["pieces"]]

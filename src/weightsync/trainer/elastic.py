@@ -27,13 +27,14 @@ import threading
 from typing import Any
 
 from ..comm import Communicator
-from ..control import membership_change, replica_dropped
-from ..errors import Refused, SyncFailed
+from ..control import membership_change, replica_dropped, replicas_paused
+from ..errors import Refused, RemoteCallError, SyncFailed
 from ..infos import TrainerInitInfo
+from ..pausing import not_paused
 from ..protocol import WeightSource
 from ..stats import DeltaStats, SyncStats
 from .session import connect_fresh, leave
-from .waits import MARGIN_S
+from .waits import MARGIN_S, client_result, in_thread
 
 __all__ = ["ElasticTrainerEngine"]
 
@@ -213,6 +214,7 @@ class ElasticTrainerEngine:
         if not self._members:
             raise RuntimeError("no replicas: every one was dropped or removed; add_engines first")
         self.sync_id += 1
+        self._check_paused()
         done: dict[int, SyncStats] = {}
         dropped: dict[int, str] = {}
         for rid, m in list(self._members.items()):
@@ -227,6 +229,31 @@ class ElasticTrainerEngine:
                              + "; ".join(f"replica {r}: {why}" for r, why in dropped.items()), restored=False)
         return merged(done, dropped, self._tp, backend=self.init_info.backend, rank=self.rank,
                       weight_version=weight_version)
+
+    def _check_paused(self) -> None:
+        """Every rank: ``Refused`` (the same on every rank, before any replica's sync) when some replica's
+        generation is not paused, naming each that serves and counting every replica: rank 0 asks the
+        client of all of them once (within half of ``timeout_s``). One that does not answer is left to its
+        group's own preflight, which drops it."""
+        if not self.init_info.require_paused:
+            return
+        key = replicas_paused(self.sync_id)
+        if self.is_sender:
+            refused = None
+            try:
+                states = client_result(in_thread(self.client.generation_paused, "weightsync-paused"),
+                                       self.init_info.timeout_s / 2, "generation_paused")
+                refused = not_paused(states)
+            except (AttributeError, RemoteCallError, TimeoutError):  # the groups' preflights say it, per replica
+                pass
+            self.comm.publish(key, "" if refused is None else str(refused))
+            if self.sync_id > 2:
+                self.comm.delete([replicas_paused(self.sync_id - 2)])
+            message = "" if refused is None else str(refused)
+        else:
+            message = self.comm.read(key)
+        if message:
+            raise Refused(message)
 
     def _drop(self, m: _Member, reason: str) -> str:
         """Every rank: leave ``m``'s group. Rank 0 may still be settling its failure (the update call, the

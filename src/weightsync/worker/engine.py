@@ -134,7 +134,8 @@ class WorkerEngine:
 
         wire = [m if isinstance(m, dict) else m.wire() for m in metas]
         return check_model(self.model, [(m["name"], m["dtype"], m["shape"]) for m in wire],
-                           cast_dtypes=self.info.cast_dtypes, partial=tuple(self.info.partial))
+                           cast_dtypes=self.info.cast_dtypes, partial=tuple(self.info.partial),
+                           source=type(self).spec.source)
 
     def _check_full_tensor_metadata(self, metas: list[Any] | None = None) -> Any:
         """Full-tensor transports: check the metadata trainer rank 0 published at init (``None``) or
