@@ -23,7 +23,6 @@ that call are released again: the running ones are untouched.
 from __future__ import annotations
 
 import socket
-import threading
 from typing import Any
 
 from ..comm import Communicator
@@ -190,22 +189,17 @@ class ElasticTrainerEngine:
         listed = self._engine_list(listed) if self.is_sender else []
         for rid in ids:
             m = self._members.pop(rid)
-            m.group.shutdown()
+            m.group.shutdown()  # (its workers leave the transfer: ``TrainerEngine.shutdown``)
             if self.is_sender:
-                self._release(m, shutdown_workers=True)
+                self._release(m)
         return ids
 
-    def _release(self, m: _Member, *, shutdown_workers: bool) -> None:
-        """Rank 0: the client stops driving ``m``; its workers leave the transfer (waited for at most
-        ``timeout_s``: a removed engine may not answer)."""
+    def _release(self, m: _Member) -> None:
+        """Rank 0: the client stops driving ``m``."""
         try:
             self.client.remove_engines([m.engine])
         except ValueError:
             pass
-        if shutdown_workers:
-            t = threading.Thread(target=_quietly, args=(m.group.client.shutdown_weight_transfer_engine,), daemon=True)
-            t.start()
-            t.join(self.init_info.timeout_s)
 
     # ---- syncs -----------------------------------------------------------------------
     def send_weights(self, *, weight_version: str | None = None, verify: bool = False) -> SyncStats:
@@ -262,7 +256,7 @@ class ElasticTrainerEngine:
         m.group.shutdown(drain=False)  # (a stuck worker's call is not waited for)
         key = replica_dropped(self.sync_id, m.id)
         if self.is_sender:
-            self._release(m, shutdown_workers=False)
+            self._release(m)
             self.comm.publish(key, reason)
             return reason
         return self.comm.read(key, timeout_s=2 * self.init_info.timeout_s + MARGIN_S)
@@ -277,13 +271,6 @@ class ElasticTrainerEngine:
                 leave(self.comm, self.rank)
             self.comm.shutdown()
         self.comm = None
-
-
-def _quietly(call: Any) -> None:
-    try:
-        call()
-    except Exception:  # noqa: BLE001 - best effort: the engine may be gone
-        pass
 
 
 def merged(per: dict[int, SyncStats], dropped: dict[int, str], tp: int, **head: Any) -> SyncStats:
