@@ -517,11 +517,11 @@ def test_a_missing_or_wrong_token_is_unauthorized_naming_it_on_every_rank(cluste
                                        f"requires its weight-transfer token and this client {sent}: pass "
                                        "token=<the server's WEIGHTSYNC_HTTP_TOKEN> to HTTPVLLMWeightSyncClient "
                                        "(server said: "), str(e.value)
-    futs = [a.submit("weightsync.testing.trainer:make_engine", init_info("weightsync_m2n", layout, timeout_s=30.0),
+    futs = [a.submit("weightsync.testing.trainer:make_engine", init_info("weightsync_m2n", layout, timeout_s=120.0),
                      HTTPVLLMWeightSyncClient(guarded), source="local") for a in cluster.active_trainers]
     for f in futs:  # every rank: the client's own error, not "DataPlaneError: a party failed ... HTTP 401"
         with pytest.raises(RemoteError) as e:
-            f.result(timeout=120)
+            f.result(timeout=300)
         first = str(e.value).splitlines()[0].split(" failed: ", 1)[1]
         assert first.startswith(f"Unauthorized: POST {guarded}/init_weight_transfer_engine -> HTTP 401: the server "
                                 "requires its weight-transfer token and this client sent no token: pass token=<the "
