@@ -316,3 +316,23 @@ def write_destinations(
             region = piece.region
             box = _box(dst, piece.param_offsets, region.sizes, f"{piece.param!r} on worker {worker}")
             box.copy_(shard_tensor(full[piece.name], region))
+
+
+# --- inside actor processes ------------------------------------------------------------------------
+def stderr_to(path: str | None) -> None:
+    """In an actor: send this process's stderr (fd 2, where C++ logs too) to the file ``path``, opening
+    it with a marker line; None: back to where it went before."""
+    import sys
+
+    sys.stderr.flush()
+    if path is None:
+        saved = STATE.pop("saved_stderr", None)
+        if saved is not None:
+            os.dup2(saved, 2)
+            os.close(saved)
+        return
+    STATE.setdefault("saved_stderr", os.dup(2))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.write(2, f"stderr of pid {os.getpid()} from here\n".encode())

@@ -94,6 +94,43 @@ def test_replicas_join_leave_and_rejoin_between_syncs(cluster, backend):
     cluster.on_trainers("shutdown_engine")
 
 
+def test_an_unpaused_replica_is_refused_naming_it_and_counting_every_replica(cluster):
+    """Issue 58: each replica's group asked its own engine only, so the refusal read "engine 0 ... (1 of 1
+    engine(s))" with 3 replicas running. Now one question to every replica before any replica's sync."""
+    backend = BACKENDS[0]
+    cluster.setup(layout(backend), fresh=True)
+    rs = cluster.receivers[:3]
+    start(cluster, backend, rs)
+    cluster.sync("v1")  # inside clients.paused: every replica serves again after it
+
+    def refused() -> list[str]:
+        futs = [a.submit("weightsync.testing.trainer:send_weights", "unpaused", pause=False)
+                for a in cluster.active_trainers]
+        errors = []
+        for f in futs:
+            with pytest.raises(RemoteError) as e:
+                f.result(timeout=4 * TIMEOUT_S)
+            errors.append(str(e.value).split("\nTraceback")[0].split(" failed: ", 1)[1])
+        return errors
+
+    how = "; call client.pause_generation() before send_weights"
+    every = ", ".join(f"engine {i} ({r.name})" for i, r in enumerate(rs))
+    for e in refused():  # every rank: the same refusal, naming every replica
+        assert e.startswith(f"Refused: weight sync refused: {every}: generation is not paused (3 of 3 "
+                            f"engine(s)){how}"), e
+    LocalWeightSyncClient([engine_of(r) for r in rs], timeout_s=TIMEOUT_S).pause_generation()
+    rs[1].call("weightsync.testing.client:_set", "weightsync_paused", False)  # replica 1 serves again
+    for e in refused():
+        assert e.startswith(f"Refused: weight sync refused: engine 1 ({rs[1].name}): generation is not paused "
+                            f"(1 of 3 engine(s)){how}"), e
+    assert versions(rs) == ["v1"] * 3  # nothing moved, nothing dropped
+    cluster.train_step(1)
+    stats = cluster.sync("v2")
+    assert (stats["replicas"], stats["dropped"]) == ([0, 1, 2], {})
+    assert differences(cluster, rs) == {} and versions(rs) == ["v2"] * 3
+    cluster.on_trainers("shutdown_engine")
+
+
 def _receiving(receiver, backend: str) -> str:
     """Slow ``receiver``'s data plane (the one ``backend``'s workers join; 0.3 s a call), counting its
     calls in a file: the file has bytes once the receiver is inside a sync's transfer."""
@@ -253,10 +290,10 @@ def test_bad_input_at_add_is_refused_naming_the_field_and_the_replicas_keep_sync
 
     refused([engine_of(r1)], r"ValueError: engines\[0\]: .* is already replica 1 of this trainer")
     refused([engine_of(wide), engine_of(wide)], r"ValueError: engines\[1\]: .* is listed twice")
-    # the worker's error reaches the trainers by its destinations key or by the group's failure key
-    # (``Refused``), whichever they read first: the same worker, parameter and shapes either way
-    refused([engine_of(wide)], r"(ValueError|Refused): engines\[0\]: refused \(worker 0( could not resolve "
-                               r"destinations)?: ValueError: parameter 'model\.layers\.0\.mlp\.gate_proj\.weight': "
+    # the worker's error reaches the trainers by its destinations key or by the group's failure key,
+    # whichever they read first: ``Refused`` naming the same worker, parameter and shapes either way
+    refused([engine_of(wide)], r"Refused: engines\[0\]: refused \(worker 0: ValueError: parameter "
+                               r"'model\.layers\.0\.mlp\.gate_proj\.weight': "
                                r"the trainer's shape \(128, 64\) does not match .*; the running replicas are untouched")
     cluster.train_step(1)  # the running replicas are untouched
     stats = cluster.sync("v2")

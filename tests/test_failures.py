@@ -265,6 +265,11 @@ def test_source_not_fitting_the_engine_fails_at_init_on_every_rank_then_a_good_s
     assert len(errors) == good.trainers
     for err in errors:  # every trainer rank raises, naming the parameter
         assert re.search(message, err), (case, err)
+        if fault not in ("rank1_differs", "rank1_swapped"):  # the engine's refusal: always ``Refused`` (issue 58)
+            assert err.split(" failed: ", 1)[1].startswith("Refused: "), (case, err)
+    if case == "dtype of the model vs the engine":  # the hint names the source the transport reads
+        hint = {"full": "FullTensorSource(dtype=...)", "local": "DTensorModuleSource(..., dtype=...)"}[SOURCES[backend]]
+        assert all(f"(send the engine's dtype ({hint}) or set cast_dtypes=True" in e for e in errors), errors
     print(f"{backend} {case}: rejected after {elapsed:.2f} s")
     failed_before_the_timeout(elapsed, f"{case}: ")
     assert cluster.on_receivers("checksum") == before

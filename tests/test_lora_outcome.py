@@ -15,6 +15,8 @@ is ``tests/engine/test_engine_lora.py``.
   received over the reshard core's data plane exactly its rows' bytes (computed from the shapes);
 * a worker whose blocks changed after init (its destinations differ from the trainer's plan) fails
   the sync on every rank at the plan digest agreement, before any data moves; nothing commits.
+* an engine whose base weights differ from the trainer's (one element of one norm) is refused at init
+  on every rank naming that parameter (the stand-in engine's base: the trainer's, gathered).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import threading
 import time
 from functools import partial
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -49,8 +52,9 @@ class _Slots:
 
     device = torch.device("cpu")
 
-    def __init__(self, worker: int) -> None:
+    def __init__(self, worker: int, base: dict[str, torch.Tensor]) -> None:
         self.worker = worker
+        self.manager = SimpleNamespace(model=SimpleNamespace(named_parameters=lambda: list(base.items())))
         self.blocks: dict[int, dict[str, Region]] = {}
         self.staged: dict[int, dict[str, torch.Tensor]] = {}
         self.served: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
@@ -81,9 +85,9 @@ class _Slots:
 
 
 class _Worker(LoRAWorkerExtension):
-    def __init__(self, rank: int, stuck: threading.Event | None = None) -> None:
+    def __init__(self, rank: int, base: dict[str, torch.Tensor], stuck: threading.Event | None = None) -> None:
         self.rank, self.stuck = rank, stuck
-        self._weightsync_lora = _Slots(rank)
+        self._weightsync_lora = _Slots(rank, base)
 
     def weightsync_lora_receive(self, *args):
         if self.stuck is not None:
@@ -125,26 +129,31 @@ def _model():
     return model
 
 
-def sync_outcome(fail_rank: int | None, stuck: bool, replanned: bool = False) -> dict:
+def sync_outcome(fail_rank: int | None, stuck: bool, replanned: bool = False, other_base: bool = False) -> dict:
     """Run in each rank process: one sync into a two-worker stand-in engine (rank 0 drives it);
     ``fail_rank`` fails before worker 1's bytes; ``stuck``: worker 1 never answers its receive;
-    ``replanned``: worker 1's blocks change after init (half its rows, not three quarters)."""
+    ``replanned``: worker 1's blocks change after init (half its rows, not three quarters);
+    ``other_base``: worker 1's base differs from the trainer's in one element of ``model.norm.weight``."""
     import torch.distributed as dist
 
-    from weightsync.trainer.lora import LoRASource
+    from weightsync.trainer.lora import LoRASource, peft_base_name
     from weightsync.transports.lora import LoRASync
 
     rank = dist.get_rank()
     model = _model()
+    base = {peft_base_name(n, "default"): p.full_tensor().detach().clone() for n, p in model.named_parameters()
+            if peft_base_name(n, "default") is not None}  # (a collective: every rank gathers)
+    changed = {**base, "model.norm.weight": base["model.norm.weight"].clone()}
+    changed["model.norm.weight"][5] += 0.5
     release = threading.Event()
-    workers = [_Worker(0), _Worker(1, release if stuck else None)]
-    sync = LoRASync(LoRASource(model, 2, rank=rank), 1, [_Engine(workers)] if rank == 0 else [],
-                    timeout_s=TIMEOUT_S)
-    if replanned and rank == 0:
-        slots = workers[1]._weightsync_lora
-        slots.plan(1, {}, [(n, _full_shape(n, model)) for n in slots.blocks[1]], quarters=2)
-    t0 = time.monotonic()
+    workers = [_Worker(0, base), _Worker(1, changed if other_base else base, release if stuck else None)]
+    t0, sync = time.monotonic(), None
     try:
+        sync = LoRASync(LoRASource(model, 2, rank=rank), 1, [_Engine(workers)] if rank == 0 else [],
+                        timeout_s=TIMEOUT_S)
+        if replanned and rank == 0:
+            slots = workers[1]._weightsync_lora
+            slots.plan(1, {}, [(n, _full_shape(n, model)) for n in slots.blocks[1]], quarters=2)
         out = {"returned": sync.sync(_fail_at=1 if fail_rank == rank else None)}
     except Exception as e:  # noqa: BLE001 - the test reads every rank's outcome
         out = {"raised": f"{type(e).__name__}: {e}"}
@@ -156,7 +165,7 @@ def sync_outcome(fail_rank: int | None, stuck: bool, replanned: bool = False) ->
                           for i, (v, ts) in w._weightsync_lora.served.items()} for w in workers]
         out["full"] = full
         out["received"] = [w._weightsync_lora.received for w in workers]
-        out["shard_bytes"] = sync.worker_bytes()
+        out["shard_bytes"] = sync.worker_bytes() if sync is not None else None
     return out
 
 
@@ -164,13 +173,13 @@ def _full_shape(name: str, model) -> tuple[int, ...]:
     return next(tuple(p.shape) for n, p in model.named_parameters() if n.replace(".default", "") == name)
 
 
-def _run(fail_rank, stuck, replanned=False) -> list[dict]:
+def _run(fail_rank, stuck, replanned=False, other_base=False) -> list[dict]:
     pytest.importorskip("peft")
     from helpers import ranks
 
     procs = ranks()
     procs.init(2)
-    return procs.run("test_lora_outcome:sync_outcome", fail_rank, stuck, replanned)
+    return procs.run("test_lora_outcome:sync_outcome", fail_rank, stuck, replanned, other_base)
 
 
 @pytest.mark.parametrize("fail_rank", [0, 1])
@@ -194,8 +203,13 @@ def test_a_stuck_worker_makes_every_rank_raise_within_timeout_s():
 
 
 def test_a_sync_returns_one_version_on_every_rank_and_each_worker_stages_its_rows_through_the_core():
+    from weightsync import SyncStats
+
     out = _run(None, False)
-    assert [o["returned"]["version"] for o in out] == [1, 1], out
+    stats = [o["returned"] for o in out]
+    assert all(type(s) is SyncStats for s in stats), stats
+    assert [(s.backend, s.rank, s.weight_version) for s in stats] == [("lora", 0, "1"), ("lora", 1, "1")], stats
+    assert sum(s.bytes_sent for s in stats) == sum(stats[0].bytes_received_per_worker.values())  # each once
     saved = {n.replace(".default", ""): t for n, t in out[0]["full"].items()}
     for w, served in enumerate(out[0]["served"]):
         version, tensors = served[1]
@@ -205,9 +219,9 @@ def test_a_sync_returns_one_version_on_every_rank_and_each_worker_stages_its_row
         assert all(torch.equal(tensors[n], saved[n][rows[n].slices()]) for n in saved)
         # the bytes the core's data plane delivered to this worker: its rows of every tensor, once
         want = sum(rows[n].numel * t.element_size() for n, t in saved.items())
-        assert out[0]["received"][w] == [want] and out[0]["returned"]["received"][w] == want
+        assert out[0]["received"][w] == [want] and stats[0].bytes_received_per_worker[w] == want
         assert want < sum(t.numel() * t.element_size() for t in saved.values())  # not the whole adapter
-    assert out[0]["shard_bytes"] == out[0]["returned"]["received"]
+    assert out[0]["shard_bytes"] == list(stats[0].bytes_received_per_worker.values())
 
 
 def test_a_worker_whose_blocks_changed_since_init_fails_the_sync_at_the_digest_agreement():
@@ -218,3 +232,15 @@ def test_a_worker_whose_blocks_changed_since_init_fails_the_sync_at_the_digest_a
     assert all(raised) and raised[0] == raised[1], raised
     assert "version 0 still serving" in raised[0] and "plan digest differs" in raised[0], raised[0]
     assert out[0]["served"] == [{}, {}] and out[0]["received"] == [[], []]
+
+
+def test_an_engine_serving_another_base_is_refused_at_init_on_every_rank_naming_the_parameter():
+    out = _run(None, False, other_base=True)
+    raised = [o.get("raised") for o in out]
+    assert all(raised), f"a rank returned instead of raising: {[o.get('returned') for o in out]}"
+    assert raised[0] == raised[1], raised
+    assert raised[0].startswith("Refused: parameter 'model.norm.weight': worker 1 serves other base weights than "
+                                "the trainer's (its float32 values' fingerprint "), raised[0]
+    assert raised[0].endswith("start it from the trainer's base checkpoint (not load_format='dummy', not another "
+                              "model or revision)"), raised[0]
+    assert out[0]["served"] == [{}, {}]  # nothing synced

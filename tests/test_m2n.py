@@ -157,3 +157,32 @@ def test_workers_report_their_own_phases(cluster, backend):
     # rank 0's own: the wait for the engines' start counts once, in "start" (a sender packs meanwhile)
     assert set(stats["phases"]) == {"preflight", "start", "transfer", "finish"}, stats["phases"]
     assert all(s >= 0 for s in stats["phases"].values()) and sum(stats["phases"].values()) <= stats["seconds"]
+
+
+def test_successful_syncs_and_reinits_log_no_stack_trace_in_the_workers(cluster, tmp_path):
+    """Issue 58: a worker's store client outlived its trainer's store, so the next init's look at the old
+    session logged torch's C++ trace ("recvVector failed ... Connection was likely closed") into the
+    engine's log although every sync succeeded. Now the trainer's shutdown has its workers leave first."""
+    layout = Layout(trainers=2, tp=2, backend="weightsync_m2n")
+    cluster.setup(layout)
+    logs = {a.name: tmp_path / f"{a.name}.log" for a in cluster.active_receivers}
+    cluster.on_receivers("helpers:stderr_to", None)  # (none left redirected by an earlier run)
+    for a in cluster.active_receivers:
+        a.call("helpers:stderr_to", str(logs[a.name]))
+    try:
+        for version in ("a", "b", "c"):
+            cluster.make_engines(init_info("weightsync_m2n", layout), source="local")
+            cluster.train_step(len(version) + ord(version))
+            cluster.sync(version)
+            cluster.on_trainers("shutdown_engine")
+        cluster.make_engines(init_info("weightsync_m2n", layout), source="local")
+        cluster.sync("d")
+    finally:
+        cluster.on_receivers("helpers:stderr_to", None)
+    assert mismatches(cluster) == {}
+    for name, log in logs.items():
+        text = log.read_text()
+        assert text.startswith("stderr of pid "), (name, text[:200])  # the capture itself works
+        traces = ("recvVector", "Traceback", "Exception raised from")
+        bad = [ln for ln in text.splitlines() if any(s in ln for s in traces)]
+        assert bad == [], (name, text[-4000:])

@@ -10,7 +10,16 @@ from typing import Any
 
 from . import configs
 from .clients import HTTPVLLMWeightSyncClient, RayVLLMWeightSyncClient, WeightSyncClient
-from .errors import DataPlaneError, EngineDead, PoisonedError, Refused, RemoteCallError, SyncAborted, SyncFailed
+from .errors import (
+    DataPlaneError,
+    EngineDead,
+    PoisonedError,
+    Refused,
+    RemoteCallError,
+    SyncAborted,
+    SyncFailed,
+    Unauthorized,
+)
 from .infos import TrainerInitInfo, WorkerInitInfo, WorkerUpdateInfo
 from .pausing import WeightsPartlyApplied, paused
 from .protocol import ParamMeta, WeightSource
@@ -34,7 +43,7 @@ __all__ = [
     "WorkerEngineFactory",
     "WeightSyncClient", "HTTPVLLMWeightSyncClient", "RayVLLMWeightSyncClient", "Transport", "transport",
     "transport_names", "SyncFailed", "PoisonedError", "DataPlaneError", "SyncAborted", "RemoteCallError", "Refused",
-    "EngineDead", "WeightsPartlyApplied", "paused", "configs",
+    "EngineDead", "Unauthorized", "WeightsPartlyApplied", "paused", "configs",
 ]
 
 

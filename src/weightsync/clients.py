@@ -15,13 +15,14 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
-from .errors import EngineDead, RemoteCallError
+from .errors import EngineDead, RemoteCallError, Unauthorized
 from .llm_calls import (
     call_method,
     get_partial,
     is_llm,
     llm_is_paused,
     llm_pause,
+    llm_release,
     llm_resume,
     remote_call_error,
     set_partial,
@@ -34,6 +35,8 @@ __all__ = ["WeightSyncClient", "EngineMembership", "RemoteCallError", "EngineDea
            "HTTPVLLMWeightSyncClient", "RayVLLMWeightSyncClient", "paused", "PAUSE_MODES", "WeightsPartlyApplied"]
 
 UpdatePayload = dict[str, Any] | list[dict[str, Any]]
+TOKEN_ENV = "WEIGHTSYNC_HTTP_TOKEN"
+"""Where a ``vllm serve`` front with weightsync's middleware reads its token (``integrations.vllm_http``)."""
 
 
 def per_engine(init_info: dict[str, Any], num_engines: int) -> list[dict[str, Any]]:
@@ -122,7 +125,8 @@ class HTTPVLLMWeightSyncClient(EngineMembership):
     Args:
         base_url: ``http://host:port`` or a list of them (one per replica).
         timeout_s: per-request limit.
-        token: sent as ``X-Weightsync-Token`` when the servers require one (``WEIGHTSYNC_HTTP_TOKEN``).
+        token: sent as ``X-Weightsync-Token`` when the servers require one (``WEIGHTSYNC_HTTP_TOKEN``);
+            without it, or with another, they answer 401 and the call raises ``Unauthorized``.
     """
 
     concurrent_calls = True
@@ -146,6 +150,16 @@ class HTTPVLLMWeightSyncClient(EngineMembership):
     def _headers(self) -> dict[str, str]:
         return {"Content-Type": "application/json", **({"X-Weightsync-Token": self.token} if self.token else {})}
 
+    def _http_error(self, request: str, e: urllib.error.HTTPError) -> RemoteCallError:
+        """``RemoteCallError`` with the server's answer; ``Unauthorized`` for a 401 (the token)."""
+        detail = e.read().decode(errors="replace")
+        if e.code != 401:
+            return RemoteCallError(f"{request} -> HTTP {e.code}: {detail}")
+        sent = "a token that is not the server's" if self.token else "no token"
+        return Unauthorized(f"{request} -> HTTP 401: the server requires its weight-transfer token and this client "
+                            f"sent {sent}: pass token=<the server's {TOKEN_ENV}> to HTTPVLLMWeightSyncClient "
+                            f"(server said: {detail})")
+
     def _post_one(self, url: str, path: str, body: dict[str, Any] | None) -> Any:
         data = json.dumps(body if body is not None else {}).encode()
         req = urllib.request.Request(f"{url}/{path}", data=data, method="POST", headers=self._headers())
@@ -153,8 +167,7 @@ class HTTPVLLMWeightSyncClient(EngineMembership):
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
                 raw = resp.read()
         except urllib.error.HTTPError as e:
-            detail = e.read().decode(errors="replace")
-            raise RemoteCallError(f"POST {url}/{path} -> HTTP {e.code}: {detail}") from None
+            raise self._http_error(f"POST {url}/{path}", e) from None
         except (urllib.error.URLError, TimeoutError, OSError) as e:
             raise RemoteCallError(f"POST {url}/{path} failed: {e}") from None
         return json.loads(raw) if raw else None
@@ -165,7 +178,7 @@ class HTTPVLLMWeightSyncClient(EngineMembership):
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
                 return json.loads(resp.read())
         except urllib.error.HTTPError as e:
-            raise RemoteCallError(f"GET {url}/{path} -> HTTP {e.code}: {e.read().decode(errors='replace')}") from None
+            raise self._http_error(f"GET {url}/{path}", e) from None
         except (urllib.error.URLError, TimeoutError, OSError, ValueError) as e:
             raise RemoteCallError(f"GET {url}/{path} failed: {e}") from None
 
@@ -303,7 +316,9 @@ class RayVLLMWeightSyncClient(EngineMembership):
             self._on_actors("finish_weight_update", set_partial, None)
 
     def shutdown_weight_transfer_engine(self) -> None:
-        self._call("shutdown_weight_transfer_engine")
+        """Every actor's workers release their trainer connection (the actor's own method where it has
+        one, else, for vLLM's ``LLM``, its workers' through ``collective_rpc``, as ``AsyncLLM`` does)."""
+        self._own_or_llm("shutdown_weight_transfer_engine", llm_release)
 
     def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
         """Pause every actor's generation (see ``PAUSE_MODES``)."""

@@ -35,7 +35,8 @@ class Channel(Protocol):
 
 __all__ = ["JOIN_DECISION", "join_key", "INIT_DONE", "announced", "trainer_left", "SyncKeys", "Listing", "agree",
            "gather", "init_ack", "model_metas", "model_digest", "m2n_sources", "m2n_sources_digest", "m2n_dest",
-           "m2n_plan_digest", "nccl_loader", "membership_change", "replica_dropped"]
+           "m2n_plan_digest", "nccl_loader", "membership_change", "replicas_paused",
+           "replica_dropped"]
 
 # ---- init keys ----------------------------------------------------------------------------
 def join_key(rank: int) -> str:
@@ -66,6 +67,12 @@ def membership_change(n: int) -> str:
     """Trainer rank 0's ``n``-th membership change (``on_engine_failure="drop"``: the replicas added or
     removed and their groups' ports, or the error every rank raises), on the membership store."""
     return f"members/{n}"
+
+
+def replicas_paused(sync: int) -> str:
+    """Trainer rank 0's answer before its ``sync``-th sync of every replica: the refusal every rank raises
+    when some replica's generation is not paused, or ``""`` (on the membership store)."""
+    return f"members/sync{sync}/paused"
 
 
 def replica_dropped(sync: int, replica: int) -> str:

@@ -5,9 +5,12 @@
 - :class:`DataPlaneError`: a peer failed, or a data-plane operation failed or timed out.
 - :class:`SyncAborted`: the trainer aborted a sync in-band (a ``DataPlaneError``).
 - :class:`RemoteCallError`: an inference-side client call failed (carries the remote error text).
-- :class:`EngineDead`: a ``RemoteCallError``: the vLLM engine core behind a live actor or server died.
+- :class:`EngineDead`: a ``RemoteCallError``: the vLLM engine (its core, or the actor holding it) died or
+  never started; the message names the cause.
 - :class:`Refused`: a ``ValueError``: the engine refused the trainer's init (a model or deployment
   mismatch, an info for another transport) before any data moved; carries the worker's message.
+- :class:`Unauthorized`: a ``Refused`` (and a ``RemoteCallError``): a ``vllm serve`` front answered
+  HTTP 401, the client sent no weight-transfer token or a wrong one.
 
 Bad input (a model mismatch, a wrongly typed info field) is a ``ValueError`` naming the parameter.
 """
@@ -15,7 +18,7 @@ Bad input (a model mismatch, a wrongly typed info field) is a ``ValueError`` nam
 from __future__ import annotations
 
 __all__ = ["SyncFailed", "PoisonedError", "DataPlaneError", "SyncAborted", "RemoteCallError", "EngineDead", "Refused",
-           "refusal"]
+           "Unauthorized", "refusal", "client_failure"]
 
 
 class SyncFailed(RuntimeError):
@@ -50,8 +53,10 @@ class RemoteCallError(RuntimeError):
 
 
 class EngineDead(RemoteCallError):
-    """The vLLM engine core behind an inference actor died (vLLM's ``EngineDeadError``) while the actor
-    lives: no call will succeed until the engine is restarted; then ``trainer_init`` again."""
+    """The vLLM engine behind an inference actor is dead: its engine core died (vLLM's
+    ``EngineDeadError``) while the actor lives, or the actor itself died or never started (its
+    ``LLM(...)`` raised: the message names that error). No call will succeed until the engine is
+    (re)started; then ``trainer_init`` again."""
 
 
 class Refused(ValueError):
@@ -59,6 +64,27 @@ class Refused(ValueError):
     mismatch naming the parameter and both shapes, a deployment or transport mismatch). The message
     is the worker's (``worker N: ValueError: ...``); the engine's weights and version are unchanged,
     and a corrected ``trainer_init`` may follow at once."""
+
+
+class Unauthorized(Refused, RemoteCallError):
+    """A ``vllm serve`` front refused a call with HTTP 401: the server requires its weight-transfer
+    token (``WEIGHTSYNC_HTTP_TOKEN`` on the server) and the client sent none or another one (pass
+    ``token=`` to ``HTTPVLLMWeightSyncClient``). A ``Refused`` (nothing moved) and a ``RemoteCallError``."""
+
+
+_CLIENT_ERRORS: dict[str, type[RemoteCallError]] = {"Unauthorized": Unauthorized, "EngineDead": EngineDead}
+_CALL_FAILED = "the client's "
+
+
+def client_failure(failure: str | None) -> RemoteCallError | None:
+    """The client's own error when a failure reported on the store is trainer rank 0's client call
+    failing with ``Unauthorized`` or ``EngineDead`` (``"...: the client's <call> failed: <Type>: <message>"``),
+    so that every trainer rank raises that type; else None."""
+    if failure is None or (at := failure.find(_CALL_FAILED)) < 0:
+        return None
+    _, sep, rest = failure[at:].partition(" failed: ")
+    kind, _, message = rest.partition(": ")
+    return _CLIENT_ERRORS[kind](message) if sep and kind in _CLIENT_ERRORS else None
 
 
 def refusal(failure: str | None) -> Refused | None:

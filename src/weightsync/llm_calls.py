@@ -17,7 +17,7 @@ from typing import Any
 from .errors import EngineDead, RemoteCallError
 
 __all__ = ["watched", "call_method", "is_llm", "set_partial", "get_partial", "llm_pause", "llm_resume",
-           "llm_is_paused", "stop_engine_core", "remote_call_error"]
+           "llm_is_paused", "llm_release", "stop_engine_core", "remote_call_error"]
 
 POLL_S = 0.05
 """How often a watched call looks whether the engine core was marked dead."""
@@ -100,6 +100,12 @@ def llm_is_paused(llm: Any) -> bool:
     return bool(_utility(llm, "is_scheduler_paused"))
 
 
+def llm_release(llm: Any) -> None:
+    """What ``AsyncLLM.shutdown_weight_transfer_engine`` does, for ``LLM`` (which has no such method):
+    every worker releases its trainer connection (vLLM's worker method of that name)."""
+    llm.collective_rpc("shutdown_weight_transfer_engine")
+
+
 def stop_engine_core(llm: Any, timeout_s: float) -> None:
     """Inside an ``LLM`` actor: vLLM's own engine-core shutdown (processes joined, queues unlinked)."""
     llm.llm_engine.engine_core.shutdown(timeout=timeout_s)
@@ -109,7 +115,12 @@ def stop_engine_core(llm: Any, timeout_s: float) -> None:
 def remote_call_error(method: str, error: BaseException) -> RemoteCallError:
     """What a failed call on an ``LLM`` actor raises: the remote exception and where it was raised,
     without the actor's repr Ray adds (``LLM``'s prints the whole model); ``EngineDead`` when vLLM's
-    engine core died (the actor lives, every later call fails the same way)."""
+    engine core died (the actor lives, every later call fails the same way) or the actor is dead (Ray's
+    ``ActorDiedError``: its ``LLM(...)`` raised, e.g. an engine that cannot start on this machine, or
+    its process died), naming the cause."""
+    if type(error).__name__ == "ActorDiedError":  # the actor died, or its LLM(...) raised: nothing will answer
+        return EngineDead(f"{method} failed: the inference actor is dead ({_death_cause(error)}): restart the "
+                          "engine, then trainer_init")
     cause = getattr(error, "cause", None)
     if not isinstance(cause, BaseException):
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
@@ -123,6 +134,17 @@ def remote_call_error(method: str, error: BaseException) -> RemoteCallError:
                           f"{cause}); the actor is alive, but every call fails until the engine restarts: restart the "
                           "engine, then trainer_init")
     return RemoteCallError(f"{method} failed on an inference actor: {type(cause).__name__}: {cause}{where}")
+
+
+def _death_cause(error: BaseException) -> str:
+    """Why an actor died, from Ray's ``ActorDiedError``: the error its creation raised (the last line
+    of that traceback: ``Type: message``), or the reason Ray gives for a process that died."""
+    text = str(error).strip()
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    if getattr(error, "actor_init_failed", False) and lines:
+        return f"its creation failed: {lines[-1][:1000]}"
+    return " ".join(ln for ln in lines if not ln.startswith(("class_name:", "actor_id:", "pid:", "namespace:",
+                                                            "ip:", "name:")))[:1000] or type(error).__name__
 
 
 def _innermost_frame(traceback_str: str) -> str:

@@ -30,8 +30,8 @@ from typing import Any
 
 from .errors import Refused, RemoteCallError
 
-__all__ = ["check_paused", "preflight_error", "WeightsPartlyApplied", "UpdateTracker", "partly_applied_message",
-           "REFUSED", "PAUSE_MODES", "paused"]
+__all__ = ["check_paused", "not_paused", "preflight_error", "WeightsPartlyApplied", "UpdateTracker",
+           "partly_applied_message", "REFUSED", "PAUSE_MODES", "paused"]
 
 PAUSE_MODES = ("abort", "wait", "keep")
 """How vLLM treats in-flight requests while paused for a sync:
@@ -73,10 +73,18 @@ def check_paused(engine: Any) -> None:
         states = ask()
     except RemoteCallError as e:
         raise Refused(f"{REFUSED}could not ask whether every engine's generation is paused: {e}") from None
+    if (refused := not_paused(states)) is not None:
+        raise refused
+
+
+def not_paused(states: dict[str, bool]) -> Refused | None:
+    """The refusal of a sync while the engines of ``states`` (engine label -> paused, every engine the
+    trainer syncs) serve, naming each one that does and counting them all; None when all are paused."""
     running = [name for name, paused in states.items() if not paused]
-    if running:
-        raise Refused(f"{REFUSED}{', '.join(running)}: generation is not paused ({len(running)} of {len(states)} "
-                      f"engine(s)); {_HOW}")
+    if not running:
+        return None
+    return Refused(f"{REFUSED}{', '.join(running)}: generation is not paused ({len(running)} of {len(states)} "
+                   f"engine(s)); {_HOW}")
 
 
 def preflight_error(message: str) -> ValueError:

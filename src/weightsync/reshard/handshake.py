@@ -12,6 +12,7 @@ from typing import TypedDict, cast
 
 from ..comm import Communicator
 from ..control import agree, m2n_dest, m2n_plan_digest
+from ..errors import refusal
 from ..plan.regions import Region
 from ..plan.schedule import ALONE, PEERS, ItemProbe, Message, pair_rounds
 from ..plan.transfer import DestPiece, PairItems, TensorSource, TransferPlan, build_plan, dtype_itemsize
@@ -117,15 +118,16 @@ def gather_plan(comm: Communicator, sources: list[TensorSource], num_workers: in
     ``0 .. positions - 1`` only, when every worker's destinations equal those of its position's worker
     in replica 0 (else the plan addresses every worker: ``Gathered.positions`` says which).
 
-    Raises ``ValueError`` with a worker's own error when it could not resolve its destinations.
+    Raises ``Refused`` with a worker's own refusal (its ``ValueError``: a model mismatch), as the
+    worker reports it on the store (``worker N: ValueError: ...``); ``RuntimeError`` for another failure.
     """
     by_name = {s.name: s for s in sources}
     interned: dict[str, list[DestPiece]] = {}  # equal layouts (replicas) share one list object
     pieces, fallbacks, via, fp8, keys = [], [], [], [], []
     for w in range(num_workers):
         raw = comm.read(m2n_dest(w))
-        if "error" in raw:
-            raise ValueError(f"worker {w} could not resolve destinations: {raw['error']}")
+        if "error" in raw:  # a worker's refusal (a model mismatch, naming the parameter): ``Refused``, as on the store
+            raise refusal(f"worker {w}: {raw['error']}") or RuntimeError(f"worker {w}: {raw['error']}")
         key = json.dumps([raw["pieces"], [f[0] for f in raw["fallbacks"]]])
         keys.append(json.dumps([key, raw.get("via_loader", ()), raw.get("fp8", {})]))
         if key not in interned:

@@ -165,14 +165,19 @@ class _EngineClient:
         return all((await asyncio.to_thread(self.local.generation_paused)).values())
 
 
-def serve_http(replicas: list[list[ActorAddress]], port: int) -> None:
-    """Serve vLLM's RL routes on ``127.0.0.1:port`` in front of ``replicas`` (receiver addresses)."""
+def serve_http(replicas: list[list[ActorAddress]], port: int, token: str | None = None) -> None:
+    """Serve vLLM's RL routes on ``127.0.0.1:port`` in front of ``replicas`` (receiver addresses);
+    with ``token``, behind weightsync's middleware requiring it (one such server per process)."""
     import uvicorn
     from fastapi import FastAPI
     from vllm.entrypoints.rl.online.api_router import router
 
     app = FastAPI()
     app.include_router(router)
+    if token is not None:
+        from ..integrations.vllm_http import WeightSyncRequestValidation
+
+        app.add_middleware(WeightSyncRequestValidation, token=token)
     app.state.engine_client = _EngineClient(LocalWeightSyncClient(replicas))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     threading.Thread(target=server.run, daemon=True).start()
@@ -181,7 +186,7 @@ def serve_http(replicas: list[list[ActorAddress]], port: int) -> None:
         time.sleep(0.05)
     if not server.started:
         raise RuntimeError("uvicorn did not start")
-    STATE["http"] = (server, app.state.engine_client)
+    STATE["http" if token is None else "http_token"] = (server, app.state.engine_client)
 
 
 def http_calls() -> list[tuple[Any, ...]]:

@@ -23,17 +23,17 @@ that call are released again: the running ones are untouched.
 from __future__ import annotations
 
 import socket
-import threading
 from typing import Any
 
 from ..comm import Communicator
-from ..control import membership_change, replica_dropped
-from ..errors import Refused, SyncFailed
+from ..control import membership_change, replica_dropped, replicas_paused
+from ..errors import Refused, RemoteCallError, SyncFailed
 from ..infos import TrainerInitInfo
+from ..pausing import not_paused
 from ..protocol import WeightSource
 from ..stats import DeltaStats, SyncStats
 from .session import connect_fresh, leave
-from .waits import MARGIN_S
+from .waits import MARGIN_S, client_result, in_thread
 
 __all__ = ["ElasticTrainerEngine"]
 
@@ -189,22 +189,17 @@ class ElasticTrainerEngine:
         listed = self._engine_list(listed) if self.is_sender else []
         for rid in ids:
             m = self._members.pop(rid)
-            m.group.shutdown()
+            m.group.shutdown()  # (its workers leave the transfer: ``TrainerEngine.shutdown``)
             if self.is_sender:
-                self._release(m, shutdown_workers=True)
+                self._release(m)
         return ids
 
-    def _release(self, m: _Member, *, shutdown_workers: bool) -> None:
-        """Rank 0: the client stops driving ``m``; its workers leave the transfer (waited for at most
-        ``timeout_s``: a removed engine may not answer)."""
+    def _release(self, m: _Member) -> None:
+        """Rank 0: the client stops driving ``m``."""
         try:
             self.client.remove_engines([m.engine])
         except ValueError:
             pass
-        if shutdown_workers:
-            t = threading.Thread(target=_quietly, args=(m.group.client.shutdown_weight_transfer_engine,), daemon=True)
-            t.start()
-            t.join(self.init_info.timeout_s)
 
     # ---- syncs -----------------------------------------------------------------------
     def send_weights(self, *, weight_version: str | None = None, verify: bool = False) -> SyncStats:
@@ -213,6 +208,7 @@ class ElasticTrainerEngine:
         if not self._members:
             raise RuntimeError("no replicas: every one was dropped or removed; add_engines first")
         self.sync_id += 1
+        self._check_paused()
         done: dict[int, SyncStats] = {}
         dropped: dict[int, str] = {}
         for rid, m in list(self._members.items()):
@@ -228,6 +224,31 @@ class ElasticTrainerEngine:
         return merged(done, dropped, self._tp, backend=self.init_info.backend, rank=self.rank,
                       weight_version=weight_version)
 
+    def _check_paused(self) -> None:
+        """Every rank: ``Refused`` (the same on every rank, before any replica's sync) when some replica's
+        generation is not paused, naming each that serves and counting every replica: rank 0 asks the
+        client of all of them once (within half of ``timeout_s``). One that does not answer is left to its
+        group's own preflight, which drops it."""
+        if not self.init_info.require_paused:
+            return
+        key = replicas_paused(self.sync_id)
+        if self.is_sender:
+            refused = None
+            try:
+                states = client_result(in_thread(self.client.generation_paused, "weightsync-paused"),
+                                       self.init_info.timeout_s / 2, "generation_paused")
+                refused = not_paused(states)
+            except (AttributeError, RemoteCallError, TimeoutError):  # the groups' preflights say it, per replica
+                pass
+            self.comm.publish(key, "" if refused is None else str(refused))
+            if self.sync_id > 2:
+                self.comm.delete([replicas_paused(self.sync_id - 2)])
+            message = "" if refused is None else str(refused)
+        else:
+            message = self.comm.read(key)
+        if message:
+            raise Refused(message)
+
     def _drop(self, m: _Member, reason: str) -> str:
         """Every rank: leave ``m``'s group. Rank 0 may still be settling its failure (the update call, the
         abort: up to ``timeout_s`` more), so the other ranks wait until it says it is done (and why)."""
@@ -235,7 +256,7 @@ class ElasticTrainerEngine:
         m.group.shutdown(drain=False)  # (a stuck worker's call is not waited for)
         key = replica_dropped(self.sync_id, m.id)
         if self.is_sender:
-            self._release(m, shutdown_workers=False)
+            self._release(m)
             self.comm.publish(key, reason)
             return reason
         return self.comm.read(key, timeout_s=2 * self.init_info.timeout_s + MARGIN_S)
@@ -250,13 +271,6 @@ class ElasticTrainerEngine:
                 leave(self.comm, self.rank)
             self.comm.shutdown()
         self.comm = None
-
-
-def _quietly(call: Any) -> None:
-    try:
-        call()
-    except Exception:  # noqa: BLE001 - best effort: the engine may be gone
-        pass
 
 
 def merged(per: dict[int, SyncStats], dropped: dict[int, str], tp: int, **head: Any) -> SyncStats:

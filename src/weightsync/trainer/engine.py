@@ -37,7 +37,7 @@ from ..comm import Communicator, describe
 from ..control import INIT_DONE, SyncKeys, announced, gather, init_ack
 from ..dataplane import PlaneFactory
 from ..dataplane.torch_group import TorchGroupPlane
-from ..errors import PoisonedError, Refused, SyncFailed, refusal
+from ..errors import PoisonedError, Refused, RemoteCallError, SyncFailed, client_failure, refusal
 from ..infos import TrainerInitInfo, WorkerInitInfo, WorkerUpdateInfo
 from ..pausing import REFUSED, check_paused, preflight_error
 from ..protocol import WeightSource
@@ -56,6 +56,13 @@ Json = dict[str, object]
 TInit = TypeVar("TInit", bound=TrainerInitInfo)
 TUpdate = TypeVar("TUpdate", bound=WorkerUpdateInfo)
 TPrepared = TypeVar("TPrepared")
+
+
+def _known_failure(failure: str | None) -> Exception | None:
+    """What every trainer rank raises for a failed init whose first failure (on the store) says why:
+    ``Refused`` for a worker's refusal, the client's own ``Unauthorized`` / ``EngineDead`` for trainer
+    rank 0's failed init call (a token the server refused, an engine that died or never started)."""
+    return refusal(failure) or client_failure(failure)
 
 
 class SharedWorkerFields(TypedDict):
@@ -212,17 +219,19 @@ class TrainerEngine(Generic[TInit, TUpdate, TPrepared]):
             else:
                 self.comm.read(INIT_DONE)  # raises a failure any rank or worker reported
         except BaseException as e:
+            known: Exception | None = None
             if comm is not None:
                 comm.fail(describe(e), e)
                 if fut is not None:  # the workers learn it from the store too: they are not left connecting
                     settle(fut, left(t0, i.timeout_s, MARGIN_S))  # (a stuck worker is not waited for)
+                if isinstance(e, Exception) and not isinstance(e, (ValueError, RemoteCallError)):
+                    known = _known_failure(comm.peer_error())  # (read before rank 0 may close the store)
                 self._acknowledge(init_ack)  # rank 0 (the store's host) lingers until every rank saw it
             if self._calls is not None:
                 self._calls.shutdown()
             self._pool.shutdown(wait=False)
-            if isinstance(e, Exception) and not isinstance(e, ValueError) and comm is not None:
-                if (refused := refusal(comm.peer_error())) is not None:  # a worker refused: every rank says so
-                    raise refused from e
+            if known is not None:  # a worker refused, or the client's init call failed: every rank says so
+                raise known from e
             raise
         return self
 
@@ -472,13 +481,20 @@ class TrainerEngine(Generic[TInit, TUpdate, TPrepared]):
 
     def shutdown(self, *, drain: bool = True) -> None:
         """Release the group (and the store, on rank 0, once every rank read the last outcome).
-        Call on every trainer rank. ``drain=False``: a client call still stuck is not waited for."""
+        Call on every trainer rank. ``drain=False``: a client call still stuck is not waited for.
+        With ``drain``, rank 0 first has the workers leave the group (the client's
+        ``shutdown_weight_transfer_engine``, where it has one; waited for at most ``timeout_s``) while
+        the store still runs: a worker's store client left behind would find the store gone at its
+        next init, and torch logs that as a C++ stack trace in the engine's log."""
         if self._closed:
             return
         if self.is_sender and self._outcome_ack:
             self._acknowledge(self._outcome_ack)
         else:
             leave(self.comm, self.rank)
+        release = getattr(self.client, "shutdown_weight_transfer_engine", None)
+        if self.is_sender and drain and release is not None:
+            settle(self._pool.submit(release, aside=True), self.init_info.timeout_s)
         self._pool.drain(self.init_info.timeout_s if drain else 0.0)  # the client calls a failure left running
         for comm in (self.comm, self._calls):
             if comm is not None:

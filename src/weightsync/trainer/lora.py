@@ -12,20 +12,29 @@ For the reshard core (:mod:`weightsync.reshard`), ``sources`` are the adapter's 
 ``TensorSource`` s (every rank's region of each, from the same layout as ``metadata``) and ``shards()``
 this rank's local shards by name, views of the model's own storage (never gathered): the plan picks
 which rank sends each element, once, and the executor reads it from these shards.
+
+``base_metadata`` / ``base_fingerprints`` describe the base model the adapter was trained on (its
+parameters under vLLM's names, ``.base_layer`` dropped): a sync sends the adapter only, so the engine
+must serve that base; ``LoRASync`` compares fingerprints (:mod:`weightsync.fingerprint`) of this rank's
+parts of the base's 1-D tensors (norms: whole on every TP rank, never repacked) with the workers'.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import cached_property
 from typing import Any
 
 import torch
 
+from ..fingerprint import fingerprint
+from ..plan.regions import Region, source_regions
 from ..plan.transfer import TensorSource
 from ..protocol import ParamMeta
 from .sources import DTensorModuleSource, _local, _named, tensor_sources
 
-__all__ = ["LoRASource", "peft_saved_name", "unsynced_adapter_tensors", "CONFIG_KEYS"]
+__all__ = ["LoRASource", "sender_regions", "peft_saved_name", "peft_base_name", "unsynced_adapter_tensors",
+           "CONFIG_KEYS"]
 
 CONFIG_KEYS = ("r", "lora_alpha", "target_modules", "use_rslora", "rank_pattern", "alpha_pattern", "bias")
 """The ``LoraConfig`` fields an adapter sync carries (vLLM's ``PEFTHelper`` reads them)."""
@@ -56,6 +65,15 @@ def peft_saved_name(name: str, adapter: str) -> str | None:
     return None
 
 
+def peft_base_name(name: str, adapter: str) -> str | None:
+    """A PEFT model's base parameter under vLLM's name (``base_model.model.`` and ``.base_layer`` dropped:
+    ``base_model.model.model.norm.weight`` -> ``model.norm.weight``); None for an adapter's tensor."""
+    if peft_saved_name(name, adapter) is not None or ".lora_" in name or f".{adapter}." in name:
+        return None
+    name = name.removeprefix("base_model.model.")
+    return name.replace(".base_layer.", ".")
+
+
 def unsynced_adapter_tensors(model: torch.nn.Module, adapter: str) -> list[str]:
     """The adapter's own parameters (PEFT names them with ``.<adapter>``) that are not synced: a DoRA
     magnitude vector, a LoRA bias, a ``modules_to_save`` copy, an adapter kind this module does not know."""
@@ -70,6 +88,13 @@ def _check_config(cfg: Any, adapter: str) -> None:
         if value != default and value not in (None, False, [], ()):
             raise ValueError(f"{key}: adapter {adapter!r} has {key}={value!r}: {what} are not synced (vLLM "
                              f"serves plain LoRA on linear and embedding layers); train without it")
+
+
+def sender_regions(meta: ParamMeta) -> tuple[Region | None, ...]:
+    """Per trainer rank, the region of the full tensor it sends (None: a lower rank holds the same)."""
+    regions = source_regions(meta.shape, meta.mesh_shape, meta.placements, meta.rank_coordinates)
+    first: dict[Region, int] = {}
+    return tuple(reg if first.setdefault(reg, r) == r else None for r, reg in enumerate(regions))
 
 
 class LoRASource:
@@ -126,6 +151,28 @@ class LoRASource:
     def _locals(self) -> dict[str, torch.Tensor]:
         return {peft_saved_name(n, self.adapter): p for n, p in _named(self.model, None)
                 if peft_saved_name(n, self.adapter) is not None}
+
+    @cached_property
+    def _base(self) -> DTensorModuleSource:
+        return DTensorModuleSource(self.model, self.num_trainer_ranks,
+                                   name_map=lambda n: peft_base_name(n, self.adapter))
+
+    @cached_property
+    def base_metadata(self) -> list[tuple[str, list[int]]]:
+        """``(vLLM name, full shape)`` of the base model's 1-D tensors (what ``LoRASync`` checks)."""
+        return [(m.name, list(m.shape)) for m in self._base.metadata if len(m.shape) == 1]
+
+    def base_fingerprints(self, wanted: Sequence[tuple[str, torch.dtype]]) -> list[int]:
+        """Per ``(base tensor, dtype)``: the fingerprint of the part of it this rank is the sender of
+        (0 for none); summed over the trainer ranks, the whole tensor's. No collective."""
+        metas = {m.name: m for m in self._base.metadata}
+        params = dict(_named(self.model, lambda n: peft_base_name(n, self.adapter)))
+        out = []
+        for name, dtype in wanted:
+            region = sender_regions(metas[name])[self.rank]
+            local = _local(params[name])
+            out.append(0 if region is None else fingerprint(local, region.offsets, metas[name].shape, dtype))
+        return out
 
     @property
     def nbytes(self) -> int:

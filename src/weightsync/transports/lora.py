@@ -10,6 +10,10 @@ side :class:`~weightsync.worker.lora.LoRASlots` (vLLM's stacked LoRA tensors, vL
   before anything moves. Rank 0 shares them over the trainer's own process group and every trainer
   rank plans: the adapter's shards (``LoRASource.sources``) are the plan's sources, and its rounds
   are cut once (:mod:`weightsync.reshard.handshake`).
+  The workers also fingerprint their live base tensors that the trainer's base has too (its 1-D
+  ones: norms), and every trainer rank compares them with the sum of the ranks' fingerprints of their
+  shards: an engine that serves another base (another model, ``load_format="dummy"``) is ``Refused``
+  naming the parameter (the adapter alone is sent, so the engine must already hold the trainer's base).
 * a sync: rank 0 hosts a store; workers (:func:`worker_receive`, in the engine's ``collective_rpc``)
   and trainer ranks join a fresh data plane (gloo on CPU, NCCL on CUDA); rank 0 publishes the sources,
   each worker its destinations, every worker plans from them and all parties agree on the plan's
@@ -41,6 +45,7 @@ import torch
 
 from ..comm import Communicator, describe
 from ..control import SyncKeys, m2n_dest, m2n_sources
+from ..errors import Refused
 from ..plan.regions import Replicate, Shard
 from ..plan.schedule import message_cap
 from ..plan.transfer import DestPiece
@@ -59,10 +64,11 @@ from ..reshard.handshake import (
     sources_from_wire,
     sources_to_wire,
 )
+from ..stats import SyncStats
 from ..trainer.lora import LoRASource
 from ..trainer.session import share_json
 from ..trainer.waits import MARGIN_S, in_thread
-from ..worker.lora import lora_slots
+from ..worker.lora import base_fingerprints, lora_slots
 
 __all__ = ["LoRASync", "LoRAWorkerExtension", "WORKER_EXTENSION", "STAGING_BYTES", "worker_plan", "worker_receive"]
 
@@ -94,14 +100,17 @@ WORKER_EXTENSION = "weightsync.transports.lora.LoRAWorkerExtension"
 ``vllm serve --worker-extension-cls ...``) so that :class:`LoRASync` can call the workers by name."""
 
 
-def worker_plan(worker: Any, adapter_id: int, config: dict[str, Any], wire: list[list[Any]]) -> dict[str, Any]:
-    """Resolve and check; ``{"rank", "pieces"}`` (its blocks as the plan's destinations, the wire form of
-    ``DestsWire``) or ``{"error"}`` (never raises into vLLM)."""
+def worker_plan(worker: Any, adapter_id: int, config: dict[str, Any], wire: list[list[Any]],
+                base: list[list[Any]] | None = None) -> dict[str, Any]:
+    """Resolve and check; ``{"rank", "pieces", "base"}`` (its blocks as the plan's destinations, the wire form
+    of ``DestsWire``; the fingerprints of ``base``, the trainer's base tensors ``[name, shape]``:
+    ``base_fingerprints``) or ``{"error"}`` (never raises into vLLM)."""
     try:
         metas = [meta_unwire(w) for w in wire]
         slots = lora_slots(worker)
         slots.plan(adapter_id, config, [(m.name, m.shape) for m in metas])
-        return {"rank": int(worker.rank), "pieces": pieces_to_wire(slots.dests(adapter_id))["pieces"]}
+        return {"rank": int(worker.rank), "pieces": pieces_to_wire(slots.dests(adapter_id))["pieces"],
+                "base": base_fingerprints(slots.manager.model, base) if base else {}}
     except Exception as e:  # noqa: BLE001 - reported to the trainer, raised there
         return {"error": describe(e)}
 
@@ -159,8 +168,9 @@ class LoRAWorkerExtension:
     needs no ``VLLM_ALLOW_INSECURE_SERIALIZATION``). Each answers a dict, ``{"error"}`` on failure: a
     worker never raises into vLLM during a sync (see ``weightsync.worker.engine``)."""
 
-    def weightsync_lora_plan(self, adapter_id: int, config: dict[str, Any], wire: list[list[Any]]) -> dict[str, Any]:
-        return worker_plan(self, adapter_id, config, wire)
+    def weightsync_lora_plan(self, adapter_id: int, config: dict[str, Any], wire: list[list[Any]],
+                             base: list[list[Any]] | None = None) -> dict[str, Any]:
+        return worker_plan(self, adapter_id, config, wire, base)
 
     def weightsync_lora_receive(self, adapter_id: int, host: str, port: int, base: int, world: int,
                                 num_trainer_ranks: int, timeout_s: float) -> dict[str, Any]:
@@ -220,7 +230,14 @@ def _checked(replies: list[Any], what: str) -> list[Any]:
 
 def _shared_error(e: Exception) -> dict[str, str]:
     """An init or set-up failure of rank 0 as every rank raises it (bad input stays a ``ValueError``)."""
-    return {"error": str(e), "kind": "ValueError"} if isinstance(e, ValueError) else {"error": describe(e)}
+    if isinstance(e, ValueError):
+        return {"error": str(e), "kind": type(e).__name__ if isinstance(e, Refused) else "ValueError"}
+    return {"error": describe(e)}
+
+
+def _raise_shared(error: dict[str, str]) -> None:
+    kind = {"Refused": Refused, "ValueError": ValueError}.get(error.get("kind", ""), RuntimeError)
+    raise kind(error["error"])
 
 
 class LoRASync:
@@ -245,9 +262,10 @@ class LoRASync:
         self.version = 0
         plans = self._share(self._plan_all() if source.rank == 0 else None)
         if isinstance(plans, dict):
-            raise (ValueError if plans.get("kind") == "ValueError" else RuntimeError)(plans["error"])
-        self.dests: list[list[DestPiece]] = [
-            pieces_from_wire(cast(DestsWire, w)) for ws in plans for w in sorted(ws, key=lambda w: w["rank"])]
+            _raise_shared(plans)
+        workers = [w for ws in plans for w in sorted(ws, key=lambda w: w["rank"])]
+        self._check_base([w.get("base", {}) for w in workers])
+        self.dests: list[list[DestPiece]] = [pieces_from_wire(cast(DestsWire, w)) for w in workers]
         self.engine_workers = [len(ws) for ws in plans]
         self._plan: Gathered = planned(source.sources, self.dests)
         self._dtypes = {s.name: s.dtype for s in source.sources}
@@ -260,12 +278,37 @@ class LoRASync:
             if not self.engines:
                 raise ValueError("engines: trainer rank 0 needs at least one engine")
             wire = [meta_wire(m) for m in self.source.metadata]
-            args = (self.adapter_id, self.source.config, wire)
+            args = (self.adapter_id, self.source.config, wire, [list(b) for b in self.source.base_metadata])
             futures = [_rpc(e, "weightsync_lora_plan", args, self.timeout_s) for e in self.engines]
             replies = _replies(futures, "weightsync_lora_plan", time.monotonic() + self.timeout_s)
             return [_checked(ws, "LoRA init") for ws in replies]
         except Exception as e:  # noqa: BLE001 - every rank raises it
             return _shared_error(e)
+
+    def _check_base(self, reported: list[dict[str, list[Any]]]) -> None:
+        """Every rank (the same outcome on each): ``Refused`` naming the first base tensor a worker holds
+        with other values than the trainer's (``reported``: per worker, name -> ``[dtype, fingerprint]``).
+        Collective over the trainer ranks (one all-reduce) when they are several."""
+        wanted = sorted({(name, dtype) for rep in reported for name, (dtype, _) in rep.items()})
+        if not wanted:
+            return
+        sums = torch.tensor(self.source.base_fingerprints([(n, dtype_from_name(d)) for n, d in wanted]),
+                            dtype=torch.int64)
+        if self.source.num_trainer_ranks > 1:  # int64 sums wrap as the fingerprints' do (modulo 2**64)
+            import torch.distributed as dist
+
+            on = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+            sums = sums.to(on)
+            dist.all_reduce(sums)
+        trainer = dict(zip(wanted, sums.cpu().tolist()))
+        for w, rep in enumerate(reported):
+            for name, (dtype, fp) in rep.items():
+                if fp != trainer[(name, dtype)]:
+                    raise Refused(f"parameter {name!r}: worker {w} serves other base weights than the trainer's "
+                                  f"(its {dtype} values' fingerprint {fp}, the trainer's {trainer[(name, dtype)]}): "
+                                  "a LoRA sync sends the adapter only, so the engine must already hold the "
+                                  "trainer's base model: start it from the trainer's base checkpoint (not "
+                                  "load_format='dummy', not another model or revision)")
 
     def _share(self, value: Any) -> Any:
         return value if self.source.num_trainer_ranks == 1 else share_json(value)
@@ -283,13 +326,14 @@ class LoRASync:
         """Each worker's shard of the adapter, in bytes (what it receives per sync)."""
         return list(self._plan.plan.coverage().lower_bound)
 
-    def sync(self, *, _fail_at: int | None = None) -> dict[str, Any]:
+    def sync(self, *, _fail_at: int | None = None) -> SyncStats:
         """Send this rank's parts; rank 0 then commits (or discards) on every worker and publishes the
-        outcome, which every rank returns or raises. Collective over the trainer ranks. Returns
-        ``{"version", "seconds"}`` (rank 0 also ``"received"``: the bytes per worker); raises
-        ``RuntimeError`` on every rank on failure, the previous version still serving. ``_fail_at``
-        (tests): this rank fails as it would post worker ``_fail_at`` its bytes (rounds posted before
-        went out)."""
+        outcome, which every rank returns or raises. Collective over the trainer ranks. Returns this
+        rank's ``SyncStats`` (``weight_version``: the adapter's new version, ``str(self.version)``;
+        ``bytes_sent``; ``phases["transfer"]``; rank 0 also ``bytes_received_per_worker`` and
+        ``lower_bound_per_worker``: each worker's shard); raises ``RuntimeError`` on every rank on
+        failure, the previous version still serving. ``_fail_at`` (tests): this rank fails as it would
+        post worker ``_fail_at`` its bytes (rounds posted before went out)."""
         comm = port = None
         if self.source.rank == 0:
             try:
@@ -313,7 +357,7 @@ class LoRASync:
             if comm is not None:
                 comm.shutdown()
 
-    def _lead(self, comm: Communicator, port: int, fail_at: int | None, t0: float) -> dict[str, Any]:
+    def _lead(self, comm: Communicator, port: int, fail_at: int | None, t0: float) -> SyncStats:
         """Rank 0: start every worker's receive, send, then settle the outcome on every worker."""
         n = self.source.num_trainer_ranks
         futures, base = [], n
@@ -321,7 +365,7 @@ class LoRASync:
             args = (self.adapter_id, self.host, port, base, n + self.workers, n, self.timeout_s)
             futures.append(_rpc(e, "weightsync_lora_receive", args, self.timeout_s))
             base += num
-        error = self._send(comm, fail_at)
+        error, sent = self._send(comm, fail_at)
         try:
             replies = [r for ws in _replies(futures, "weightsync_lora_receive", t0 + self.timeout_s + MARGIN_S)
                        for r in ws]
@@ -332,8 +376,9 @@ class LoRASync:
             try:
                 self._on_engines("weightsync_lora_commit", (self.adapter_id, self.version + 1), "LoRA commit")
                 self.version += 1
-                stats = {"version": self.version, "received": [r["received"] for r in replies],
-                         "seconds": time.monotonic() - t0}
+                stats = self._stats(sent, t0)
+                stats.bytes_received_per_worker = {w: int(r["received"]) for w, r in enumerate(replies)}
+                stats.lower_bound_per_worker = dict(enumerate(self.worker_bytes()))
                 return self._publish(comm, {"version": self.version}, stats)
             except Exception as e:  # noqa: BLE001 - the sync failed (reported on every rank)
                 failed = [describe(e)]
@@ -344,7 +389,7 @@ class LoRASync:
         except Exception:  # noqa: BLE001 - a stuck worker: its staged slot stays staged, never served
             pass
         message = f"LoRA sync of adapter_id {self.adapter_id} failed, version {self.version} still serving: {why}"
-        return self._publish(comm, {"error": message}, {})
+        return self._publish(comm, {"error": message}, self._stats(sent, t0))
 
     def _on_engines(self, method: str, args: tuple[Any, ...], what: str) -> None:
         """``method`` on every engine's workers, waited for at most ``MARGIN_S`` beyond ``timeout_s`` of the
@@ -353,7 +398,13 @@ class LoRASync:
         for ws in _replies(futures, method, time.monotonic() + MARGIN_S):
             _checked(ws, what)
 
-    def _publish(self, comm: Communicator, verdict: dict[str, Any], stats: dict[str, Any]) -> dict[str, Any]:
+    def _stats(self, sent: int, t0: float) -> SyncStats:
+        """This rank's stats of the sync that began at ``t0`` (``time.monotonic()``), ``sent`` bytes sent."""
+        return SyncStats(backend="lora", rank=self.source.rank, bytes_sent=sent, weight_version=str(self.version),
+                         num_tensors=len(self.source.metadata), num_steps=1,
+                         phases={"transfer": time.monotonic() - t0})
+
+    def _publish(self, comm: Communicator, verdict: dict[str, Any], stats: SyncStats) -> SyncStats:
         """Rank 0: the outcome for every rank, whose reading is waited for (at most ``timeout_s``) before the
         store goes; then rank 0's own outcome (the same as every rank's)."""
         keys = SyncKeys(verdict.get("version", self.version + 1))  # (the sync's number: the version it makes)
@@ -365,9 +416,9 @@ class LoRASync:
             raise RuntimeError(verdict["error"])
         return stats
 
-    def _follow(self, comm: Communicator, fail_at: int | None, t0: float) -> dict[str, Any]:
+    def _follow(self, comm: Communicator, fail_at: int | None, t0: float) -> SyncStats:
         """Ranks > 0: send, then take rank 0's outcome (it settles within ``timeout_s`` plus margins)."""
-        error = self._send(comm, fail_at)
+        error, sent = self._send(comm, fail_at)
         keys = SyncKeys(self.version + 1)
         limit = max(0.0, t0 + self.timeout_s + _OUTCOME_MARGIN_S - time.monotonic())
         if not comm.wait_for([keys.verdict], limit):
@@ -382,12 +433,12 @@ class LoRASync:
         if "error" in verdict:
             raise RuntimeError(verdict["error"]) from error
         self.version = int(verdict["version"])
-        return {"version": self.version, "seconds": time.monotonic() - t0}
+        return self._stats(sent, t0)
 
-    def _send(self, comm: Communicator, fail_at: int | None) -> BaseException | None:
+    def _send(self, comm: Communicator, fail_at: int | None) -> tuple[BaseException | None, int]:
         """Every rank: join the sync's data plane, agree on the plan's digest with every worker and send
         this rank's rounds from its local shards; the error, if any (recorded on the store first: every
-        party waiting there wakes)."""
+        party waiting there wakes), and the bytes sent."""
         n, source = self.source.num_trainer_ranks, self.source
         try:
             shards = source.shards()
@@ -405,11 +456,11 @@ class LoRASync:
                     raise RuntimeError(f"injected failure before worker {w}'s bytes")
                 return n + w
 
-            run_rounds(comm.data, self._rounds, torch.empty(STAGING_BYTES, dtype=torch.uint8, device=device),
-                       sender=True, peer_rank=peer_rank, dtypes=self._dtypes,
-                       tensor_of=lambda m, i: shards[m.items[i].name])
-            return None
+            sent = run_rounds(comm.data, self._rounds, torch.empty(STAGING_BYTES, dtype=torch.uint8, device=device),
+                              sender=True, peer_rank=peer_rank, dtypes=self._dtypes,
+                              tensor_of=lambda m, i: shards[m.items[i].name])
+            return None, sent
         except Exception as e:  # noqa: BLE001 - rank 0 settles it; every rank raises its outcome
             comm.fail(describe(e), e)
-            return e
+            return e, 0
 

@@ -44,11 +44,16 @@ __all__ = ["agree_on_metadata", "check_model", "coverage_gaps", "fingerprint", "
 _VOCAB = ("VocabParallelEmbedding", "ParallelLMHead")
 
 
+SOURCE_DTYPE = {"full": "FullTensorSource(dtype=...)", "local": "DTensorModuleSource(..., dtype=...)"}
+"""How a dtype refusal tells the trainer to send the engine's dtype, per source kind (``Transport.source``)."""
+
+
 def check_model(model: torch.nn.Module, metas: Sequence[tuple[str, str, Sequence[int]]], *,
-                cast_dtypes: bool = False, partial: Sequence[str] = ()) -> WorkerDestinations:
+                cast_dtypes: bool = False, partial: Sequence[str] = (), source: str = "full") -> WorkerDestinations:
     """This worker's destinations for ``metas`` once they agree with ``model`` (see the module
     docstring for what is refused); ``partial``: vLLM parameter names (or module prefixes) the
-    sync may leave as they are."""
+    sync may leave as they are; ``source``: the kind of source the transport reads (``"full"``,
+    ``"local"``), named in a dtype refusal's hint."""
     dests = resolve_destinations(model, metas)
     unknown = [f.name for f in dests.fallbacks if f.reason == UNKNOWN]
     if unknown:
@@ -56,7 +61,7 @@ def check_model(model: torch.nn.Module, metas: Sequence[tuple[str, str, Sequence
         raise ValueError(f"parameter {unknown[0]!r}{more}: the trainer sends it, but vLLM's "
                          f"{type(model).__name__} has no parameter or fused layer for it (the source's "
                          "name_map= maps the trainer's names to the checkpoint's)")
-    _check_dtypes(dests, metas, cast_dtypes)
+    _check_dtypes(dests, metas, cast_dtypes, SOURCE_DTYPE.get(source, SOURCE_DTYPE["full"]))
     gaps = coverage_gaps(model, dests, partial)
     if gaps:
         name, shape, left = gaps[0]
@@ -67,7 +72,8 @@ def check_model(model: torch.nn.Module, metas: Sequence[tuple[str, str, Sequence
     return dests
 
 
-def _check_dtypes(dests: WorkerDestinations, metas: Sequence[tuple[str, str, Sequence[int]]], cast: bool) -> None:
+def _check_dtypes(dests: WorkerDestinations, metas: Sequence[tuple[str, str, Sequence[int]]], cast: bool,
+                  source: str) -> None:
     sent = {name: dtype for name, dtype, _ in metas}
     quantized = set(dests.quantized)
     for p in dests.placed:
@@ -79,7 +85,7 @@ def _check_dtypes(dests: WorkerDestinations, metas: Sequence[tuple[str, str, Seq
             continue
         floats = all(getattr(torch, d).is_floating_point for d in (have, want))
         if not cast or not floats:
-            hint = ("send the engine's dtype (FullTensorSource(dtype=...)) or set cast_dtypes=True in the "
+            hint = (f"send the engine's dtype ({source}) or set cast_dtypes=True in the "
                     "trainer's init info" if floats else "a cast between these kinds would change the values")
             raise ValueError(f"parameter {p.name!r}: the trainer sends {have}, vLLM's {p.param} holds {want} "
                              f"({hint})")

@@ -140,7 +140,8 @@ class WorkerEngine:
         wire = [m if isinstance(m, dict) else m.wire() for m in metas]
         triples = [(m["name"], m["dtype"], m["shape"]) for m in wire]
         require_drafter(self.model, triples)
-        dests = check_model(self.model, triples, cast_dtypes=self.info.cast_dtypes, partial=tuple(self.info.partial))
+        dests = check_model(self.model, triples, cast_dtypes=self.info.cast_dtypes, partial=tuple(self.info.partial),
+                            source=type(self).spec.source)
         self.drafter_bytes = drafter_bytes(self.model, dests, triples) if isinstance(self.model, WithDrafter) else None
         return dests
 

@@ -34,11 +34,13 @@ from typing import Any
 
 import torch
 
+from ..fingerprint import fingerprint
 from ..plan.regions import Region
 from ..plan.transfer import DestPiece
+from ..protocol import dtype_name
 from .destinations import on_other_stage
 
-__all__ = ["LoRABlock", "LoRASlots", "lora_slots"]
+__all__ = ["LoRABlock", "LoRASlots", "lora_slots", "base_fingerprints"]
 
 
 @dataclass(frozen=True)
@@ -330,3 +332,16 @@ def lora_slots(worker: Any) -> LoRASlots:
 
 def _short(names: list[str], limit: int = 4) -> str:
     return ", ".join(names[:limit]) + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+def base_fingerprints(model: torch.nn.Module, wanted: list[list[Any]]) -> dict[str, list[Any]]:
+    """For the trainer's base tensors ``wanted`` (``[vLLM name, full shape]``, 1-D) that this worker
+    holds whole under that name (``.base_layer`` dropped): name -> ``[dtype, fingerprint]`` of its live
+    values (:mod:`weightsync.fingerprint`); the trainer compares them with its own (``LoRASync``)."""
+    live = {n.replace(".base_layer.", "."): p for n, p in model.named_parameters()}
+    out: dict[str, list[Any]] = {}
+    for name, shape in wanted:
+        p = live.get(name)
+        if p is not None and list(p.shape) == list(shape) and p.dim() == 1:
+            out[name] = [dtype_name(p.dtype), fingerprint(p.data, (0,), tuple(p.shape), p.dtype)]
+    return out
