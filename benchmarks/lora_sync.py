@@ -68,13 +68,14 @@ def main() -> int:
         source = LoRASource(model)
         sync = LoRASync(source, 1, [handle], timeout_s=120.0)
         runs = [sync.sync() for _ in range(args.syncs)]
-        seconds = [r["seconds"] for r in runs[1:]]
+        seconds = [r.seconds for r in runs[1:]]
         result = {
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_avg_start": load0,
                         "load_avg_end": os.getloadavg()[0]},
             "args": vars(args), "model": "small_qwen3", "dtype": "bfloat16", "engine_start_s": round(start_s, 1),
             "adapter_bytes": source.nbytes, "full_model_bytes": full_bytes,
-            "received_per_worker": runs[-1]["received"], "shard_bytes": sync.worker_bytes(),
+            "received_per_worker": list(runs[-1].bytes_received_per_worker.values()),
+            "shard_bytes": sync.worker_bytes(),
             "sync_s": seconds, "sync_s_median": statistics.median(seconds),
         }
     finally:

@@ -58,7 +58,7 @@ def main() -> bool:
             out = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False,
                                lora_request=LoRARequest("policy", 1, "weightsync://policy"))
             tokens, hf = list(out[0].outputs[0].token_ids), hf_tokens(peft_model)
-            print(f"step {step}: adapter version {result['version']} in {result['seconds']:.3f} s, "
+            print(f"step {step}: adapter version {result.weight_version} in {result.seconds:.3f} s, "
                   f"engine tokens {tokens}, HF + PEFT tokens {hf}")
             ok = ok and tokens == hf
     finally:

@@ -127,7 +127,8 @@ def test_lora_stages_together_hold_the_slots_of_an_engine_without_pp(ray_session
     try:
         for pp in (1, PP):
             handle = _start(ray_session, base, 1, pp=pp)
-            received[pp] = LoRASync(LoRASource(adapter), 1, [handle], timeout_s=120.0).sync()["received"]
+            received[pp] = LoRASync(LoRASource(adapter), 1, [handle], timeout_s=120.0).sync().bytes_received_per_worker
+            received[pp] = list(received[pp].values())
             slots[pp] = ray.get(handle.lora_slots.remote(1), timeout=600)
     finally:
         ray_session.stop_engines()
