@@ -58,7 +58,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from .errors import DataPlaneError
 
 __all__ = ["MIN_SECRET_BYTES", "SECRET_ENV", "ForgedValueError", "SealedStore", "group_keys", "listen_socket",
-           "open_store", "store_secret"]
+           "loopback_store", "open_store", "store_secret"]
 
 SECRET_ENV = "WEIGHTSYNC_STORE_SECRET"
 """The environment variable every party reads the shared secret from (unset or empty: no secret)."""
@@ -290,6 +290,15 @@ def _host_store(host: str, port: int, timeout: timedelta) -> Any:
             if ours:
                 os.close(fd)
             raise
+
+
+def loopback_store(port: int, *, is_master: bool, timeout: timedelta) -> Any:
+    """A plain TCPStore at ``127.0.0.1:port``, hosted on a socket listening on loopback only, or a client of
+    it: for ``dist.init_process_group(store=...)`` on one machine (``init_method="tcp://127.0.0.1:..."``
+    makes torch host its store on every interface)."""
+    if is_master:
+        return _host_store("127.0.0.1", port, timeout)
+    return dist.TCPStore("127.0.0.1", port, None, is_master=False, timeout=timeout, use_libuv=True)
 
 
 def open_store(host: str, port: int, timeout_s: float, *, is_master: bool, secret: str | bytes | None,

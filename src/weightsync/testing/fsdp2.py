@@ -77,8 +77,11 @@ def init_group(world: int, rank: int, port: int) -> None:
     STATE.pop("trainer", None)
     if dist.is_initialized():
         dist.destroy_process_group()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
+    from ..sealed import loopback_store
+
+    timeout = timedelta(seconds=120)  # (the store listens on loopback only: see ``loopback_store``)
+    dist.init_process_group("gloo", store=loopback_store(port, is_master=rank == 0, timeout=timeout), rank=rank,
+                            world_size=world, timeout=timeout)
 
 
 def build(config: Any) -> None:

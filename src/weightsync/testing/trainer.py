@@ -38,9 +38,11 @@ def setup(model_dir: str, *, world: int, rank: int, port: int, dtype: str, seed:
 
     from ..integrations.fsdp2.config import ModelConfig
     from ..integrations.fsdp2.model import apply_fsdp, load_hf_config
+    from ..sealed import loopback_store
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=300))
+    timeout = timedelta(seconds=300)  # (the store listens on loopback only: see ``loopback_store``)
+    store = loopback_store(port, is_master=rank == 0, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     cfg = load_hf_config(model_dir)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))

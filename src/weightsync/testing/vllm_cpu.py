@@ -36,6 +36,7 @@ ENGINE_ENV = {
     "VLLM_LOGGING_LEVEL": "ERROR",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # Ray's single-machine mode: node on 127.0.0.1, ports on loopback
+    "GLOO_SOCKET_IFNAME": "lo",              # gloo's pairs (trainers', data planes', vLLM's TP) on loopback, not "::"
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_DEDUP_LOGS": "0",
     "TOKENIZERS_PARALLELISM": "false",
