@@ -121,7 +121,8 @@ def test_a_worker_that_lost_its_weights_takes_its_position_dense_in_every_replic
     dense to both replicas (each worker its whole shard), position 0 sparse; all bit-exact."""
     lay = layout(2, 2, dtype="bfloat16", trainer_dtype="float32")
     cluster.setup(lay, fresh=True)
-    cluster.make_engines(init_info("weightsync_m2n", lay, delta=True), source="local", wire_dtype="bfloat16")
+    cluster.make_engines(init_info("weightsync_m2n", lay, delta=True, fan_out="chain"), source="local",
+                         wire_dtype="bfloat16")
     cluster.sync("v0")
     cluster.train_step(1, lr=1e-5)
     assert cluster.sync("v1")["delta"]["workers"] == [0, 1, 2, 3]
@@ -156,7 +157,7 @@ def test_fan_out_is_validated_naming_the_field():
     with pytest.raises(ValueError, match="fan_out must be one of 'auto', 'chain', 'tree', 'off', got 'star'"):
         init_info("weightsync_m2n", lay, fan_out="star")
     info = init_info("weightsync_m2n", lay)
-    assert info.fan_out == "auto"
+    assert info.fan_out == "off"  # (opt-in: docs/benchmarks.md, "Replica fan-out")
     with pytest.raises(ValueError, match="fan_out must be one of"):
         dataclasses.replace(info, fan_out=None)
 
