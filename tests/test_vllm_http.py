@@ -499,16 +499,21 @@ def test_a_workers_refusal_of_an_unannounced_finish_is_403_and_the_update_stays_
 
 
 # --- issue 58: a token the server refuses is ``Unauthorized`` naming the token, on every trainer rank --------
+def _guarded_server(cluster, actor, token: str) -> str:
+    """A second HTTP front to the cluster's receivers that requires ``token``; its URL."""
+    port = free_port()
+    actor.call("weightsync.testing.client:serve_http", [[a.address for a in cluster.active_receivers]], port,
+               token=token)
+    return f"http://127.0.0.1:{port}"
+
+
 @pytest.mark.vllm
 @pytest.mark.timeout(600)
 def test_a_missing_or_wrong_token_is_unauthorized_naming_it(cluster, http_server):
     from weightsync import Refused, Unauthorized
 
     url, actor, layout = http_server
-    port = free_port()
-    actor.call("weightsync.testing.client:serve_http", [[a.address for a in cluster.active_receivers]], port,
-               token="s3cret")
-    guarded = f"http://127.0.0.1:{port}"
+    guarded = _guarded_server(cluster, actor, "s3cret")
     for token, sent in ((None, "sent no token"), ("wrong", "sent a token that is not the server's")):
         with pytest.raises(Unauthorized) as e:
             HTTPVLLMWeightSyncClient(guarded, token=token).pause_generation()
@@ -532,10 +537,7 @@ def test_a_missing_or_wrong_token_is_unauthorized_naming_it(cluster, http_server
                    "once; to investigate (issue 58)")
 def test_a_missing_token_at_trainer_init_is_unauthorized_on_every_rank(cluster, http_server):
     url, actor, layout = http_server
-    port = free_port()
-    actor.call("weightsync.testing.client:serve_http", [[a.address for a in cluster.active_receivers]], port,
-               token="s3cret")
-    guarded = f"http://127.0.0.1:{port}"
+    guarded = _guarded_server(cluster, actor, "s3cret")
     futs = [a.submit("weightsync.testing.trainer:make_engine", init_info("weightsync_m2n", layout, timeout_s=120.0),
                      HTTPVLLMWeightSyncClient(guarded), source="local") for a in cluster.active_trainers]
     for f in futs:  # every rank: the client's own error, not "DataPlaneError: a party failed ... HTTP 401"
