@@ -1,37 +1,48 @@
 #!/usr/bin/env bash
-# Set up, then run the test suite: lint (ruff) and types (mypy) and the main suite in .venv, then the
-# real-engine tier (tests/engine) in .venv-engine. Fails if any fails or a tier collects nothing. With both tiers, .venv-engine is set up
-# in the background while the main tier runs (after .venv's install: the two never build at once).
+# Set up, then run the test suite: lint (ruff), types (mypy) and the main suite in .venv, and the real-engine
+# tier (tests/engine) in .venv-engine. Fails if any fails or a tier collects nothing.
+# With both tiers (the default, what CI runs), the engine tier is set up and run in the background while the
+# main tier runs (after .venv's install: the two never build at once). Most of either tier's time is waiting
+# on other processes (engine starts, timeouts, peers), so together they take little more than the longer one.
+# The main tier prints as it runs; the engine tier's output follows, from its start, once the main tier is done.
 # Usage: scripts/test.sh [--main|--engine] [pytest args]   (default: both tiers; args go to each run)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 tiers="main engine"
 case "${1:-}" in --main) tiers=main; shift ;; --engine) tiers=engine; shift ;; esac
+
+verdict() {  # verdict TIER PYTEST_EXIT: 0 if the tier passed
+  local rc=$2
+  if [ "$rc" -eq 5 ]; then echo "pytest collected no tests in the $1 tier: failing" >&2; rc=1; fi
+  [ "$rc" -eq 0 ] || echo "the $1 tier failed (pytest exit $rc)" >&2
+  [ "$rc" -eq 0 ]
+}
+
+engine_tier() {  # set up .venv-engine, then run tests/engine; its pytest exit code (1 if the setup failed)
+  scripts/setup.sh engine || return 1
+  .venv-engine/bin/python -m pytest tests/engine "$@"
+}
+
 status=0
-early=""
-for tier in $tiers; do
-  if [ "$tier" = engine ] && [ -n "$early" ]; then
-    wait "$engine_setup"; rc=$?
-    cat "$early" >&2; rm -f "$early"
-    [ "$rc" -eq 0 ] || exit 1
-  else
-    scripts/setup.sh "$tier" || exit 1
-  fi
-  if [ "$tiers" = "main engine" ] && [ "$tier" = main ]; then
-    early=$(mktemp)
-    scripts/setup.sh engine > "$early" 2>&1 &
-    engine_setup=$!
-    trap 'kill "$engine_setup" 2>/dev/null' EXIT
-  fi
-  if [ "$tier" = main ]; then
-    .venv/bin/ruff check src tests benchmarks examples scripts || { echo "ruff failed" >&2; status=1; }
-    .venv/bin/mypy || { echo "mypy failed" >&2; status=1; }
-    .venv/bin/python -m pytest --ignore=tests/engine "$@"
-  else
-    .venv-engine/bin/python -m pytest tests/engine "$@"
-  fi
-  rc=$?
-  if [ "$rc" -eq 5 ]; then echo "pytest collected no tests in the $tier tier: failing" >&2; rc=1; fi
-  [ "$rc" -eq 0 ] || { echo "the $tier tier failed (pytest exit $rc)" >&2; status=1; }
-done
+if [ "$tiers" = engine ]; then
+  engine_tier "$@"; verdict engine $? || status=1
+  exit "$status"
+fi
+
+scripts/setup.sh main || exit 1
+if [ "$tiers" = "main engine" ]; then
+  engine_log=$(mktemp)
+  engine_tier "$@" > "$engine_log" 2>&1 &
+  engine_pid=$!
+  trap 'kill "$engine_pid" 2>/dev/null; rm -f "$engine_log"' EXIT
+fi
+.venv/bin/ruff check src tests benchmarks examples scripts || { echo "ruff failed" >&2; status=1; }
+.venv/bin/mypy || { echo "mypy failed" >&2; status=1; }
+.venv/bin/python -m pytest --ignore=tests/engine "$@"
+verdict main $? || status=1
+if [ "$tiers" = "main engine" ]; then
+  echo "--- the engine tier (tests/engine), run alongside the main tier ---"
+  tail --pid="$engine_pid" -n +1 -f "$engine_log"
+  wait "$engine_pid"; verdict engine $? || status=1
+fi
 exit "$status"

