@@ -61,6 +61,19 @@ def until(condition: Any, what: str, timeout_s: float) -> None:
         time.sleep(0.01)
 
 
+def listeners(port: int) -> list[str]:
+    """The local addresses (hex, as /proc/net/tcp* writes them) of this host's sockets listening on ``port``."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, _, hex_port = local.partition(":")
+                if state == "0A" and int(hex_port, 16) == port:
+                    found.append(address)
+    return found
+
+
 def mismatches(cluster: Any) -> dict[str, list[str]]:
     """Receiver name -> parameters that differ from vLLM's loader of the trainer's weights (empty: exact)."""
     return {k: v for k, v in cluster.verify().items() if v}

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers import until
+from helpers import listeners, until
 from weightsync.comm import Communicator
 from weightsync.errors import DataPlaneError
 from weightsync.sealed import SECRET_ENV, ForgedValueError
@@ -28,24 +28,11 @@ SECRET = "4f1c-shared-secret-of-the-test-" + "0123456789abcdef" * 2  # >= 32 byt
 PLAIN = "plan-digest-0123456789abcdef"
 
 
-def _listeners(port: int) -> list[str]:
-    """The local addresses (hex, as /proc/net/tcp* writes them) listening on ``port``."""
-    found = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for line in f.readlines()[1:]:
-                local, state = line.split()[1], line.split()[3]
-                address, _, hex_port = local.partition(":")
-                if state == "0A" and int(hex_port, 16) == port:
-                    found.append(address)
-    return found
-
-
 @pytest.mark.parametrize("secret", [None, SECRET])
 def test_the_store_listens_on_the_named_address_only(secret):
     host = Communicator.connect("127.0.0.1", 0, name="host", timeout_s=TIMEOUT_S, host_store=True, secret=secret)
     try:
-        assert _listeners(host.port) == ["0100007F"]  # 127.0.0.1 only: not 0.0.0.0, not [::]
+        assert listeners(host.port) == ["0100007F"]  # 127.0.0.1 only: not 0.0.0.0, not [::]
         client = Communicator.connect("127.0.0.1", host.port, name="client", timeout_s=TIMEOUT_S, secret=secret)
         host.publish("k", [1, 2])
         assert client.read("k") == [1, 2]

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers import init_info, mismatches
+from helpers import init_info, listeners, mismatches, until
 from weightsync import HTTPVLLMWeightSyncClient, RemoteCallError
 from weightsync.clients import paused
 from weightsync.integrations.vllm_http import WeightSyncRequestValidation, validate_request
@@ -531,19 +531,18 @@ def test_a_missing_or_wrong_token_is_unauthorized_naming_it(cluster, http_server
 
 
 @pytest.mark.vllm
-@pytest.mark.timeout(900)
-@pytest.mark.xfail(strict=True, reason="seen twice on 2026-12-06: a trainer rank raised DistNetworkError (could not "
-                   "reach rank 0's store within timeout_s) instead of Unauthorized when rank 0's init call failed at "
-                   "once; to investigate (issue 58)")
+@pytest.mark.timeout(900)  # (run alone, the module's cluster and HTTP front start within it)
 def test_a_missing_token_at_trainer_init_is_unauthorized_on_every_rank(cluster, http_server):
     url, actor, layout = http_server
     guarded = _guarded_server(cluster, actor, "s3cret")
-    futs = [a.submit("weightsync.testing.trainer:make_engine", init_info("weightsync_m2n", layout, timeout_s=120.0),
-                     HTTPVLLMWeightSyncClient(guarded), source="local") for a in cluster.active_trainers]
+    info = init_info("weightsync_m2n", layout, timeout_s=120.0)  # drawn once: every rank needs the same master_port
+    futs = [a.submit("weightsync.testing.trainer:make_engine", info, HTTPVLLMWeightSyncClient(guarded),
+                     source="local") for a in cluster.active_trainers]
     for f in futs:  # every rank: the client's own error, not "DataPlaneError: a party failed ... HTTP 401"
         with pytest.raises(RemoteError) as e:
-            f.result(timeout=300)
+            f.result(timeout=60)  # at once: well within timeout_s, which no rank waits out
         first = str(e.value).splitlines()[0].split(" failed: ", 1)[1]
         assert first.startswith(f"Unauthorized: POST {guarded}/init_weight_transfer_engine -> HTTP 401: the server "
                                 "requires its weight-transfer token and this client sent no token: pass token=<the "
                                 "server's WEIGHTSYNC_HTTP_TOKEN>"), first
+    until(lambda: not listeners(info.master_port), f"rank 0's store left its port {info.master_port} listening", 60)
