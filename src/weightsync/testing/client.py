@@ -150,6 +150,10 @@ class _EngineClient:
         if weight_version is not None:
             self.version = weight_version
 
+    async def shutdown_weight_transfer_engine(self):
+        self.calls.append(("shutdown",))
+        await asyncio.to_thread(self.local.shutdown_weight_transfer_engine)
+
     async def get_weight_version(self):
         return self.version
 
