@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Set up, then run the test suite: lint (ruff), types (mypy) and the main suite in .venv, and the real-engine
 # tier (tests/engine) in .venv-engine. Fails if any fails or a tier collects nothing.
-# With both tiers (the default, what CI runs), the engine tier is set up and run in the background while the
-# main tier runs (after .venv's install: the two never build at once). Most of either tier's time is waiting
-# on other processes (engine starts, timeouts, peers), so together they take little more than the longer one.
-# The main tier prints as it runs; the engine tier's output follows, from its start, once the main tier is done.
+# With both tiers (the default, what CI runs), .venv-engine is set up first, then the engine tier (the longer
+# one) runs in the background while .venv is set up and the main tier runs (the two venvs never build at
+# once). Most of either tier's time is waiting on other processes (engine starts, timeouts, peers), so
+# together they take little more than the longer one. The main tier prints as it runs; the engine tier's
+# output follows, from its start, once the main tier is done.
 # Usage: scripts/test.sh [--main|--engine] [pytest args]   (default: both tiers; args go to each run)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,24 +19,19 @@ verdict() {  # verdict TIER PYTEST_EXIT: 0 if the tier passed
   [ "$rc" -eq 0 ]
 }
 
-engine_tier() {  # set up .venv-engine, then run tests/engine; its pytest exit code (1 if the setup failed)
-  scripts/setup.sh engine || return 1
-  .venv-engine/bin/python -m pytest tests/engine "$@"
-}
-
 status=0
-if [ "$tiers" = engine ]; then
-  engine_tier "$@"; verdict engine $? || status=1
-  exit "$status"
-fi
-
-scripts/setup.sh main || exit 1
-if [ "$tiers" = "main engine" ]; then
+if [ "$tiers" != main ]; then
+  scripts/setup.sh engine || exit 1
+  if [ "$tiers" = engine ]; then
+    .venv-engine/bin/python -m pytest tests/engine "$@"; verdict engine $? || status=1
+    exit "$status"
+  fi
   engine_log=$(mktemp)
-  engine_tier "$@" > "$engine_log" 2>&1 &
+  .venv-engine/bin/python -m pytest tests/engine "$@" > "$engine_log" 2>&1 &
   engine_pid=$!
   trap 'kill "$engine_pid" 2>/dev/null; rm -f "$engine_log"' EXIT
 fi
+scripts/setup.sh main || exit 1
 .venv/bin/ruff check src tests benchmarks examples scripts || { echo "ruff failed" >&2; status=1; }
 .venv/bin/mypy || { echo "mypy failed" >&2; status=1; }
 .venv/bin/python -m pytest --ignore=tests/engine "$@"
