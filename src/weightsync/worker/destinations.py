@@ -146,6 +146,16 @@ def checkpoint_layout(module: Any) -> dict[str, torch.Tensor]:
     return dict(info.restore_metadata[0]) if info is not None else {}
 
 
+def layout_recorded(module: Any) -> bool:
+    """Whether vLLM recorded ``module``'s checkpoint layout (then a live parameter outside it, e.g.
+    MLA's ``W_UV`` / ``W_UK_T``, was made by post-load processing: no checkpoint tensor writes it)."""
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    except ImportError:  # pragma: no cover
+        return False
+    return LAYERWISE_INFO.get(module) is not None
+
+
 def _layout_buffers(module: Any) -> list[str]:
     """Buffers vLLM recorded in ``module``'s checkpoint layout (restored, not written, on reload)."""
     try:
