@@ -5,9 +5,11 @@ builds it, the target's embedding and lm_head shared into it as vLLM's proposer 
 TP 2, over M2N and the broadcast (dense then delta) and IPC (dense): every parameter of the target and
 of the drafter equals vLLM's own loading of the same checkpoint (the target's into the target, the EAGLE checkpoint's
 into the drafter); on M2N each worker receives exactly its shard bytes; ``SyncStats`` counts the
-drafter's bytes apart. A trainer that sends none of the drafter's tensors is refused at init on every
-rank, naming the drafter and its parameters; one that declares ``drafter="frozen"`` syncs the target
-and leaves the drafter as it is."""
+drafter's bytes apart. The same for a tiny DeepSeek-V3-style target (MLA) with one MTP layer
+(vLLM's ``DeepSeekMTP``), its tensors sent as ``model.layers.1.*``, over M2N and the broadcast. A
+trainer that sends none of the drafter's tensors is refused at init on every rank, naming the
+drafter and its parameters; one that declares ``drafter="frozen"`` syncs the target and leaves the
+drafter as it is."""
 
 from __future__ import annotations
 
@@ -26,6 +28,9 @@ EAGLE = ("tiny_llama", "tiny_llama_eagle", "eagle")
 LAYOUTS = {"m2n": Layout(trainers=2, tp=2, model="tiny_llama", backend="weightsync_m2n"),
            "broadcast": Layout(trainers=2, tp=2, model="tiny_llama", backend="weightsync_nccl"),
            "ipc": Layout(trainers=2, tp=2, model="tiny_llama", backend="weightsync_ipc")}
+MTP = ("tiny_deepseek_mtp", "tiny_deepseek_mtp", "mtp")
+MTP_LAYOUTS = {"m2n": Layout(trainers=2, tp=2, model="tiny_deepseek_mtp", backend="weightsync_m2n"),
+               "broadcast": Layout(trainers=2, tp=2, model="tiny_deepseek_mtp", backend="weightsync_nccl")}
 SOURCE = {"weightsync_m2n": "local", "weightsync_nccl": "full", "weightsync_ipc": "full"}
 
 
@@ -40,7 +45,7 @@ def setup_pair(cluster, layout: Layout, spec: tuple[str, str, str]) -> list[str]
                            tp=layout.tp, rank=r, port=port, dtype=layout.dtype, backend=layout.backend,
                            timeout_s=1200)
                   for r, a in enumerate(cluster.active_receivers)])
-    cluster.on_trainers(_D + "setup_trainer_drafter", model_config_dir(draft))
+    cluster.on_trainers(_D + "setup_trainer_drafter", model_config_dir(draft), method=method)
     return own[0]
 
 
@@ -56,12 +61,9 @@ def check_exact(cluster) -> None:
     assert cluster.on_receivers(_D + "compare_with_oracle", target_sd, drafter_sd) == [[], []]
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_eagle_head_synced_with_the_target_dense_then_delta(cluster, name):
-    layout = LAYOUTS[name]
-    own = setup_pair(cluster, layout, EAGLE)
-    assert own and all(n.startswith("drafter.model.") for n in own)
-    assert "drafter.model.fc.weight" in own and not any("embed_tokens" in n for n in own)  # shared: the target's
+def sync_dense_then_delta(cluster, layout: Layout, own: list[str]) -> None:
+    """Dense, then two train steps (target and drafter) as deltas where the transport has them: after
+    each, every parameter of both equals vLLM's own loading; on M2N each worker receives its shards."""
     before = cluster.on_receivers(_D + "drafter_params")
     delta = transport(layout.backend).capabilities.delta
     make_engines(cluster, layout, delta=delta)
@@ -82,6 +84,27 @@ def test_eagle_head_synced_with_the_target_dense_then_delta(cluster, name):
         assert not delta or stats["delta"]["base"] == step, stats["delta"]
         assert stats["drafter_bytes_per_worker"] == drafter
     cluster.on_trainers("shutdown_engine")
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_eagle_head_synced_with_the_target_dense_then_delta(cluster, name):
+    layout = LAYOUTS[name]
+    own = setup_pair(cluster, layout, EAGLE)
+    assert own and all(n.startswith("drafter.model.") for n in own)
+    assert "drafter.model.fc.weight" in own and not any("embed_tokens" in n for n in own)  # shared: the target's
+    sync_dense_then_delta(cluster, layout, own)
+
+
+@pytest.mark.parametrize("name", list(MTP_LAYOUTS))
+def test_deepseek_mtp_layer_synced_with_the_target_dense_then_delta(cluster, name):
+    """DeepSeek-V3-style target (MLA, dense MLP) with one MTP layer (vLLM's ``DeepSeekMTP``), TP 2: the
+    trainer sends the layer as its checkpoint names it, ``model.layers.1.*`` (the target has one layer)."""
+    layout = MTP_LAYOUTS[name]
+    own = setup_pair(cluster, layout, MTP)
+    layer = "drafter.model.layers.1."
+    assert {layer + "eh_proj.weight", layer + "mtp_block.mlp.gate_up_proj.weight"} <= set(own)
+    assert not any("embed_tokens" in n or "shared_head.head" in n for n in own)  # shared: the target's
+    sync_dense_then_delta(cluster, layout, own)
 
 
 def test_a_trainer_that_sends_no_drafter_tensors_is_refused_on_every_rank(cluster):

@@ -9,7 +9,9 @@ parameter of both against vLLM's own loading of the trainer's checkpoint into a 
 
 Trainer side (:func:`setup_trainer_drafter`): the drafter's checkpoint tensors as a module of their own
 (an EAGLE head: ``fc`` + one Llama decoder layer without its input norm), FSDP2-sharded beside the
-model, sent by the sources' ``drafter=``.
+model, sent by the sources' ``drafter=``; DeepSeek-style MTP layers (:class:`MtpLayers`: ``enorm``,
+``hnorm``, ``eh_proj``, ``shared_head.norm`` and a decoder layer, as ``model.layers.{N}.*`` with N >= the
+target's layer count; the embedding and ``shared_head.head`` are the target's, as vLLM shares them).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 from .actors import STATE
 
 __all__ = ["setup_receiver", "compare_with_oracle", "drafter_params", "setup_trainer_drafter", "perturb_drafter",
-           "drafter_state_dict", "make_engine", "EagleHead"]
+           "drafter_state_dict", "make_engine", "EagleHead", "MtpLayers"]
 
 
 def _configs(model_dir: str, draft_dir: str, method: str, tp: int, dtype: str, backend: str) -> Any:
@@ -78,6 +80,12 @@ def _share_like_the_proposer(drafter: torch.nn.Module, target: torch.nn.Module) 
         if hasattr(drafter, "lm_head"):
             del drafter.lm_head
         drafter.lm_head = target.lm_head
+        layers = getattr(inner, "layers", None)  # MTP layers: each one's shared_head.head is the target's too
+        for layer in (layers.values() if isinstance(layers, torch.nn.ModuleDict) else layers or ()):
+            head = getattr(layer, "shared_head", None)
+            if head is not None and hasattr(head, "head"):
+                del head.head
+                head.head = target.lm_head
 
 
 def setup_receiver(model_dir: str, draft_dir: str, *, method: str, tp: int, rank: int, port: int, dtype: str,
@@ -157,16 +165,39 @@ class EagleHead(torch.nn.Module):
         del self.layers[0].input_layernorm
 
 
-def setup_trainer_drafter(draft_dir: str, *, seed: int = 1) -> list[str]:
-    """On every trainer rank (after ``trainer.setup``): the drafter's module, seeded alike on every rank,
-    FSDP2-sharded on the trainer's mesh; returns its parameter names."""
+class MtpLayers(torch.nn.Module):
+    """DeepSeek-style MTP layers as the checkpoint names them: ``model.layers.{N}`` (N from the target's
+    layer count on) with ``enorm``, ``hnorm``, ``eh_proj`` [H, 2H], ``shared_head.norm`` and a DeepSeek-V3
+    decoder layer's own tensors; no embedding or ``shared_head.head`` (the target's, as vLLM shares them)."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
+
+        first, h = config.num_hidden_layers, config.hidden_size
+        layers = {}
+        for i in range(first, first + config.num_nextn_predict_layers):
+            layer = DeepseekV3DecoderLayer(config, i)
+            layer.enorm, layer.hnorm = DeepseekV3RMSNorm(h), DeepseekV3RMSNorm(h)
+            layer.eh_proj = torch.nn.Linear(2 * h, h, bias=False)
+            layer.shared_head = torch.nn.Module()
+            layer.shared_head.norm = DeepseekV3RMSNorm(h)
+            layers[str(i)] = layer
+        self.model = torch.nn.Module()
+        self.model.layers = torch.nn.ModuleDict(layers)
+
+
+def setup_trainer_drafter(draft_dir: str, *, method: str = "eagle", seed: int = 1) -> list[str]:
+    """On every trainer rank (after ``trainer.setup``): the drafter's module (``method`` ``"eagle"``: an
+    :class:`EagleHead`; ``"mtp"``: :class:`MtpLayers`), seeded alike on every rank, FSDP2-sharded on the
+    trainer's mesh; returns its parameter names."""
     from torch.distributed.fsdp import fully_shard
 
     from ..integrations.fsdp2.model import load_hf_config
 
     cfg = load_hf_config(draft_dir)
     torch.manual_seed(seed)
-    head = EagleHead(cfg).to(next(STATE["model"].parameters()).dtype)
+    head = (MtpLayers(cfg) if method == "mtp" else EagleHead(cfg)).to(next(STATE["model"].parameters()).dtype)
     fully_shard(head)
     STATE["drafter"] = head
     return [n for n, _ in head.named_parameters()]

@@ -33,7 +33,7 @@ import torch
 from ..control import Listing, agree, model_digest, model_metas
 from ..plan.buckets import metadata_digest
 from ..plan.regions import Region, format_regions, uncovered
-from .destinations import UNKNOWN, WorkerDestinations, checkpoint_layout, resolve_destinations
+from .destinations import UNKNOWN, WorkerDestinations, checkpoint_layout, layout_recorded, resolve_destinations
 from .fp8 import check_sent_dtype, kv_cache_scale
 
 if TYPE_CHECKING:
@@ -110,7 +110,7 @@ def coverage_gaps(model: torch.nn.Module, dests: WorkerDestinations,
         if kv_cache_scale(modules[path], attr):
             continue  # optional in a checkpoint (kv_cache_scheme), not in a trainer's model
         layout = layouts.setdefault(path, checkpoint_layout(modules[path]))
-        if layout and attr not in layout:
+        if attr not in layout and (layout or layout_recorded(modules[path])):
             continue  # derived by vLLM's processing, not part of the checkpoint
         shape = tuple(int(s) for s in (layout[attr].shape if attr in layout else live.shape))
         left = uncovered(shape, written.get(name, []) + _padding(modules[path], live, shape))

@@ -134,25 +134,32 @@ class _ModelView:
         return self.owner.get(id(getattr(module, pname.rpartition(".")[2]))) != pname
 
 
+def _layerwise_info(module: Any) -> Any:
+    """What vLLM recorded of ``module`` for layerwise reload, or None."""
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    except ImportError:  # pragma: no cover - vLLM without layerwise reload
+        return None
+    return LAYERWISE_INFO.get(module)
+
+
 def checkpoint_layout(module: Any) -> dict[str, torch.Tensor]:
     """``module``'s parameters as vLLM's loader creates and writes them, before post-load processing:
     the meta tensors vLLM records for layerwise reload (shape, dtype, loader attributes); ``{}``
     where vLLM recorded none (then the live parameters are taken as that layout)."""
-    try:
-        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
-    except ImportError:  # pragma: no cover - vLLM without layerwise reload
-        return {}
-    info = LAYERWISE_INFO.get(module)
+    info = _layerwise_info(module)
     return dict(info.restore_metadata[0]) if info is not None else {}
+
+
+def layout_recorded(module: Any) -> bool:
+    """Whether vLLM recorded ``module``'s checkpoint layout (then a live parameter outside it, e.g.
+    MLA's ``W_UV`` / ``W_UK_T``, was made by post-load processing: no checkpoint tensor writes it)."""
+    return _layerwise_info(module) is not None
 
 
 def _layout_buffers(module: Any) -> list[str]:
     """Buffers vLLM recorded in ``module``'s checkpoint layout (restored, not written, on reload)."""
-    try:
-        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
-    except ImportError:  # pragma: no cover
-        return []
-    info = LAYERWISE_INFO.get(module)
+    info = _layerwise_info(module)
     return list(info.restore_metadata[1]) if info is not None else []
 
 

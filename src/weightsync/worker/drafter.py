@@ -218,7 +218,7 @@ def _target_names(model: WithDrafter) -> set[str]:
 def _probe(model: WithDrafter, metas: dict[str, tuple[str, tuple[int, ...]]]) -> dict[str, Alias | str]:
     """Each name to the drafter's ``load_weights`` alone, on a meta tensor, every drafter parameter's
     loader a recorder; the drafter's plain attributes (e.g. EAGLE's ``has_own_lm_head``) put back after."""
-    by_id = {id(p): f"{DRAFTER}.{n}" for n, p in model.drafter.named_parameters(remove_duplicate=False)}
+    by_id = {id(p): f"{DRAFTER}.{n}" for n, p in model.drafter.named_parameters()}  # first name: as WithDrafter's
     shared = {id(p): n for n, p in model.target.named_parameters()}
     calls: list[tuple[int, torch.Tensor, Any]] = []
     out: dict[str, Alias | str] = {}
