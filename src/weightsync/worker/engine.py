@@ -127,8 +127,8 @@ class WorkerEngine(Generic[TInit, TUpdate]):
         self._lost = ""  # why the base was dropped, for the delta's refusal
         self._started_sync: int | None = None  # the sync of the update started here (``fence_call``)
         self._last_started = 0  # the last sync started under this init: a start must announce a later one
-        self._checked_digest: str | None = None  # the metadata ``_check_full_tensor_metadata`` last checked
-        self._dests: WorkerDestinations | None = None  # and its destinations
+        # the metadata digest ``_check_full_tensor_metadata`` last checked under this init, and its destinations
+        self._checked: tuple[str, WorkerDestinations] | None = None
 
     # ---- vLLM worker plumbing -------------------------------------------------------------
     def set_weight_update_target(self, model: torch.nn.Module, model_config: object) -> None:
@@ -218,13 +218,13 @@ class WorkerEngine(Generic[TInit, TUpdate]):
 
         wire: list[WireMeta] = self._comm.read(model_metas(0)) if metas is None else _wire(metas)
         digest = metadata_digest(wire)
-        if digest != self._checked_digest or self._dests is None:  # (the two are set together)
-            self._dests = self._check_model(wire)
+        if self._checked is None or digest != self._checked[0]:
+            dests = self._check_model(wire)
             spec = type(self).spec
             if not spec.capabilities.fp8_targets:  # block-FP8 targets need workers that quantize
-                refuse_full_tensors(self._dests, spec.name, transports_with("fp8_targets"))
-            self._checked_digest = digest
-        return self._dests
+                refuse_full_tensors(dests, spec.name, transports_with("fp8_targets"))
+            self._checked = digest, dests
+        return self._checked[1]
 
     # ---- vLLM's worker calls ------------------------------------------------------------
     def parse_init_info(self, init_dict: Json) -> TInit:
@@ -276,7 +276,7 @@ class WorkerEngine(Generic[TInit, TUpdate]):
                 self._report(init_info, e)
             raise
         self.shutdown()
-        self.info, self.poisoned, self._checked_digest, self.held, self._lost = init_info, None, None, None, ""
+        self.info, self.poisoned, self._checked, self.held, self._lost = init_info, None, None, None, ""
         self._started_sync, self._last_started = None, 0
         i = init_info
         try:
