@@ -403,7 +403,7 @@ def _zero_unwritten(model: torch.nn.Module, boxes: list[tuple[str, tuple[slice[i
         params[name].data[box].zero_()
 
 
-class M2NWorkerEngine(WorkerEngine):
+class M2NWorkerEngine(WorkerEngine[M2NWorkerInitInfo, M2NUpdateInfo]):
     """M2N worker engine: receives its pieces into live parameters, or into the checkpoint layout of
     post-processed modules (re-processed at finish); fallbacks via ``load_weights``."""
 
@@ -482,13 +482,13 @@ class M2NWorkerEngine(WorkerEngine):
         if w not in u.delta_workers:
             return {}
         self._check_holds(u.delta_base)
-        return {(r, int(k)): n for r in range(self.info.num_trainer_ranks)
+        return {(r, int(k)): n for r in range(self._info.num_trainer_ranks)
                 for k, n in self.comm.read(SyncKeys(u.sync_id).sizes(r)).get(str(self.position), {}).items()}
 
     def _verify(self, sync_id: int, applied: dict[int, int]) -> None:
         """Compare what this worker applied from each trainer rank with what that rank sent (to its position)."""
         w = str(self.worker_rank)
-        for src in range(self.info.num_trainer_ranks):
+        for src in range(self._info.num_trainer_ranks):
             sent = self.comm.read(SyncKeys(sync_id).sums(src)).get(str(self.position))
             if sent != applied.get(src):
                 raise ValueError(f"verify: worker {w} applied data from trainer rank {src} with checksum "

@@ -226,7 +226,7 @@ class IPCTrainerEngine(TrainerEngine[IPCTrainerInitInfo, IPCUpdateInfo, tuple[li
         self._buffer = None
 
 
-class IPCWorkerEngine(WorkerEngine):
+class IPCWorkerEngine(WorkerEngine[IPCWorkerInitInfo, IPCUpdateInfo]):
     """Colocated worker engine: imports its trainer rank's buffer once and applies each chunk."""
 
     init_info_cls = IPCWorkerInitInfo

@@ -265,7 +265,7 @@ class NCCLTrainerEngine(TrainerEngine[NCCLTrainerInitInfo, NCCLUpdateInfo, tuple
         self._buffers = []
 
 
-class NCCLWorkerEngine(WorkerEngine):
+class NCCLWorkerEngine(WorkerEngine[NCCLWorkerInitInfo, NCCLUpdateInfo]):
     """Broadcast worker engine: receives buckets and applies them through layerwise reload."""
 
     init_info_cls = NCCLWorkerInitInfo

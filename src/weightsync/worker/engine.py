@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, ClassVar
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, ClassVar, Generic, Protocol, TypeVar, cast
 
 import torch
 
@@ -41,48 +42,80 @@ from ..dataplane import PlaneFactory
 from ..dataplane.torch_group import TorchGroupPlane
 from ..errors import PoisonedError
 from ..infos import TAKEN_OVER, WorkerInitInfo, WorkerUpdateInfo, parse_info
-from ..registry import TRANSPORTS, transport, transports_with
-from .agreement import fingerprint, weights_changed
+from ..registry import TRANSPORTS, Transport, transport, transports_with
+from .agreement import Fingerprint, fingerprint, weights_changed
 from .applier import LayerwiseApplier
 from .drafter import NOT_FOUND, WithDrafter, drafter_bytes, find_drafter, require_drafter
 from .fp8 import refuse_full_tensors
 
-__all__ = ["WorkerEngine"]
+if TYPE_CHECKING:
+    from ..plan.buckets import WireMeta
+    from ..protocol import ParamMeta
+    from .destinations import WorkerDestinations
+
+__all__ = ["ParallelLayout", "WorkerEngine"]
 
 _log = logging.getLogger(__name__)
 FENCED = "a call its trainer session did not announce"
 """In every refusal of ``fence_call``: the HTTP front answers 409 for it (``vllm_http.OUT_OF_ORDER``)."""
 
+Json = dict[str, object]
+TInit = TypeVar("TInit", bound=WorkerInitInfo)
+TUpdate = TypeVar("TUpdate", bound=WorkerUpdateInfo)
 
-class WorkerEngine:
+
+class ParallelLayout(Protocol):
+    """What the engine reads of vLLM's ``ParallelConfig`` (and ``data_parallel_size`` / ``data_parallel_index``
+    where it has them: read with defaults, as a test's stand-in may lack them)."""
+
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def rank(self) -> int: ...
+
+
+def _wire(metas: Sequence[ParamMeta | WireMeta]) -> list[WireMeta]:
+    """The JSON-safe metadata of ``metas`` (``ParamMeta.wire()`` makes a ``WireMeta``; it is typed a plain dict)."""
+    return [m if isinstance(m, dict) else cast("WireMeta", m.wire()) for m in metas]
+
+
+class WorkerEngine(Generic[TInit, TUpdate]):
     """Base of weightsync's worker engines: the lifecycle every transport shares; a transport
-    implements the hooks listed in the module docstring. Constructor and methods match vLLM's
-    ``WeightTransferEngine`` (the plugin mixes vLLM's ABC in: ``weightsync.integrations.vllm_plugin``)."""
+    implements the hooks listed in the module docstring, typed by its init info ``TInit`` and update info
+    ``TUpdate``. Constructor and methods match vLLM's ``WeightTransferEngine[TInitInfo, TUpdateInfo]`` (the
+    plugin mixes vLLM's ABC in: ``weightsync.integrations.vllm_plugin``)."""
 
-    init_info_cls: ClassVar[type[WorkerInitInfo]]
-    update_info_cls: ClassVar[type[WorkerUpdateInfo]]
-    spec: ClassVar[Any]
-    """The transport's declaration (``weightsync.registry.Transport``), set when it is declared."""
+    # (set on the class; not ClassVar, which cannot hold a type variable)
+    init_info_cls: type[TInit]
+    update_info_cls: type[TUpdate]
+    spec: ClassVar[Transport]
+    """The transport's declaration, set when it is declared (``weightsync.registry``)."""
     data_plane: ClassVar[PlaneFactory] = TorchGroupPlane
     """The data plane this worker joins (its trainer engine names the same)."""
     supports_draft_weight_update: ClassVar[bool] = False
     defers_processing: ClassVar[bool] = False
+    # one sync's state, set by ``start_weight_update`` (read only while its applier is open)
+    phases: dict[str, float]
+    _sync_id: int | None
 
-    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+    def __init__(self, config: object, vllm_config: object, device: torch.device, model: torch.nn.Module) -> None:
+        """``config``: vLLM's ``WeightTransferConfig``; ``vllm_config``: its ``VllmConfig``, whose ``parallel_config``
+        (:class:`ParallelLayout`) and ``model_config`` (handed on to vLLM's layerwise reload) are read if present."""
         self.config = config
         self.vllm_config = vllm_config
-        self.parallel_config = getattr(vllm_config, "parallel_config", None)
-        self.model_config = getattr(vllm_config, "model_config", None)
+        self.parallel_config: ParallelLayout | None = getattr(vllm_config, "parallel_config", None)
+        self.model_config: object = getattr(vllm_config, "model_config", None)
         self.device = torch.device(device)
         self.model = model
         self._default_model, self._default_model_config = model, self.model_config
         self._target = model
-        self._drafter = find_drafter(model, vllm_config)  # vLLM's speculative-decoding drafter, if any
+        # vLLM's speculative-decoding drafter, if any (``NOT_FOUND``: one this cannot reach)
+        self._drafter: torch.nn.Module | str | None = find_drafter(model, vllm_config)
         self.drafter_bytes: int | None = None
         """Bytes of the drafter's own parameters a sync writes on this worker (None: no drafter synced)."""
         self.poisoned: str | None = None
         self.comm: Communicator | None = None
-        self.info: Any = None
+        self.info: TInit | None = None
         self._applier: LayerwiseApplier | None = None
         self._received = 0
         self._failed_sync: int | None = None
@@ -90,13 +123,15 @@ class WorkerEngine:
         self.held: int | None = None
         """The sync whose weights this worker holds, complete (None: none under this init, or a sync
         failed or was aborted since). A delta sync is sent only to workers that hold its base."""
-        self._fingerprint: Any = None  # the model's parameters at the last finish (``fingerprint``)
+        self._fingerprint: Fingerprint | None = None  # the model's parameters at the last finish (``fingerprint``)
         self._lost = ""  # why the base was dropped, for the delta's refusal
         self._started_sync: int | None = None  # the sync of the update started here (``fence_call``)
         self._last_started = 0  # the last sync started under this init: a start must announce a later one
+        # the metadata digest ``_check_full_tensor_metadata`` last checked under this init, and its destinations
+        self._checked: tuple[str, WorkerDestinations] | None = None
 
     # ---- vLLM worker plumbing -------------------------------------------------------------
-    def set_weight_update_target(self, model: torch.nn.Module, model_config: Any) -> None:
+    def set_weight_update_target(self, model: torch.nn.Module, model_config: object) -> None:
         self.model, self.model_config = model, model_config
 
     def reset_weight_update_target(self) -> None:
@@ -105,7 +140,7 @@ class WorkerEngine:
     def drain_pending(self) -> None:
         """Nothing is deferred: ``update_weights`` returns after the weights are applied."""
 
-    def parse_update_info(self, update_dict: dict[str, Any]) -> Any:
+    def parse_update_info(self, update_dict: Json) -> TUpdate:
         return parse_info(self.update_info_cls, update_dict, "update_info")
 
     def _check_not_poisoned(self) -> None:
@@ -114,38 +149,52 @@ class WorkerEngine:
                                 f"({self.poisoned}); re-initialize from the trainer: TrainerEngine.trainer_init on "
                                 "every trainer rank, which calls init_weight_transfer_engine on every engine")
 
+    @property
+    def _info(self) -> TInit:
+        """The init info (hooks and syncs run only after ``init_transfer_engine`` set it)."""
+        if self.info is None:
+            raise RuntimeError("init_transfer_engine must run first")
+        return self.info
+
+    @property
+    def _comm(self) -> Communicator:
+        """The store channel (connected by ``init_transfer_engine`` before any hook runs)."""
+        if self.comm is None:
+            raise RuntimeError("init_transfer_engine must run first")
+        return self.comm
+
     # ---- hooks ------------------------------------------------------------------------
-    def _expected_workers(self, info: Any) -> tuple[int, str]:
+    def _expected_workers(self, info: TInit) -> tuple[int, str]:
         """Workers over all engines that ``info`` describes, and the field that says so."""
         raise NotImplementedError
 
-    def _init(self, info: Any) -> None:
+    def _init(self, info: TInit) -> None:
         """Join the data plane, resolve destinations, ... (after the deployment checks)."""
 
     def _start(self, applier: LayerwiseApplier) -> None:
         """Prepare a sync (default: enter layerwise reload at once)."""
         applier.start()
 
-    def _receive(self, update: Any) -> int:
+    def _receive(self, update: TUpdate) -> int:
         """Receive and apply; returns the bytes the data plane delivered."""
         raise NotImplementedError
 
     # ---- shared by the transports -------------------------------------------------------
-    def _check_model(self, metas: list[Any]) -> Any:
+    def _check_model(self, metas: Sequence[ParamMeta | WireMeta]) -> WorkerDestinations:
         """The model agreement and coverage check (:func:`weightsync.worker.agreement.check_model`) of the
         trainer's metadata (``ParamMeta`` or ``{name, dtype, shape}``) against this worker's model;
         returns the destinations. Before any data of the sync moves."""
         from .agreement import check_model
 
-        wire = [m if isinstance(m, dict) else m.wire() for m in metas]
-        triples = [(m["name"], m["dtype"], m["shape"]) for m in wire]
+        triples = [(m["name"], m["dtype"], m["shape"]) for m in _wire(metas)]
         require_drafter(self.model, triples)
-        dests = check_model(self.model, triples, cast_dtypes=self.info.cast_dtypes, partial=tuple(self.info.partial),
+        info = self._info
+        dests = check_model(self.model, triples, cast_dtypes=info.cast_dtypes, partial=tuple(info.partial),
                             source=type(self).spec.source)
         self.drafter_bytes = drafter_bytes(self.model, dests, triples) if isinstance(self.model, WithDrafter) else None
         return dests
 
-    def _use_drafter(self, info: Any) -> None:
+    def _use_drafter(self, info: WorkerInitInfo) -> None:
         """Sync the drafter beside the target (the model every hook works on becomes :class:`WithDrafter`),
         or keep it as it is when the trainer declared it frozen; refused when vLLM has one this cannot reach."""
         drafter, self.drafter_bytes = self._drafter, None
@@ -162,34 +211,34 @@ class WorkerEngine:
             model = WithDrafter(self._target, drafter)
         self.model = self._default_model = model
 
-    def _check_full_tensor_metadata(self, metas: list[Any] | None = None) -> Any:
+    def _check_full_tensor_metadata(self, metas: list[ParamMeta] | None = None) -> WorkerDestinations:
         """Full-tensor transports: check the metadata trainer rank 0 published at init (``None``) or
         an update's, unless it is the one already checked; returns its destinations."""
         from ..plan.buckets import metadata_digest
 
-        wire = self.comm.read(model_metas(0)) if metas is None else [m.wire() for m in metas]
+        wire: list[WireMeta] = self._comm.read(model_metas(0)) if metas is None else _wire(metas)
         digest = metadata_digest(wire)
-        if digest != getattr(self, "_checked_digest", None):
-            self._dests = self._check_model(wire)
+        if self._checked is None or digest != self._checked[0]:
+            dests = self._check_model(wire)
             spec = type(self).spec
             if not spec.capabilities.fp8_targets:  # block-FP8 targets need workers that quantize
-                refuse_full_tensors(self._dests, spec.name, transports_with("fp8_targets"))
-            self._checked_digest = digest
-        return self._dests
+                refuse_full_tensors(dests, spec.name, transports_with("fp8_targets"))
+            self._checked = digest, dests
+        return self._checked[1]
 
     # ---- vLLM's worker calls ------------------------------------------------------------
-    def parse_init_info(self, init_dict: dict[str, Any]) -> Any:
+    def parse_init_info(self, init_dict: Json) -> TInit:
         """The typed init info; an info for another transport is refused naming both. A refused info
         connects nowhere (the host and port it names are not trusted): the client's init call raises,
         and trainer rank 0 reports it to the other ranks."""
         return self._parse_init_info(init_dict)
 
-    def _parse_init_info(self, init_dict: dict[str, Any]) -> Any:
+    def _parse_init_info(self, init_dict: Json) -> TInit:
         named = init_dict.get("transport") if isinstance(init_dict, dict) else None
         if named:
             own = type(self).spec.name
             if named != own:
-                if named not in TRANSPORTS:
+                if isinstance(named, str) and named not in TRANSPORTS:
                     transport(named)  # ValueError listing the transports
                 raise ValueError(f"init_info.transport is {named!r}, but this vLLM engine's weight-transfer backend "
                                  f"is {own!r}: start vLLM with WeightTransferConfig(backend={named!r}), or "
@@ -207,7 +256,7 @@ class WorkerEngine:
         replica = engine * dp_size + int(getattr(pc, "data_parallel_index", 0) or 0)
         return replica * int(pc.world_size) + int(pc.rank)
 
-    def update_weights(self, update_info: dict[str, Any]) -> None:
+    def update_weights(self, update_info: Json) -> None:
         """vLLM's entry point: a malformed update info fails the sync like any receive error (reported,
         not raised: see the module docstring)."""
         try:
@@ -219,7 +268,7 @@ class WorkerEngine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def init_transfer_engine(self, init_info: Any) -> None:
+    def init_transfer_engine(self, init_info: TInit) -> None:
         try:
             self.fence(init_info)
         except ValueError as e:  # the refused trainer learns it on its own store; the bound one is left alone
@@ -227,7 +276,7 @@ class WorkerEngine:
                 self._report(init_info, e)
             raise
         self.shutdown()
-        self.info, self.poisoned, self._checked_digest, self.held, self._lost = init_info, None, None, None, ""
+        self.info, self.poisoned, self._checked, self.held, self._lost = init_info, None, None, None, ""
         self._started_sync, self._last_started = None, 0
         i = init_info
         try:
@@ -244,21 +293,22 @@ class WorkerEngine:
             self._report(i, e)
             raise
 
-    def _report(self, info: Any, error: BaseException) -> None:
+    def _report(self, info: WorkerInitInfo, error: BaseException) -> None:
         try:
             Communicator.report(info.master_address, info.master_port, f"worker {self.worker_rank}: {describe(error)}")
         except Exception:  # noqa: BLE001 - the trainer side still has its timeout
             pass
 
-    def fence(self, info: Any) -> None:
+    def fence(self, info: WorkerInitInfo) -> None:
         """Trainer sessions are fenced: bound to a live session (its store reachable, no failure reported),
         this worker refuses another session's init and an init repeating the bound session (a trainer draws a
         new session at every init) (``ValueError`` naming both) unless it asks ``take_over``; then an update
         of the bound session still active here is waited for (up to half the new init's ``timeout_s``) and,
         if still active, aborted as that session's failure, reported on its store.
         (vLLM runs one worker call at a time, so only the bound session's failure ends the wait early.)"""
-        bound = self.info.session if self.info is not None and self.comm is not None else ""
-        if not bound or self.comm.peer_error() is not None:
+        comm = self.comm
+        bound = self.info.session if self.info is not None else ""
+        if not bound or comm is None or comm.peer_error() is not None:
             return
         if not info.take_over and info.session == bound:
             raise ValueError(f"worker {self.worker_rank} is bound to trainer session {bound!r}, live: an init "
@@ -270,9 +320,9 @@ class WorkerEngine:
                              f"session {info.session!r} is refused until {bound!r} shuts down its engines (or the "
                              "new init asks take_over=True in its TrainerInitInfo)")
         deadline = time.monotonic() + info.timeout_s / 2  # the other half is the new init's own
-        while self._applier is not None and self.comm.peer_error() is None and time.monotonic() < deadline:
+        while self._applier is not None and comm.peer_error() is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        if self._applier is not None and self.comm.peer_error() is None:
+        if self._applier is not None and comm.peer_error() is None:
             self._failed_sync = self._sync_id
             self._fail(RuntimeError(f"trainer session {info.session!r} {TAKEN_OVER} (its init asked take_over=True) "
                                     f"while an update of trainer session {bound!r} was active; "
@@ -283,18 +333,20 @@ class WorkerEngine:
         its store (``control.announced(call)``): that session, and for a start a sync after the last one started
         under this init, for a finish or an abort sync ``sync_id`` (the one started here; the abort's own).
         Returns the announced sync; ``ValueError`` naming the bound session and the announcement otherwise."""
-        w, bound = self.worker_rank, self.info.session if self.info is not None and self.comm is not None else ""
-        if not bound:
+        w, comm = self.worker_rank, self.comm
+        bound = self.info.session if self.info is not None else ""
+        if not bound or comm is None:
             raise ValueError(f"worker {w} refuses this {call}: {FENCED}; it is bound to no trainer session "
                              "(init_weight_transfer_engine from a weightsync trainer first)")
         try:
-            said, why = self.comm.peek(announced(call)), ""
+            said, why = comm.peek(announced(call)), ""
         except Exception as e:  # noqa: BLE001 - forged (DataPlaneError), or the store is gone (torch's own errors)
             said, why = None, f" ({describe(e)})"
-        session, sync = (said.get("session"), said.get("sync_id")) if isinstance(said, dict) else (None, None)
-        expected = (sync > self._last_started if call == "start" else sync == sync_id) if type(sync) is int else False
-        if session == bound and expected:
-            return sync
+        fields: Json = said if isinstance(said, dict) else {}
+        session, sync = fields.get("session"), fields.get("sync_id")
+        if session == bound and type(sync) is int:
+            if sync > self._last_started if call == "start" else sync == sync_id:
+                return sync
         what = "no such call" if said is None else f"{call} of sync {sync} by trainer session {session!r}"
         expected = f"a sync after {self._last_started}" if call == "start" else f"sync {sync_id}"
         raise ValueError(f"worker {w} refuses this {call}: {FENCED}; it is bound to trainer session {bound!r}, whose "
@@ -313,7 +365,7 @@ class WorkerEngine:
                 return None
             raise
 
-    def _check_deployment(self, info: Any) -> None:
+    def _check_deployment(self, info: TInit) -> None:
         (expected, field), w = self._expected_workers(info), self.worker_rank
         pc = self.parallel_config
         if info.num_engines is not None and pc is not None:
@@ -335,14 +387,14 @@ class WorkerEngine:
             self.poisoned = f"start_weight_update after the sync failed: {why}"  # opens nothing
             return
         self._check_base()
-        self._applier = LayerwiseApplier(self.model, self.model_config, rollback=self.info.rollback)
+        self._applier = LayerwiseApplier(self.model, self.model_config, rollback=self._info.rollback)
         self._received, self._aborted, self._sync_id = 0, False, None
         self.phases: dict[str, float] = {}
         self._start(self._applier)
         self._started_sync = self._last_started = sync
         self.phases["start"] = time.perf_counter() - t0
 
-    def receive_weights(self, update_info: Any) -> None:
+    def receive_weights(self, update_info: TUpdate) -> None:
         """Receive and apply one update; failures are reported on the store and poison the engine."""
         bound = self.info.session if self.info is not None and self.comm is not None else ""
         if not bound or update_info.session != bound:  # (not reported: the bound session's store is not the sender's)
@@ -431,7 +483,7 @@ class WorkerEngine:
         first = self.worker_rank // per_engine * per_engine
         try:
             self.comm.publish(keys.finishing(self.worker_rank), True)
-            self.comm.read_all([keys.finishing(w) for w in range(first, first + per_engine)], self.info.timeout_s)
+            self.comm.read_all([keys.finishing(w) for w in range(first, first + per_engine)], self._info.timeout_s)
         except Exception as e:  # noqa: BLE001 - a peer failed, the time ran out, or the store is gone
             return describe(e)
         return self.comm.peer_error()
