@@ -311,6 +311,9 @@ class NixlPlane:
         """``t``, or a copy of its bytes in a bounce buffer where ``peer`` holds a stale descriptor
         overlapping ``t``'s storage (see the module docstring)."""
         storage = t.untyped_storage()
+        reg = self._regs.get((*_where(t), storage.data_ptr(), storage.nbytes()))
+        if reg is None or reg.storage.expired():  # a new storage: a freed one it may overlap is released first
+            self._release_freed()
         if not t.nbytes or not self._stale[peer].overlaps(storage.data_ptr(), storage.data_ptr() + storage.nbytes()):
             return t, None
         need = -(-t.nbytes // 64) * 64
@@ -320,8 +323,8 @@ class NixlPlane:
             if c.buf.nbytes - c.used >= need:
                 break
         else:
-            c = self._new_chunk(max(need, 2 * max((c.buf.nbytes for c in self._chunks), default=0), 1 << 20),
-                                t.device)
+            largest = max((k.buf.nbytes for k in self._chunks), default=0)
+            c = self._new_chunk(max(need, 2 * largest, 1 << 20), t.device)
         out = c.buf[c.used : c.used + t.nbytes]
         out.copy_(t.contiguous().reshape(-1).view(torch.uint8))
         c.used += need
@@ -348,7 +351,7 @@ class NixlPlane:
 
     # ---- posting ---------------------------------------------------------------------------
     def post(self, sends: Sequence[Op], recvs: Sequence[Op]) -> list[Work]:
-        agent = self._release_freed()
+        agent = self._live()
         works: list[Work] = []
         bounced = False
         by_peer: defaultdict[int, tuple[list[str], list[list[int | str]]]] = defaultdict(lambda: ([], []))
