@@ -140,6 +140,35 @@ def test_a_wrong_size_is_refused_naming_the_message():
     assert "failed" in results[0], results[0]  # the sender hears of it through the control plane
 
 
+def _reused_memory(comm: Communicator, rank: int) -> list[bool]:
+    """Rank 0 sends from a storage, frees it, then from a larger one over the same memory (its address
+    range starting before the freed one's, the message past the freed one's end): rank 1 still holds
+    the freed one's descriptor. Each storage is a view of one bytearray, so the addresses are fixed."""
+    got = []
+    memory = bytearray(1 << 20)
+    for sync, (offset, count, at) in enumerate([(4096, 65536, 0), (0, 524288, 200000), (0, 524288, 8192)]):
+        if rank == 0:
+            storage = torch.frombuffer(memory, dtype=torch.uint8, offset=offset, count=count)
+            assert storage.untyped_storage().data_ptr() == storage.data_ptr()  # (its own storage)
+            msg = storage[at:at + 100]
+            msg.copy_(torch.arange(100, dtype=torch.uint8) + sync)
+            comm.data.exchange([(msg, 1, 0)], [], f"sync {sync}")
+            del storage, msg  # freed: the next sync's storage overlaps it
+        else:
+            into = torch.zeros(100, dtype=torch.uint8)
+            comm.data.exchange([], [(into, 0, 0)], f"sync {sync}")
+            got.append(torch.equal(into, torch.arange(100, dtype=torch.uint8) + sync))
+    return got
+
+
+def test_a_freed_storage_a_peer_still_knows_does_not_shadow_the_memory_registered_over_it():
+    """NIXL keeps every descriptor a peer was told and resolves a READ against them assuming they do
+    not overlap: without the sender's bounce buffer the second READ fails with NIXL_ERR_NOT_FOUND."""
+    results = _run(_reused_memory, world=2)
+    assert results[0] == [], results[0]
+    assert results[1] == [True, True, True], results[1]
+
+
 def _failing(comm: Communicator, rank: int) -> tuple[str, float]:
     t = torch.zeros(1 << 16)
     if rank == 0:

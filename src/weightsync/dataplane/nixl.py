@@ -41,11 +41,21 @@ Descriptors travel as plain integers (address, length, device) in JSON, metadata
 reports a failure; ``abort`` releases every transfer handle, registration and remote agent and drops
 the agent (its UCX workers and progress thread) so nothing is left behind. A registration whose
 storage was freed is released before the next one is made. NIXL is imported on construction only.
+
+A peer never forgets a descriptor it was told: partial metadata only adds to what an agent knows of
+its peer, and NIXL removes a peer's descriptors only all at once (``remove_remote_agent``, which also
+drops the connection). Its lookup assumes a peer's descriptors do not overlap: once a storage that
+was announced is freed and memory overlapping it is registered (a sync's fresh tensors: cast shards,
+delta payloads, FP8 blocks), a READ resolves against the stale descriptor, or against none
+(``createXferReq``: NIXL_ERR_NOT_FOUND). So a sender remembers, per peer, the ranges it released after
+announcing them, and sends a message whose storage overlaps one of them from a bounce buffer of its
+own (registered once, kept while the plane lives, reused once its sends completed) instead.
 """
 
 from __future__ import annotations
 
 import base64
+import bisect
 import importlib
 import json
 import time
@@ -142,6 +152,36 @@ class _Reg:
     told: set[int] = field(default_factory=set)
 
 
+class _Ranges:
+    """Address ranges, merged: where a peer still holds descriptors this party released."""
+
+    __slots__ = ("starts", "ends")
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+
+    def add(self, start: int, end: int) -> None:
+        i = bisect.bisect_left(self.ends, start)  # the first range that ends at or after start
+        j = bisect.bisect_right(self.starts, end)  # past the last range that starts at or before end
+        if i < j:
+            start, end = min(start, self.starts[i]), max(end, self.ends[j - 1])
+        self.starts[i:j], self.ends[i:j] = [start], [end]
+
+    def overlaps(self, start: int, end: int) -> bool:
+        i = bisect.bisect_right(self.ends, start)  # the first range that ends after start
+        return i < len(self.starts) and self.starts[i] < end
+
+
+@dataclass(slots=True)
+class _Chunk:
+    """One bounce buffer: bytes handed out since its sends last all completed, and those in flight."""
+
+    buf: torch.Tensor
+    used: int = 0
+    pending: int = 0
+
+
 @dataclass(slots=True, eq=False)
 class _Msg:
     """One posted message (a work): a send completes when its peer says it was read, a receive when
@@ -152,6 +192,13 @@ class _Msg:
     key: tuple[int, int]  # (tag, n)
     send: bool
     done: bool = False
+    chunk: _Chunk | None = None  # the bounce buffer it is sent from, if any
+
+    def complete(self) -> None:
+        self.done = True
+        if self.chunk is not None:
+            self.chunk.pending -= 1
+            self.chunk = None
 
 
 def _where(t: torch.Tensor) -> tuple[str, int]:
@@ -182,6 +229,8 @@ class NixlPlane:
         self._recvs: defaultdict[int, list[_Msg]] = defaultdict(list)  # peer -> receives not started
         self._reads: list[tuple[_Handle, list[_Msg]]] = []
         self._barriers = 0
+        self._stale: defaultdict[int, _Ranges] = defaultdict(_Ranges)  # peer -> ranges it holds, released here
+        self._chunks: list[_Chunk] = []
         self.registrations_made = 0
         """Storages registered so far (a test can see that later syncs reuse them)."""
         try:
@@ -241,14 +290,59 @@ class NixlPlane:
         reg = self._regs.get(key)
         if reg is not None and not reg.storage.expired():
             return reg
-        agent = self._live()
-        for k in [k for k, r in self._regs.items() if r.storage.expired()]:
-            agent.deregister_memory(self._regs.pop(k).descs)
+        agent = self._release_freed()
         descs = agent.get_reg_descs([(storage.data_ptr(), storage.nbytes(), dev, "")], mem)
         agent.register_memory(descs)
         reg = self._regs[key] = _Reg(_Weak(storage), descs, agent.get_partial_agent_metadata(descs, False))
         self.registrations_made += 1
         return reg
+
+    def _release_freed(self) -> _Agent:
+        """Release the registrations whose storage was freed; the peers told of one keep its range."""
+        agent = self._live()
+        for k in [k for k, r in self._regs.items() if r.storage.expired()]:
+            reg = self._regs.pop(k)
+            agent.deregister_memory(reg.descs)
+            for peer in reg.told:
+                self._stale[peer].add(k[2], k[2] + k[3])
+        return agent
+
+    def _bounced(self, t: torch.Tensor, peer: int) -> tuple[torch.Tensor, _Chunk | None]:
+        """``t``, or a copy of its bytes in a bounce buffer where ``peer`` holds a stale descriptor
+        overlapping ``t``'s storage (see the module docstring)."""
+        storage = t.untyped_storage()
+        reg = self._regs.get((*_where(t), storage.data_ptr(), storage.nbytes()))
+        if reg is None or reg.storage.expired():  # a new storage: a freed one it may overlap is released first
+            self._release_freed()
+        if not t.nbytes or not self._stale[peer].overlaps(storage.data_ptr(), storage.data_ptr() + storage.nbytes()):
+            return t, None
+        need = -(-t.nbytes // 64) * 64
+        for c in self._chunks:
+            if c.pending == 0:
+                c.used = 0
+            if c.buf.nbytes - c.used >= need:
+                break
+        else:
+            largest = max((k.buf.nbytes for k in self._chunks), default=0)
+            c = self._new_chunk(max(need, 2 * largest, 1 << 20), t.device)
+        out = c.buf[c.used : c.used + t.nbytes]
+        out.copy_(t.contiguous().reshape(-1).view(torch.uint8))
+        c.used += need
+        c.pending += 1
+        return out, c
+
+    def _new_chunk(self, size: int, device: torch.device) -> _Chunk:
+        """A bounce buffer overlapping no range a peer holds stale (those tried meanwhile are held, so
+        each try gets other memory)."""
+        tried = []
+        for _ in range(64):
+            buf = torch.empty(size, dtype=torch.uint8, device=device)
+            start = buf.data_ptr()
+            if not any(r.overlaps(start, start + size) for r in self._stale.values()):
+                self._chunks.append(_Chunk(buf))
+                return self._chunks[-1]
+            tried.append(buf)
+        raise DataPlaneError(f"{self.name}: no bounce buffer of {size} bytes clear of released registrations")
 
     def _next(self, peer: int, tag: int, send: bool) -> int:
         n = self._counts[peer, tag, send]
@@ -259,10 +353,13 @@ class NixlPlane:
     def post(self, sends: Sequence[Op], recvs: Sequence[Op]) -> list[Work]:
         agent = self._live()
         works: list[Work] = []
+        bounced = False
         by_peer: defaultdict[int, tuple[list[str], list[list[int | str]]]] = defaultdict(lambda: ([], []))
         for t, peer, tag in sends:
             self._peer_rank(peer, "send")
-            msg = _Msg(t, peer, (tag, self._next(peer, tag, True)), True)
+            t, chunk = self._bounced(t, peer)
+            bounced |= chunk is not None
+            msg = _Msg(t, peer, (tag, self._next(peer, tag, True)), True, chunk=chunk)
             reg = self._registered(t)
             mds, ops = by_peer[peer]
             if peer not in reg.told:
@@ -272,6 +369,8 @@ class NixlPlane:
             ops.append([tag, msg.key[1], t.data_ptr(), t.nbytes, dev, mem])
             self._sends[(peer, *msg.key)] = msg
             works.append(msg)
+        if bounced and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # the copies land before a peer reads them
         for peer, (mds, ops) in by_peer.items():
             agent.send_notif(self._peers[peer], _encode(_ANNOUNCE, {"md": mds, "ops": ops}))
         for t, peer, tag in recvs:
@@ -331,7 +430,7 @@ class NixlPlane:
             elif kind == _READ:
                 for tag, n in parsed:
                     if (msg := self._sends.pop((peer, int(tag), int(n)), None)) is not None:
-                        msg.done = True
+                        msg.complete()
             else:
                 raise ValueError(f"kind {kind!r}")
         except (ValueError, KeyError, TypeError) as e:
@@ -438,6 +537,7 @@ class NixlPlane:
         self._recvs.clear()
         self._sends.clear()
         self._announced.clear()
+        self._chunks.clear()
         del agent
 
 
