@@ -16,7 +16,6 @@ import pytest
 import torch
 
 import weightsync
-from helpers import listeners
 from weightsync import EngineDead, FullTensorSource, Refused, RemoteCallError, SyncStats, WeightTransferTrainerFactory
 from weightsync.comm import Communicator
 from weightsync.stats import DeltaStats
@@ -74,7 +73,6 @@ def init_on_ranks(ranks: int, report: str) -> list[BaseException]:
     for t in threads:
         t.join(timeout=3 * TIMEOUT_S)
     assert all(e is not None for e in errors), errors
-    assert listeners(port) == [], "the failed init left trainer rank 0's store listening"  # (errors holds its frames)
     return errors
 
 

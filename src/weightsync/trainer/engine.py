@@ -227,7 +227,6 @@ class TrainerEngine(Generic[TInit, TUpdate, TPrepared]):
                 if isinstance(e, Exception) and not isinstance(e, (ValueError, RemoteCallError)):
                     known = _known_failure(comm.peer_error())  # (read before rank 0 may close the store)
                 self._acknowledge(init_ack)  # rank 0 (the store's host) lingers until every rank saw it
-                comm.shutdown()  # now: the raised error's frames hold it in a cycle, which only the GC would free
             if self._calls is not None:
                 self._calls.shutdown()
             self._pool.shutdown(wait=False)
