@@ -173,3 +173,17 @@ def test_sources_send_a_compiled_checkpoint_wrapped_model_under_its_unwrapped_na
         [f"model.layers.{i}.mlp.experts.gate_proj" for i in range(2)] + ["lm_head.weight"]
     stacked = dict(fused.iter_local())["model.layers.1.mlp.experts.gate_proj"]
     assert torch.equal(stacked, torch.stack([model.model.layers[1].mlp.experts[e].gate_proj.weight for e in range(2)]))
+
+
+def test_a_refusal_reads_the_same_whichever_party_reported_it_first():
+    """A worker's refusal reaches every trainer rank as ``Refused``, also when another trainer rank read it
+    first and reported its own ``Refused`` on the store (the failed CI run's race: rank 0 raised
+    ``DataPlaneError: a party failed: trainer rank 1: Refused: ...``)."""
+    from weightsync.errors import Refused, refusal
+
+    worker = "worker 0: ValueError: parameter 'w': the trainer's shape (160, 64) does not match"
+    for reported in (worker, f"trainer rank 1: Refused: {worker}"):
+        err = refusal(reported)
+        assert isinstance(err, Refused) and str(err) == worker, reported
+    for other in ("worker 0: RuntimeError: boom", "trainer rank 1: DataPlaneError: timed out", "workers: x", None):
+        assert refusal(other) is None, other

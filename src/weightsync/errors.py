@@ -89,8 +89,13 @@ def client_failure(failure: str | None) -> RemoteCallError | None:
 
 def refusal(failure: str | None) -> Refused | None:
     """``Refused`` when a failure reported on the store (``"<party>: <Type>: <message>"``) is a
-    worker's ``ValueError`` (its refusal of bad input), else None."""
-    if failure is None or not failure.startswith("worker "):
+    worker's ``ValueError`` (its refusal of bad input), or a trainer rank's ``Refused`` that carries
+    one (the rank that read the refusal first reported it), else None."""
+    if failure is None:
         return None
     party, _, rest = failure.partition(": ")
-    return Refused(failure) if rest.startswith("ValueError: ") and party[7:].isdigit() else None
+    if party.startswith("trainer rank ") and rest.startswith("Refused: "):
+        return Refused(rest.removeprefix("Refused: "))
+    if party.startswith("worker ") and party[7:].isdigit() and rest.startswith("ValueError: "):
+        return Refused(failure)
+    return None

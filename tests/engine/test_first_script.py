@@ -27,6 +27,7 @@ from doc_blocks import page_blocks  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PAGE = os.path.join(ROOT, "docs", "first_script.md")
 TIMEOUT_S = 60.0
+ENGINE_START_S = 600.0  # an engine start on a loaded 2-core machine (25-170 s measured)
 
 
 
@@ -127,7 +128,8 @@ def test_a_dead_engine_core_is_reported_as_such_trimmed_and_cleaned_up(ray_sessi
         max_model_len=256, weight_transfer_config=WeightTransferConfig(backend="weightsync"),
         worker_extension_cls=READBACKS)  # the test's held call (weightsync_test_hold), called by name
     client = RayVLLMWeightSyncClient(llm, timeout_s=TIMEOUT_S)
-    try:
+    try:  # the engine is up before any timed call (its start alone took over 60 s in a loaded CI run)
+        ray.get(llm.__ray_call__.remote(lambda s: None), timeout=ENGINE_START_S)
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
 
