@@ -185,3 +185,41 @@ def test_await_keys_returns_every_value_once_all_are_set_and_a_second_channel_re
     assert time.monotonic() - t0 < TIMEOUT_S / 2
     for c in (worker, side, host):
         c.shutdown()
+
+
+def test_a_rank_reinitializing_on_a_fixed_port_connects_to_the_new_store_only():
+    """Trainer rank > 0 re-initializing on the same master_port: a store it left is the previous init's (it
+    waits until rank 0 closed it), and one that closed while it connected is tried again (the CI race: rank 1
+    failed its init with "connection closed" while rank 0 waited 20 s for its metadata digest)."""
+    from weightsync.control import trainer_left
+    from weightsync.sealed import StoreClosed
+    from weightsync.trainer.session import connect_fresh, leave
+
+    old = Communicator.connect("127.0.0.1", 0, name="old host", timeout_s=30, host_store=True)
+    port = old.port
+    left = Communicator.connect("127.0.0.1", port, name="rank 1", timeout_s=30)
+    leave(left, 1)
+    left.shutdown()
+    closer = threading.Thread(target=old.shutdown)  # rank 0 closes the old store while rank 1 waits in it
+    hosts: list[Communicator | None] = []  # per try: the store rank 0 opened for it
+
+    def connect() -> Communicator:
+        hosts.append(None)
+        if len(hosts) == 2:  # the old store closes while this rank connects
+            raise StoreClosed("the sync group's store closed the connection")
+        if len(hosts) == 3:  # rank 0's new store, on the same port
+            closer.join()
+            hosts[-1] = Communicator.connect("127.0.0.1", port, name="new host", timeout_s=30, host_store=True)
+            hosts[-1].publish("which", "new")
+        comm = Communicator.connect("127.0.0.1", port, name="rank 1", timeout_s=30)
+        if len(hosts) == 1:
+            closer.start()
+        return comm
+
+    comm = connect_fresh(connect, 1, timeout_s=60)
+    try:
+        assert len(hosts) == 3 and comm.read("which") == "new" and comm.peek(trainer_left(1)) is None
+    finally:
+        comm.shutdown()
+        assert hosts[-1] is not None
+        hosts[-1].shutdown()

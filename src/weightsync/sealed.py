@@ -57,8 +57,8 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from .errors import DataPlaneError
 
-__all__ = ["MIN_SECRET_BYTES", "SECRET_ENV", "ForgedValueError", "SealedStore", "group_keys", "listen_socket",
-           "loopback_store", "open_store", "store_secret"]
+__all__ = ["MIN_SECRET_BYTES", "SECRET_ENV", "ForgedValueError", "StoreClosed", "SealedStore", "group_keys",
+           "listen_socket", "loopback_store", "open_store", "store_secret"]
 
 SECRET_ENV = "WEIGHTSYNC_STORE_SECRET"
 """The environment variable every party reads the shared secret from (unset or empty: no secret)."""
@@ -85,6 +85,11 @@ to open it."""
 class ForgedValueError(DataPlaneError):
     """A store value failed authentication: set by a party without the group's secret, recorded in
     another group or before a rewrite of its key, or corrupted."""
+
+
+class StoreClosed(DataPlaneError):
+    """The store closed the connection while a client connected (e.g. the previous init's store, which
+    trainer rank 0 was closing on the same port)."""
 
 
 def store_secret(secret: str | bytes | None = None) -> bytes | None:
@@ -330,7 +335,9 @@ def _client_store(host: str, port: int, timeout: timedelta, key: bytes | None, e
     try:
         raw.wait([_MARKER], timeout)
         mark = raw.get(_MARKER)
-    except Exception as e:  # noqa: BLE001 - not a weightsync store, or it went away
+    except dist.DistNetworkError as e:  # connected, then the store's host closed the connection
+        raise StoreClosed(f"{where} closed the connection ({str(e).splitlines()[0][:200]})") from None
+    except Exception as e:  # noqa: BLE001 - not a weightsync store, or it timed out
         raise DataPlaneError(f"{where} did not say whether it is sealed ({str(e).splitlines()[0][:200]})") from None
     if mark == b"open" and key is not None:
         raise DataPlaneError(f"{where} has no shared secret but this party has one ({SECRET_ENV}): "
@@ -345,7 +352,9 @@ def _client_store(host: str, port: int, timeout: timedelta, key: bytes | None, e
         group = bytes.fromhex(raw.get(_GROUP).decode())
     except ValueError:
         raise ForgedValueError(f"forged value rejected under store key {_GROUP!r}: not a group id") from None
-    except Exception as e:  # noqa: BLE001 - deleted, or the store went away
+    except dist.DistNetworkError as e:
+        raise StoreClosed(f"{where} closed the connection ({str(e).splitlines()[0][:200]})") from None
+    except Exception as e:  # noqa: BLE001 - deleted
         raise DataPlaneError(f"{where} has no group id under {_GROUP!r} ({str(e).splitlines()[0][:200]})") from None
     if len(group) != 16:
         raise ForgedValueError(f"forged value rejected under store key {_GROUP!r}: {len(group)} bytes, not 16")
@@ -355,6 +364,8 @@ def _client_store(host: str, port: int, timeout: timedelta, key: bytes | None, e
     store = SealedStore(raw, key, group)
     try:
         store.open(_CHECK, raw.get(_CHECK))
+    except dist.DistNetworkError as e:
+        raise StoreClosed(f"{where} closed the connection ({str(e).splitlines()[0][:200]})") from None
     except ForgedValueError:
         raise DataPlaneError(f"{where} is sealed with another secret than this party's ({SECRET_ENV})") from None
     return store

@@ -18,10 +18,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch.distributed as dist
+
 from ..control import trainer_left
 from ..errors import DataPlaneError, SyncFailed
 from ..infos import TAKEN_OVER
 from ..protocol import WeightSource
+from ..sealed import StoreClosed
 
 __all__ = ["new_session", "taken_over", "check_finished", "check_source", "connect_fresh", "leave", "share_json"]
 
@@ -64,12 +67,18 @@ def leave(comm: Any, rank: int) -> None:
 
 def connect_fresh(connect: Callable[[], Any], rank: int, timeout_s: float) -> Any:
     """Rank > 0: the store of this init. One this rank left (:func:`leave`) is the previous init's, which
-    rank 0 is still closing on the same port: wait (at most ``timeout_s``) until it is gone, then connect again."""
+    rank 0 is still closing on the same port: wait (at most ``timeout_s``) until it is gone, then connect again
+    (also when it closed while this rank connected to it)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        comm = connect()
-        if comm.peek(trainer_left(rank)) is None:
-            return comm
+        try:
+            comm = connect()
+            if comm.peek(trainer_left(rank)) is None:
+                return comm
+        except (StoreClosed, dist.DistNetworkError):  # the previous init's store closed while this rank
+            if time.monotonic() > deadline:  # connected to it or looked into it: connect again
+                raise
+            continue
         comm.wait_for([trainer_left(0)], deadline - time.monotonic())  # never set: returns once it closed
         comm.shutdown()
         if time.monotonic() > deadline:
