@@ -329,6 +329,10 @@ def open_store(host: str, port: int, timeout_s: float, *, is_master: bool, secre
     return _client_store(host, port, timeout, key, group)
 
 
+def _closed(where: str, error: BaseException) -> StoreClosed:
+    return StoreClosed(f"{where} closed the connection ({str(error).splitlines()[0][:200]})")
+
+
 def _client_store(host: str, port: int, timeout: timedelta, key: bytes | None, expected: str) -> Any:
     raw = dist.TCPStore(host, port, None, is_master=False, timeout=timeout, use_libuv=True)
     where = f"the sync group's store at {host}:{port}"
@@ -336,7 +340,7 @@ def _client_store(host: str, port: int, timeout: timedelta, key: bytes | None, e
         raw.wait([_MARKER], timeout)
         mark = raw.get(_MARKER)
     except dist.DistNetworkError as e:  # connected, then the store's host closed the connection
-        raise StoreClosed(f"{where} closed the connection ({str(e).splitlines()[0][:200]})") from None
+        raise _closed(where, e) from None
     except Exception as e:  # noqa: BLE001 - not a weightsync store, or it timed out
         raise DataPlaneError(f"{where} did not say whether it is sealed ({str(e).splitlines()[0][:200]})") from None
     if mark == b"open" and key is not None:
@@ -353,7 +357,7 @@ def _client_store(host: str, port: int, timeout: timedelta, key: bytes | None, e
     except ValueError:
         raise ForgedValueError(f"forged value rejected under store key {_GROUP!r}: not a group id") from None
     except dist.DistNetworkError as e:
-        raise StoreClosed(f"{where} closed the connection ({str(e).splitlines()[0][:200]})") from None
+        raise _closed(where, e) from None
     except Exception as e:  # noqa: BLE001 - deleted
         raise DataPlaneError(f"{where} has no group id under {_GROUP!r} ({str(e).splitlines()[0][:200]})") from None
     if len(group) != 16:
@@ -365,7 +369,7 @@ def _client_store(host: str, port: int, timeout: timedelta, key: bytes | None, e
     try:
         store.open(_CHECK, raw.get(_CHECK))
     except dist.DistNetworkError as e:
-        raise StoreClosed(f"{where} closed the connection ({str(e).splitlines()[0][:200]})") from None
+        raise _closed(where, e) from None
     except ForgedValueError:
         raise DataPlaneError(f"{where} is sealed with another secret than this party's ({SECRET_ENV})") from None
     return store
