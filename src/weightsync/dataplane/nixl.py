@@ -120,7 +120,9 @@ def nixl_module() -> str:
 
 def _new_agent(name: str) -> _Agent:
     mod = importlib.import_module(nixl_module())
-    agent: _Agent = mod.nixl_agent(name, mod.nixl_agent_config(backends=["UCX"]))
+    # No progress thread: NIXL's spins without pause (a whole core per agent, also while idle). This plane
+    # drives progress itself, in every wait (``_progress``: notifications, READ states).
+    agent: _Agent = mod.nixl_agent(name, mod.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
     return agent
 
 
@@ -509,6 +511,7 @@ class NixlPlane:
         pause = 1e-4
         while self._store.add(key, 0) < self.world_size:
             self._check(deadline, "barrier")
+            self._progress()
             time.sleep(pause)
             pause = min(2 * pause, _CHECK_S)
 
