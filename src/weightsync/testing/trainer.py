@@ -94,13 +94,14 @@ def local_shards(fuse_experts: bool = False) -> tuple[list[Any], dict[str, torch
 
 def make_engine(init_info: Any, client: Any, *, source: str = "full", fault: str | None = None,
                 bucket_bytes: int | None = None, factory: str = "weightsync", wire_dtype: str | None = None,
-                fuse_experts: bool = False) -> None:
+                fuse_experts: bool = False, drafter: bool = False) -> None:
     """Build the source (``"full"``: ``FullTensorSource``, gathering ``bucket_bytes`` at a time;
     ``"local"``: ``DTensorModuleSource``), wrap it in ``weightsync.testing.faults.faulty(source, fault)``
     when ``fault`` is given, and ``trainer_init`` the engine (every rank, collective).
     ``factory="vllm"`` dispatches through vLLM's own ``WeightTransferTrainerFactory`` (after loading
     vLLM's plugins). ``wire_dtype`` (e.g. ``"bfloat16"``): the sources' ``dtype=``; ``fuse_experts``:
-    ``DTensorModuleSource``'s."""
+    ``DTensorModuleSource``'s; ``drafter``: the sources' ``drafter=`` is the module
+    ``weightsync.testing.drafter.setup_trainer_drafter`` made."""
     from .. import DTensorModuleSource, FullTensorSource, WeightTransferTrainerFactory
 
     if source not in ("full", "local"):
@@ -114,12 +115,13 @@ def make_engine(init_info: Any, client: Any, *, source: str = "full", fault: str
 
         load_general_plugins()
     shutdown_engine()
-    model = STATE["model"]
+    model, head = STATE["model"], STATE["drafter"] if drafter else None
     dtype = getattr(torch, wire_dtype) if wire_dtype else None
     if source == "full":
-        src = FullTensorSource(model, dtype=dtype, **({"bucket_bytes": bucket_bytes} if bucket_bytes else {}))
+        src = FullTensorSource(model, dtype=dtype, drafter=head,
+                               **({"bucket_bytes": bucket_bytes} if bucket_bytes else {}))
     else:
-        src = DTensorModuleSource(model, STATE["world"], dtype=dtype, fuse_experts=fuse_experts)
+        src = DTensorModuleSource(model, STATE["world"], dtype=dtype, fuse_experts=fuse_experts, drafter=head)
     if fault is not None:
         from .faults import faulty
 

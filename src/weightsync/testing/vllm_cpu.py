@@ -269,15 +269,15 @@ class TrainerActor:
         return getattr(importlib.import_module(module), attr)(*args, **kwargs)
 
     def make_engine(self, init_info: Any, handles: list[Any], source: str, fault: str | None = None,
-                    fuse_experts: bool = False) -> None:
+                    fuse_experts: bool = False, drafter: bool = False) -> None:
         """``WeightTransferTrainerFactory.trainer_init(init_info, client=RayVLLMWeightSyncClient(handles),
         source=DTensorModuleSource(...) | FullTensorSource(...))`` on this rank (``fault``: the source
-        wrapped in ``weightsync.testing.faults.faulty``; ``fuse_experts``: ``DTensorModuleSource``'s)."""
+        wrapped in ``weightsync.testing.faults.faulty``; ``fuse_experts``, ``drafter``: the sources')."""
         from weightsync import RayVLLMWeightSyncClient
         from weightsync.testing import trainer
 
         trainer.make_engine(init_info, RayVLLMWeightSyncClient(handles if len(handles) > 1 else handles[0]),
-                            source=source, fault=fault, fuse_experts=fuse_experts)
+                            source=source, fault=fault, fuse_experts=fuse_experts, drafter=drafter)
 
     def hf_greedy(self, *args: Any) -> list[list[int]]:
         return hf_greedy(*args)
@@ -344,11 +344,11 @@ class Trainers:
         return self._all("weightsync.testing.trainer:full_state_dict")[0]
 
     def make_engines(self, init_info: Any, handles: list[Any], source: str, fault: str | None = None,
-                     fuse_experts: bool = False) -> None:
+                     fuse_experts: bool = False, drafter: bool = False) -> None:
         """Every rank's weightsync trainer engine (``init_info`` with its rank), rank 0 driving ``handles``."""
         import ray
 
-        ray.get([a.make_engine.remote(replace(init_info, rank=r), handles, source, fault, fuse_experts)
+        ray.get([a.make_engine.remote(replace(init_info, rank=r), handles, source, fault, fuse_experts, drafter)
                  for r, a in enumerate(self.actors)], timeout=600)
 
     def send_weights_outcomes(self, version: str) -> list[dict[str, Any] | BaseException]:
