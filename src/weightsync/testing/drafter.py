@@ -24,7 +24,7 @@ import torch
 from .actors import STATE
 
 __all__ = ["setup_receiver", "compare_with_oracle", "drafter_params", "setup_trainer_drafter", "perturb_drafter",
-           "drafter_state_dict", "EagleHead", "MtpLayers"]
+           "drafter_state_dict", "share_like_the_proposer", "EagleHead", "MtpLayers"]
 
 
 def _configs(model_dir: str, draft_dir: str, method: str, tp: int, dtype: str, backend: str) -> Any:
@@ -64,11 +64,11 @@ def _build_pair(vc: Any, target_sd: dict[str, torch.Tensor] | None = None,
             drafter.load_weights(iter(drafter_sd.items()))
         process_weights_after_loading(target, mc, torch.device("cpu"))
         process_weights_after_loading(drafter, dc, torch.device("cpu"))
-    _share_like_the_proposer(drafter, target)
+    share_like_the_proposer(drafter, target)
     return target.eval(), drafter.eval()
 
 
-def _share_like_the_proposer(drafter: torch.nn.Module, target: torch.nn.Module) -> None:
+def share_like_the_proposer(drafter: torch.nn.Module, target: torch.nn.Module) -> None:
     """vLLM's ``_maybe_share_embeddings`` / ``_maybe_share_lm_head`` for a drafter whose checkpoint has
     no embedding / lm_head of its own (EAGLE without them, MTP layers)."""
     inner = getattr(drafter, "model", None)

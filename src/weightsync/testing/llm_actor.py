@@ -132,7 +132,7 @@ def drafter_loaded_fresh(worker: Any, blob: bytes) -> Any:
     from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    from .drafter import _share_like_the_proposer
+    from .drafter import share_like_the_proposer
 
     vc = worker.vllm_config
     dc = vc.speculative_config.draft_model_config
@@ -145,7 +145,7 @@ def drafter_loaded_fresh(worker: Any, blob: bytes) -> Any:
             cc.static_forward_context = live
         drafter.load_weights(iter(torch.load(io.BytesIO(blob), weights_only=True).items()))
         process_weights_after_loading(drafter, dc, torch.device("cpu"))
-    _share_like_the_proposer(drafter, worker.model_runner.get_model())
+    share_like_the_proposer(drafter, worker.model_runner.get_model())
     return drafter.eval()
 
 
@@ -176,6 +176,16 @@ def packed(tensors: dict[str, torch.Tensor]) -> dict[str, list[Any]]:
     serialization (its msgpack carries bytes, not tensors, in a utility call's result)."""
     return {n: [str(t.dtype).removeprefix("torch."), list(t.shape),
                 t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()] for n, t in tensors.items()}
+
+
+def _saved(state_dict: dict[str, Any]) -> bytes:
+    """``state_dict`` as ``torch.save`` bytes: tensors do not survive the engine core -> worker hop as
+    arguments of ``collective_rpc``; bytes do (read back with ``weights_only=True``)."""
+    import io
+
+    buf = io.BytesIO()
+    torch.save(dict(state_dict), buf)
+    return buf.getvalue()
 
 
 def unpacked(values: dict[str, list[Any]]) -> dict[str, torch.Tensor]:
@@ -266,26 +276,12 @@ class EngineActor(LLM):
     def reload_reference(self, state_dict: dict[str, Any]) -> None:
         """vLLM's own in-place reload (the worker's ``reload_weights``: layerwise reload +
         ``load_weights`` + post-load processing) of the trainer's full state dict."""
-        import io
-
-        import torch
-
-        buf = io.BytesIO()  # tensors do not survive the engine core -> worker hop as kwargs; bytes do
-        torch.save(dict(state_dict), buf)
-        self.collective_rpc("weightsync_test_reload", args=(buf.getvalue(),))
+        self.collective_rpc("weightsync_test_reload", args=(_saved(state_dict),))
 
     def drafter(self, state_dict: dict[str, Any] | None = None) -> list[dict[str, Any]]:
         """Per worker, what its drafter computes with (``read_effective``), or with ``state_dict`` (the
         drafter's checkpoint) what vLLM's own loading of it into a fresh drafter computes with."""
-        import io
-
-        import torch
-
-        blob = None
-        if state_dict is not None:
-            buf = io.BytesIO()
-            torch.save(dict(state_dict), buf)
-            blob = buf.getvalue()
+        blob = None if state_dict is None else _saved(state_dict)
         return [unpacked(d) for d in self.collective_rpc("weightsync_test_drafter", args=(blob,))]
 
     def computed(self) -> list[dict[str, Any]]:
