@@ -2,10 +2,11 @@
 
 A tiny Llama target with an EAGLE head (vLLM 0.33's ``EagleLlamaForCausalLM``, built as vLLM's worker
 builds it, the target's embedding and lm_head shared into it as vLLM's proposer shares them), FSDP 2 ->
-TP 2, over M2N and the broadcast (dense then delta) and IPC (dense): every parameter of the target and
-of the drafter equals vLLM's own loading of the same checkpoint (the target's into the target, the EAGLE checkpoint's
-into the drafter); on M2N each worker receives exactly its shard bytes; ``SyncStats`` counts the
-drafter's bytes apart. The same for a tiny DeepSeek-V3-style target (MLA) with one MTP layer
+TP 2, over M2N, NIXL and the broadcast (dense then delta) and IPC (dense): every parameter of the target
+and of the drafter equals vLLM's own loading of the same checkpoint (the target's into the target, the
+EAGLE checkpoint's into the drafter); on M2N and NIXL each worker receives exactly its shard bytes;
+``SyncStats`` counts the drafter's bytes apart. The same for a tiny DeepSeek-V3-style target (MLA with
+``q_lora_rank``) with one MTP layer
 (vLLM's ``DeepSeekMTP``), its tensors sent as ``model.layers.1.*``, over M2N and the broadcast. A
 trainer that sends none of the drafter's tensors is refused at init on every rank, naming the
 drafter and its parameters; one that declares ``drafter="frozen"`` syncs the target and leaves the
@@ -28,11 +29,12 @@ _T = "weightsync.testing.trainer:"
 EAGLE = ("tiny_llama", "tiny_llama_eagle", "eagle")
 LAYOUTS = {"m2n": Layout(trainers=2, tp=2, model="tiny_llama", backend="weightsync_m2n"),
            "broadcast": Layout(trainers=2, tp=2, model="tiny_llama", backend="weightsync_nccl"),
-           "ipc": Layout(trainers=2, tp=2, model="tiny_llama", backend="weightsync_ipc")}
+           "ipc": Layout(trainers=2, tp=2, model="tiny_llama", backend="weightsync_ipc"),
+           "nixl": Layout(trainers=2, tp=2, model="tiny_llama", backend="weightsync_nixl")}
 MTP = ("tiny_deepseek_mtp", "tiny_deepseek_mtp", "mtp")
 MTP_LAYOUTS = {"m2n": Layout(trainers=2, tp=2, model="tiny_deepseek_mtp", backend="weightsync_m2n"),
                "broadcast": Layout(trainers=2, tp=2, model="tiny_deepseek_mtp", backend="weightsync_nccl")}
-SOURCE = {"weightsync_m2n": "local", "weightsync_nccl": "full", "weightsync_ipc": "full"}
+SOURCE = {"weightsync_m2n": "local", "weightsync_nccl": "full", "weightsync_ipc": "full", "weightsync_nixl": "local"}
 
 
 def setup_pair(cluster, layout: Layout, spec: tuple[str, str, str]) -> list[str]:
@@ -74,7 +76,7 @@ def sync_dense_then_delta(cluster, layout: Layout, own: list[str]) -> None:
     assert written and all(not torch.equal(before[0][n], after[0][n]) for n in written), "the drafter was written"
     drafter = stats["drafter_bytes_per_worker"]
     assert sorted(drafter) == [0, 1] and all(0 < b < stats["bytes_received_per_worker"][w] for w, b in drafter.items())
-    if layout.backend == "weightsync_m2n":  # exactly the shards, the drafter's included
+    if SOURCE[layout.backend] == "local":  # M2N, NIXL: exactly the shards, the drafter's included
         assert stats["bytes_received_per_worker"] == stats["lower_bound_per_worker"]
     for step in (1, 2):
         cluster.train_step(step, lr=1e-4)
