@@ -6,11 +6,10 @@ TP 2, over M2N, NIXL and the broadcast (dense then delta) and IPC (dense): every
 and of the drafter equals vLLM's own loading of the same checkpoint (the target's into the target, the
 EAGLE checkpoint's into the drafter); on M2N and NIXL each worker receives exactly its shard bytes;
 ``SyncStats`` counts the drafter's bytes apart. The same for a tiny DeepSeek-V3-style target (MLA with
-``q_lora_rank``) with one MTP layer
-(vLLM's ``DeepSeekMTP``), its tensors sent as ``model.layers.1.*``, over M2N and the broadcast. A
-trainer that sends none of the drafter's tensors is refused at init on every rank, naming the
-drafter and its parameters; one that declares ``drafter="frozen"`` syncs the target and leaves the
-drafter as it is."""
+``q_lora_rank``) with one MTP layer (vLLM's ``DeepSeekMTP``), its tensors sent as ``model.layers.1.*``,
+over M2N and the broadcast. A trainer that sends none of the drafter's tensors is refused at init on
+every rank, naming the drafter and its parameters; one that declares ``drafter="frozen"`` syncs the
+target and leaves the drafter as it is."""
 
 from __future__ import annotations
 
