@@ -31,8 +31,7 @@ def start_eagle_engine(ray_session):
         max_model_len=128, tensor_parallel_size=TP, dtype=DTYPE, distributed_executor_backend="mp", seed=0,
         weight_transfer_config=WeightTransferConfig(backend="weightsync_m2n"),
         speculative_config={"method": "eagle", "model": vllm_cpu.config_dir(EAGLE), "num_speculative_tokens": 1})
-    ray_session.engines = [handle]  # stopped by the next start, or at the end of the session
-    ray_session._config = None  # no other test reuses it
+    ray_session.own([handle])
     ray.get(handle.ready.remote(), timeout=900)
     return handle
 

@@ -135,6 +135,11 @@ class RaySession:
         self._prestart()
         return self.engines
 
+    def own(self, handles: list[Any]) -> None:
+        """Engines the caller started itself (with arguments ``start_engines`` does not take): stopped with
+        the session's, by the next start or at the end, and never reused."""
+        self.engines, self._config = self.engines + list(handles), None
+
     def _spawn(self, config: tuple[Any, ...], count: int) -> list[Any]:
         """``count`` engine actors of ``config``, starting (not waited for)."""
         import ray
