@@ -24,7 +24,7 @@ import torch
 from .actors import STATE
 
 __all__ = ["setup_receiver", "compare_with_oracle", "drafter_params", "setup_trainer_drafter", "perturb_drafter",
-           "drafter_state_dict", "share_like_the_proposer", "EagleHead", "MtpLayers"]
+           "drafter_state_dict", "loaded_drafter", "EagleHead", "MtpLayers"]
 
 
 def _configs(model_dir: str, draft_dir: str, method: str, tp: int, dtype: str, backend: str) -> Any:
@@ -50,22 +50,34 @@ def _build_pair(vc: Any, target_sd: dict[str, torch.Tensor] | None = None,
                 drafter_sd: dict[str, torch.Tensor] | None = None) -> tuple[torch.nn.Module, torch.nn.Module]:
     """Target and drafter as vLLM's worker loads them: each ``initialize_model``-ed and loaded (or left as
     built, like a dummy load), processed, then the drafter shares what vLLM's proposer shares."""
+    target = _loaded(vc, vc.model_config, target_sd)
+    drafter = _loaded(vc, vc.speculative_config.draft_model_config, drafter_sd)
+    share_like_the_proposer(drafter, target)
+    return target.eval(), drafter.eval()
+
+
+def loaded_drafter(vc: Any, drafter_sd: dict[str, torch.Tensor], target: torch.nn.Module) -> torch.nn.Module:
+    """vLLM's own loading of ``drafter_sd`` into a fresh drafter of ``vc`` (built as the worker builds its
+    own), sharing ``target``'s embedding and lm_head as vLLM's proposer does. Under ``vc`` as the current
+    config, with the attention layers' registry cleared (they register by name)."""
+    drafter = _loaded(vc, vc.speculative_config.draft_model_config, drafter_sd)
+    share_like_the_proposer(drafter, target)
+    return drafter.eval()
+
+
+def _loaded(vc: Any, mc: Any, state_dict: dict[str, torch.Tensor] | None) -> torch.nn.Module:
+    """The model of config ``mc`` (the target's or the draft model's) ``initialize_model``-ed on CPU in the
+    target's dtype, loaded with ``state_dict`` (None: left as built, like a dummy load) and processed."""
     from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    mc, dc = vc.model_config, vc.speculative_config.draft_model_config
-    with set_default_torch_dtype(mc.dtype):
+    with set_default_torch_dtype(vc.model_config.dtype):
         with torch.device("cpu"):
-            target = initialize_model(vllm_config=vc)
-            drafter = initialize_model(vllm_config=vc, model_config=dc)
-        if target_sd is not None:
-            target.load_weights(iter(target_sd.items()))
-        if drafter_sd is not None:
-            drafter.load_weights(iter(drafter_sd.items()))
-        process_weights_after_loading(target, mc, torch.device("cpu"))
-        process_weights_after_loading(drafter, dc, torch.device("cpu"))
-    share_like_the_proposer(drafter, target)
-    return target.eval(), drafter.eval()
+            model = initialize_model(vllm_config=vc, model_config=mc)
+        if state_dict is not None:
+            model.load_weights(iter(state_dict.items()))
+        process_weights_after_loading(model, mc, torch.device("cpu"))
+    return model
 
 
 def share_like_the_proposer(drafter: torch.nn.Module, target: torch.nn.Module) -> None:

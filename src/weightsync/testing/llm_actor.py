@@ -122,31 +122,24 @@ def reload_from_bytes(worker: Any, blob: bytes) -> None:
 
 
 def drafter_loaded_fresh(worker: Any, blob: bytes) -> Any:
-    """vLLM's own loading of a drafter checkpoint (a saved state dict) into a fresh drafter built as the
-    worker built its own (``initialize_model`` of the draft model config, ``load_weights``, post-load
-    processing), sharing the live target's embedding and lm_head as vLLM's proposer does."""
+    """``testing.drafter.loaded_drafter`` of a saved drafter checkpoint on this worker: vLLM's own
+    loading of it into a fresh drafter built as the worker built its own."""
     import io
 
     import torch
     from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
-    from vllm.utils.torch_utils import set_default_torch_dtype
 
-    from .drafter import share_like_the_proposer
+    from .drafter import loaded_drafter
 
     vc = worker.vllm_config
-    dc = vc.speculative_config.draft_model_config
     cc = vc.compilation_config
-    with set_current_vllm_config(vc), set_default_torch_dtype(dc.dtype), torch.device("cpu"):
+    with set_current_vllm_config(vc):
         live, cc.static_forward_context = cc.static_forward_context, {}  # attention layers register by name
         try:
-            drafter = initialize_model(vllm_config=vc, model_config=dc)
+            state_dict = torch.load(io.BytesIO(blob), weights_only=True)
+            return loaded_drafter(vc, state_dict, worker.model_runner.get_model())
         finally:
             cc.static_forward_context = live
-        drafter.load_weights(iter(torch.load(io.BytesIO(blob), weights_only=True).items()))
-        process_weights_after_loading(drafter, dc, torch.device("cpu"))
-    share_like_the_proposer(drafter, worker.model_runner.get_model())
-    return drafter.eval()
 
 
 def kernel_repacked(worker: Any) -> dict[str, bool]:
