@@ -1,7 +1,7 @@
 """NIXL's own raw transfer of a plan's bytes, run inside the local cluster's processes (``transfer_throughput.py``).
 
 Called by name (``"_nixl_probes:<function>"``) through ``weightsync.testing.actors``, on the very trainer
-and receiver processes a ``weightsync_nixl`` engine runs in. Each process gets a second NIXL agent (UCX,
+and receiver processes a ``weightsync_nixl`` engine runs in. Each process gets a second NIXL agent (``new_agent``,
 as ``NixlPlane``'s), one registered buffer per peer holding exactly the bytes the live plan moves between
 the two per sync (pages touched), agents' metadata and the trainers' buffer addresses exchanged once
 through a store of their own. A step is what a pull-based sync needs at the least: every worker READs
@@ -11,7 +11,6 @@ plan, packing, applying, notification or control message. Trainers are passive (
 
 from __future__ import annotations
 
-import importlib
 import json
 import time
 from datetime import timedelta
@@ -20,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from weightsync.dataplane.nixl import nixl_module
+from weightsync.dataplane.nixl import new_agent
 from weightsync.testing.actors import STATE
 
 __all__ = ["nixl_raw_plan", "nixl_raw_setup", "nixl_raw_teardown"]
@@ -34,8 +33,7 @@ def nixl_raw_setup(host: str, port: int, rank: int, world: int, trainers: int, p
     the metadata, and (workers) the trainers' buffer addresses."""
     store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=timedelta(seconds=300),
                           wait_for_workers=False)
-    mod = importlib.import_module(nixl_module())
-    agent = mod.nixl_agent(f"raw-{rank}", mod.nixl_agent_config(backends=["UCX"]))
+    agent = new_agent(f"raw-{rank}")
     bufs = {p: torch.ones(n, dtype=torch.uint8) for p, n in pair_bytes.items() if n}
     regs = [agent.register_memory(agent.get_reg_descs([(b.data_ptr(), b.nbytes, 0, "")], "DRAM"))
             for b in bufs.values()]

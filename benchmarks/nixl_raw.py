@@ -34,12 +34,9 @@ def _size(text: str) -> int:
 
 def _raw_pair(comm: Any, rank: int, buf: torch.Tensor) -> tuple[Any, Any]:
     """A second agent per process, the buffer registered, agents and descriptors exchanged (store, JSON)."""
-    import importlib
+    from weightsync.dataplane.nixl import new_agent
 
-    from weightsync.dataplane.nixl import nixl_module
-
-    mod = importlib.import_module(nixl_module())
-    agent = mod.nixl_agent(f"raw-{rank}-{buf.nbytes}", mod.nixl_agent_config(backends=["UCX"]))
+    agent = new_agent(f"raw-{rank}-{buf.nbytes}")
     agent.register_memory(agent.get_reg_descs([(buf.data_ptr(), buf.nbytes, 0, "")], "DRAM"))
     comm.store.set(f"raw/md/{rank}/{buf.nbytes}", agent.get_agent_metadata())
     comm.store.set(f"raw/desc/{rank}/{buf.nbytes}", json.dumps([buf.data_ptr(), buf.nbytes]))

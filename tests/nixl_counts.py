@@ -38,7 +38,7 @@ def count_agents() -> None:
     """From now on every agent a ``NixlPlane`` of this process makes is counted (earlier ones are forgotten)."""
     import weightsync.dataplane.nixl as nixl
 
-    original = getattr(nixl._new_agent, "counted_original", nixl._new_agent)
+    original = getattr(nixl.new_agent, "counted_original", nixl.new_agent)
 
     def new_agent(name: str) -> Any:
         calls: Counter[str] = Counter()
@@ -47,7 +47,7 @@ def count_agents() -> None:
         return proxy
 
     new_agent.counted_original = original  # type: ignore[attr-defined]
-    nixl._new_agent = new_agent  # type: ignore[assignment]
+    nixl.new_agent = new_agent  # type: ignore[assignment]
     _AGENTS.clear()
 
 

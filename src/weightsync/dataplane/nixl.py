@@ -71,7 +71,7 @@ from torch._C._distributed_c10d import PrefixStore, Store
 from ..errors import DataPlaneError
 from .base import Op, Work
 
-__all__ = ["NixlPlane", "nixl_module"]
+__all__ = ["NixlPlane", "new_agent", "nixl_module"]
 
 _CHECK_S = 0.005  # the longest pause between two looks at the control plane while waiting
 _ANNOUNCE = b"S"  # a sender's notification: where its messages are
@@ -118,7 +118,8 @@ def nixl_module() -> str:
                       "(nixl-cu12, or nixl-cu13 under a CUDA 13 torch)")
 
 
-def _new_agent(name: str) -> _Agent:
+def new_agent(name: str) -> _Agent:
+    """A NIXL agent as this plane makes them (UCX, no progress thread); the benchmarks' raw transfers too."""
     mod = importlib.import_module(nixl_module())
     # No progress thread: NIXL's spins without pause (a whole core per agent, also while idle). This plane
     # drives progress itself, in every wait (``_progress``: notifications, READ states).
@@ -223,7 +224,7 @@ class NixlPlane:
         self.rank, self.world_size, self.device = rank, world_size, device
         self.name, self.timeout_s, self._peer_error = name, timeout_s, peer_error
         self._store = PrefixStore(f"{group_name}/nixl/", store)
-        self._agent: _Agent | None = _new_agent(f"{group_name}/{rank}/{uuid.uuid4().hex}")
+        self._agent: _Agent | None = new_agent(f"{group_name}/{rank}/{uuid.uuid4().hex}")
         self._regs: dict[tuple[str, int, int, int], _Reg] = {}
         self._counts: defaultdict[tuple[int, int, bool], int] = defaultdict(int)  # (peer, tag, send) -> n
         self._announced: dict[tuple[int, int, int], tuple[int, int, int, str]] = {}  # (peer, tag, n) -> desc
