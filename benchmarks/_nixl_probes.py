@@ -5,8 +5,10 @@ and receiver processes a ``weightsync_nixl`` engine runs in. Each process gets a
 as ``NixlPlane``'s), one registered buffer per peer holding exactly the bytes the live plan moves between
 the two per sync (pages touched), agents' metadata and the trainers' buffer addresses exchanged once
 through a store of their own. A step is what a pull-based sync needs at the least: every worker READs
-each trainer's bytes for it, one request per trainer, all posted at once, and polls them to DONE; no
-plan, packing, applying, notification or control message. Trainers are passive (one-sided).
+each trainer's bytes for it, one request per trainer, all posted at once, polls them to DONE, and tells each
+trainer so in one notification; no plan, packing, applying or control message. Trainers only drive their
+agent's progress until every worker's notification came: the agents have no progress thread (``new_agent``),
+and UCX serves a READ of host memory with the target's progress.
 """
 
 from __future__ import annotations
@@ -70,13 +72,23 @@ def _step(st: dict[str, Any]) -> None:
         if state != "DONE":
             raise RuntimeError(f"raw NIXL READ ended {state}")
         h.release()
+    for p in st["bufs"]:
+        agent.send_notif(st["peers"][p], b"read")
+
+
+def _serve(st: dict[str, Any], steps: int) -> None:
+    """A trainer: progress until each worker reading from it notified ``steps`` steps."""
+    want, got = steps * len(st["bufs"]), 0
+    while got < want:
+        got += sum(len(m) for m in st["agent"].get_new_notifs().values())
 
 
 def nixl_raw_plan(iters: int) -> dict[str, float]:
     """A worker: seconds and CPU seconds per step (mean of ``iters`` after one untimed warm-up) and the
-    bytes it READs per step. A trainer: nothing to do (one-sided); zeros."""
+    bytes it READs per step. A trainer: serves the steps' READs; zeros."""
     st = STATE[_KEY]
     if not st["remote"]:
+        _serve(st, iters + 1)
         return {"seconds": 0.0, "cpu_s": 0.0, "recv_bytes": 0.0}
     _step(st)
     t0, c0 = time.perf_counter(), time.process_time()

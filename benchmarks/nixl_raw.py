@@ -3,8 +3,9 @@
 Two processes on this machine: rank 0 holds a source buffer of each size, rank 1 a destination. Each
 repeat times, back to back (paired, same run, same buffers), (a) one message through ``NixlPlane``
 (``exchange``: announce, READ, read-notification; the registrations made by an untimed first
-transfer) and (b) a raw NIXL READ of the same bytes by a second agent in the same processes, buffers
-registered and descriptors exchanged beforehand (``initialize_xfer``, ``transfer``, poll to DONE).
+transfer) and (b) a raw NIXL READ of the same bytes by a second agent in the same processes (made as the
+plane makes its agents: ``new_agent``), buffers registered and descriptors exchanged beforehand
+(``initialize_xfer``, ``transfer``, poll to DONE, one notification to the source, which progresses until then).
 What it does not measure: the plan, packing and applying of a whole ``weightsync_nixl`` sync (that is
 ``transfer_throughput.py``). Prints a table and writes JSON (``--out``).
 
@@ -57,7 +58,15 @@ def _raw_read(agent: Any, peer: str, dst: torch.Tensor, comm: Any) -> float:
     dt = time.perf_counter() - t0
     assert state == "DONE", state
     h.release()
+    agent.send_notif(peer, b"read")  # rank 0 drives its agent's progress until it comes (``_serve``)
     return dt
+
+
+def _serve(agent: Any) -> float:
+    """Rank 0: drive the raw agent's progress (no progress thread) until rank 1's READ-done notification."""
+    while not agent.get_new_notifs():
+        pass
+    return 0.0
 
 
 def _party(rank: int, port: int, sizes: list[int], repeats: int, out: Any) -> None:
@@ -79,7 +88,7 @@ def _party(rank: int, port: int, sizes: list[int], repeats: int, out: Any) -> No
             plane.exchange([(buf, 1, 0)] if rank == 0 else [], [(buf, 0, 0)] if rank == 1 else [])
             ws = time.perf_counter() - t0
             plane.barrier()
-            raw = _raw_read(agent, peer, buf, comm) if rank == 1 else 0.0
+            raw = _raw_read(agent, peer, buf, comm) if rank == 1 else _serve(agent)
             pairs.append((ws, raw))
         plane.barrier()
         if rank == 1:
