@@ -12,9 +12,10 @@ want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 which=${1:-all}
 case "$which" in main|engine|all) ;; *) echo "usage: scripts/setup.sh [main|engine|all]" >&2; exit 2 ;; esac
 
-# --no-compile, then compileall on both cores: pip byte-compiles ~57,000 files one by one. Compiled ahead, not on
-# first import, because environments that set PYTHONDONTWRITEBYTECODE (this project's machines do) never
-# cache what they compile: every process then compiled torch and vLLM again (`import vllm`: 19.6 s -> 6.6 s).
+# --no-compile, then compileall on both cores (pip byte-compiles ~57,000 files one by one). Compiled ahead,
+# not on first import: where PYTHONDONTWRITEBYTECODE is set (this project's machines set it), nothing
+# compiled on import is cached, and every process compiled torch and vLLM again (`import vllm`: 19.6 s
+# of CPU instead of 6.6 s).
 install() {  # install VENV EXTRAS [post-install command...]
   local venv=$1 extras=$2; shift 2
   local stamp=$venv/.weightsync-installed
