@@ -288,12 +288,10 @@ def machine() -> dict[str, Any]:
         cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
     with open("/proc/meminfo") as f:
         mem = next(int(line.split()[1]) for line in f if line.startswith("MemTotal"))
-    import weightsync
-
     repo = os.path.dirname(HERE)
     commit = subprocess.run(["git", "-C", repo, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             check=False).stdout.strip()
-    return {"commit": commit, "weightsync": os.path.dirname(weightsync.__file__), "cpu": cpu, "cores": os.cpu_count(),
+    return {"commit": commit, "cpu": cpu, "cores": os.cpu_count(),
             "mem_gib": round(mem / 2**20, 1), "python": platform.python_version(),
             "torch": torch.__version__, "vllm": vllm.__version__, "backend": "gloo (CPU, loopback)",
             "loadavg_start": os.getloadavg()}
