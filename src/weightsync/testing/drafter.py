@@ -51,15 +51,13 @@ def _build_pair(vc: Any, target_sd: dict[str, torch.Tensor] | None = None,
     """Target and drafter as vLLM's worker loads them: each ``initialize_model``-ed and loaded (or left as
     built, like a dummy load), processed, then the drafter shares what vLLM's proposer shares."""
     target = _loaded(vc, vc.model_config, target_sd)
-    drafter = _loaded(vc, vc.speculative_config.draft_model_config, drafter_sd)
-    share_like_the_proposer(drafter, target)
-    return target.eval(), drafter.eval()
+    return target.eval(), loaded_drafter(vc, drafter_sd, target)
 
 
-def loaded_drafter(vc: Any, drafter_sd: dict[str, torch.Tensor], target: torch.nn.Module) -> torch.nn.Module:
-    """vLLM's own loading of ``drafter_sd`` into a fresh drafter of ``vc`` (built as the worker builds its
-    own), sharing ``target``'s embedding and lm_head as vLLM's proposer does. Under ``vc`` as the current
-    config, with the attention layers' registry cleared (they register by name)."""
+def loaded_drafter(vc: Any, drafter_sd: dict[str, torch.Tensor] | None, target: torch.nn.Module) -> torch.nn.Module:
+    """vLLM's own loading of ``drafter_sd`` (None: left as built) into a fresh drafter of ``vc`` (built as
+    the worker builds its own), sharing ``target``'s embedding and lm_head as vLLM's proposer does. Under
+    ``vc`` as the current config, with the attention layers' registry cleared (they register by name)."""
     drafter = _loaded(vc, vc.speculative_config.draft_model_config, drafter_sd)
     share_like_the_proposer(drafter, target)
     return drafter.eval()
