@@ -233,7 +233,7 @@ def run_scenario(cluster: LocalCluster, sc: Scenario, args: argparse.Namespace, 
         if transport == "naive":
             row = run_naive(cluster, 1, repeats, verify)
         else:
-            prof = profile and transport == "weightsync_m2n"
+            prof = profile and transport in ("weightsync_m2n", "weightsync_nixl")
             row = run_engine(cluster, sc, transport, model_dir, itemsize, 1, repeats, verify, prof)
             for who, text in (row.pop("profiles") or {}).items():
                 with open(os.path.join(args.out, f"profile_{transport}_{sc.size}_{who}.txt"), "w") as f:

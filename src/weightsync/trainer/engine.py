@@ -43,7 +43,7 @@ from ..pausing import REFUSED, check_paused, preflight_error
 from ..protocol import WeightSource
 from ..stats import SyncStats
 from .session import check_finished, check_source, connect_fresh, leave, new_session, taken_over
-from .waits import MARGIN_S, ClientCalls, client_result, left, settle
+from .waits import MARGIN_S, ClientCalls, client_result, in_thread, left, settle
 
 if TYPE_CHECKING:
     from .elastic import ElasticTrainerEngine
@@ -122,6 +122,7 @@ class TrainerEngine(Generic[TInit, TUpdate, TPrepared]):
     _pool: ClientCalls
     _outcome_ack: Callable[[int], str] | None  # rank 0: the last outcome's acknowledgements
     _held_syncs: list[int]  # rank 0: syncs whose workers' "held" keys are on the store (``_forget``)
+    _forgetting: Future[None] | None  # rank 0: the last ``_forget``'s deletes, running aside
     # one sync's progress, for its failure path (``_failed_sync``)
     _t0: float
     _started: bool
@@ -191,7 +192,7 @@ class TrainerEngine(Generic[TInit, TUpdate, TPrepared]):
         self = cls(init_info, client=client, source=source)
         self.sync_id, self.failed, self._calls, self._closed = 0, None, None, False
         self.session = new_session()  # rank 0's is the one the workers get
-        self._outcome_ack, self._held_syncs = None, []
+        self._outcome_ack, self._held_syncs, self._forgetting = None, [], None
         self._pool = ClientCalls(client)  # rank 0's client calls run there, waited for within timeout_s
         i, t0 = init_info, time.monotonic()
         fut: Future[None] | None = None
@@ -346,23 +347,36 @@ class TrainerEngine(Generic[TInit, TUpdate, TPrepared]):
         workers = len(self._lower_bound())
         keys = SyncKeys(sync_id).outcome_keys(self.init_info.num_trainer_ranks, workers, self._chunks)
         stale, self._held_syncs = self._held_syncs[:-1], self._held_syncs[-1:]
-        self.comm.delete(keys + [SyncKeys(s).held(w) for s in stale for w in range(workers)])
+        keys += [SyncKeys(s).held(w) for s in stale for w in range(workers)]
+        self._settle_forget()
+        # aside: one store request per key (~0.3 ms each) is not this sync's to wait for; shutdown waits
+        delete = self.comm.delete
+        self._forgetting = in_thread(lambda: delete(keys), "weightsync-forget")
 
-    def _check_paused(self) -> None:
+    def _settle_forget(self) -> None:
+        """Wait (at most ``timeout_s``) for the last ``_forget``'s deletes."""
+        if self._forgetting is not None:
+            settle(self._forgetting, self.init_info.timeout_s)
+            self._forgetting = None
+
+    def _check_paused(self, asked: Future[None] | None) -> None:
         """Rank 0: every engine's generation is paused, or ``Refused`` (:mod:`weightsync.pausing`), asked
-        within half of ``timeout_s`` (an engine that does not answer is refused before the ranks' wait ends)."""
-        if self.is_sender:
+        (``asked``: ``check_paused`` submitted to the client thread) within half of ``timeout_s`` (an
+        engine that does not answer is refused before the ranks' wait ends)."""
+        if asked is not None:
             try:
-                client_result(self._pool.submit(lambda: check_paused(self)), self.init_info.timeout_s / 2,
-                              "generation_paused")
+                client_result(asked, self.init_info.timeout_s / 2, "generation_paused")
             except TimeoutError as e:
                 raise Refused(f"{REFUSED}could not ask whether every engine's generation is paused: {e}") from None
 
     def _agreed_preflight(self, verify: bool) -> TPrepared:
-        """``_preflight`` on every rank; any rank's error is every rank's (see the module docstring)."""
+        """``_preflight`` on every rank (rank 0 asks whether generation is paused meanwhile); any rank's
+        error is every rank's (see the module docstring)."""
+        asked = self._pool.submit(lambda: check_paused(self)) if self.is_sender else None
         try:
-            self._check_paused()
-            prepared, error = [self._preflight(verify)], ""
+            prepared = [self._preflight(verify)]
+            self._check_paused(asked)
+            error = ""
         except ValueError as e:
             prepared, error = [], str(e)
         except BaseException as e:  # the source's own failure: the other ranks raise it now, not at a timeout
@@ -445,6 +459,7 @@ class TrainerEngine(Generic[TInit, TUpdate, TPrepared]):
                 self.comm.publish(self.keys.verdict, _OK)
                 self._outcome_ack = self.keys.ack
                 self._held_syncs.append(self.sync_id)
+                self._settle_forget()  # (done long ago, while the data moved): no key outlives its sync's return
             else:
                 self.comm.await_key(self.keys.verdict)
                 self._acknowledge(self.keys.ack)
@@ -488,6 +503,7 @@ class TrainerEngine(Generic[TInit, TUpdate, TPrepared]):
         next init, and torch logs that as a C++ stack trace in the engine's log."""
         if self._closed:
             return
+        self._settle_forget()
         if self.is_sender and self._outcome_ack:
             self._acknowledge(self._outcome_ack)
         else:
