@@ -1,7 +1,8 @@
-"""Replica fan-out on the M2N reshard core: the trainer ranks send one replica's worth whatever the
+"""Replica fan-out on the reshard core: the trainer ranks send one replica's worth whatever the
 replica count (counted on the data plane's own send and receive ops), every worker receives exactly
-its shard bytes once, every replica ends bit-exact, dense then delta; a replica killed in the middle
-of the fan-out under on_engine_failure="fail" makes every rank raise."""
+its shard bytes once, every replica ends bit-exact, dense then delta, over torch groups (M2N) and
+NIXL, with FP8 blocks on the wire; a replica killed in the middle of the fan-out under
+on_engine_failure="fail" makes every rank raise."""
 
 from __future__ import annotations
 
@@ -16,27 +17,34 @@ from weightsync.testing.cluster import Layout
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
 
 _COUNTS: dict[str, int] = {}
-_ORIGINAL: list = []
+_ORIGINAL: dict[type, object] = {}
 
 
-def count_wire(on: bool) -> None:
-    """Inside a process: count the bytes of every send and receive op posted on the torch data plane
-    (on), or restore its ``post`` (off)."""
+def _plane(backend: str) -> type:
+    if backend == "weightsync_nixl":
+        from weightsync.dataplane.nixl import NixlPlane
+
+        return NixlPlane
     from weightsync.dataplane.torch_group import TorchGroupPlane
 
-    if not _ORIGINAL:
-        _ORIGINAL.append(TorchGroupPlane.post)
+    return TorchGroupPlane
+
+
+def count_wire(on: bool, backend: str = "weightsync_m2n") -> None:
+    """Inside a process: count the bytes of every send and receive op posted on ``backend``'s data
+    plane (on), or restore its ``post`` (off)."""
+    plane = _plane(backend)
+    original = _ORIGINAL.setdefault(plane, plane.post)
     if not on:
-        TorchGroupPlane.post = _ORIGINAL[0]
+        plane.post = original
         return
-    original = _ORIGINAL[0]
 
     def counted(self, sends, recvs):
         _COUNTS["sent"] = _COUNTS.get("sent", 0) + sum(t.nbytes for t, _, _ in sends)
         _COUNTS["received"] = _COUNTS.get("received", 0) + sum(t.nbytes for t, _, _ in recvs)
         return original(self, sends, recvs)
 
-    TorchGroupPlane.post = counted
+    plane.post = counted
 
 
 def take_counts() -> dict[str, int]:
@@ -49,22 +57,22 @@ def take_counts() -> dict[str, int]:
 def counted_sync(cluster, version: str) -> tuple[dict, list[dict], list[dict]]:
     """One sync with every party's data-plane ops counted: rank 0's stats, each trainer rank's and
     each worker's counts."""
-    procs = cluster.active_trainers + cluster.active_receivers
+    procs, backend = cluster.active_trainers + cluster.active_receivers, cluster.layout.backend
     for a in procs:
-        a.call("test_m2n_fanout:count_wire", True)
+        a.call("test_m2n_fanout:count_wire", True, backend)
         a.call("test_m2n_fanout:take_counts")
     try:
         stats = cluster.sync(weight_version=version)
     finally:
         counts = [a.call("test_m2n_fanout:take_counts") for a in procs]
         for a in procs:
-            a.call("test_m2n_fanout:count_wire", False)
+            a.call("test_m2n_fanout:count_wire", False, backend)
     n = len(cluster.active_trainers)
     return stats, counts[:n], counts[n:]
 
 
-def layout(tp: int, replicas: int, **kw) -> Layout:
-    return Layout(trainers=2, tp=tp, replicas=replicas, backend="weightsync_m2n", **kw)
+def layout(tp: int, replicas: int, backend: str = "weightsync_m2n", **kw) -> Layout:
+    return Layout(trainers=2, tp=tp, replicas=replicas, backend=backend, **kw)
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -92,6 +100,49 @@ def test_trainer_egress_is_one_replica_whatever_the_replica_count(cluster, tp):
     for key in ((2, "chain"), (4, "auto"), (4, "tree")):
         assert sent[key] == one, (key, sent)
     assert sent[2, "off"] == [2 * s for s in one]  # without fan-out each trainer rank sends every replica's
+
+
+def test_nixl_trainer_egress_is_one_replica_and_every_replica_is_bit_exact(cluster):
+    """The same plan over NIXL: workers READ their pieces from the trainers (replica 0) or from their
+    parent worker, which announces what it received; counted on the NIXL plane's own ops."""
+    sent = {}
+    for replicas, fan_out in ((1, "auto"), (3, "chain"), (3, "tree")):
+        lay = layout(2, replicas, backend="weightsync_nixl")
+        cluster.setup(lay, fresh=True)
+        cluster.make_engines(init_info("weightsync_nixl", lay, buffer_bytes=1 << 16, fan_out=fan_out),
+                             source="local")
+        stats, trainers, workers = counted_sync(cluster, f"{replicas}-{fan_out}")
+        assert mismatches(cluster) == {}, (replicas, fan_out)
+        lower = stats["lower_bound_per_worker"]
+        assert [c["received"] for c in workers] == [lower[w] for w in range(lay.num_workers)], fan_out
+        assert sum(c["sent"] for c in workers) == (replicas - 1) * (lower[0] + lower[1])
+        sent[replicas, fan_out] = [c["sent"] for c in trainers]
+    assert sent[3, "chain"] == sent[3, "tree"] == sent[1, "auto"], sent
+
+
+@pytest.mark.parametrize("backend", ["weightsync_m2n", "weightsync_nixl"])
+def test_fp8_blocks_on_the_wire_go_through_the_fan_out_unchanged(cluster, backend):
+    """``fp8_wire``: the trainer ranks quantize once for replica 0; replica 1 gets the same fp8 bytes and
+    scales from replica 0's workers, and both equal vLLM's load of the reference quantization."""
+    from test_fp8 import MODEL
+
+    sent, received = {}, {}
+    for replicas in (1, 2):
+        lay = layout(2, replicas, dtype="bfloat16", model=MODEL, backend=backend)
+        cluster.setup(lay, fresh=True)
+        cluster.make_engines(init_info(backend, lay, fp8_wire=True, fan_out="chain"))
+        cluster.train_step(21)
+        stats, trainers, workers = counted_sync(cluster, f"fp8-{replicas}")
+        assert stats["bytes_received_per_worker"] == stats["lower_bound_per_worker"]
+        assert sum(b["trainer"] for b in stats["fp8_blocks_per_worker"].values()) > 0  # (fp8 on the wire)
+        full = cluster.on_trainers("full_state_dict")[0]
+        got = cluster.on_receivers("test_fp8:fp8_differences", full)
+        assert [g["bad"] for g in got] == [[]] * lay.num_workers, replicas
+        assert all(len(g["fp8"]) == 8 for g in got)
+        sent[replicas] = [c["sent"] for c in trainers]
+        received[replicas] = [c["received"] for c in workers]
+    assert sent[2] == sent[1], sent
+    assert received[2] == received[1] * 2, received  # each replica-1 worker got what its replica-0 peer got
 
 
 def test_dense_then_delta_fan_out_unchanged(cluster):
