@@ -41,13 +41,16 @@ def _threads() -> int:
 
 def _party(fn: Callable[..., Any], rank: int, world: int, port: int, timeout_s: float, secret: str | None,
            out: Any, done: Any, device: str = "cpu") -> None:
+    comm: Communicator | None = None
     try:
         comm = Communicator.connect("127.0.0.1", port, name=f"party {rank}", timeout_s=timeout_s,
                                     host_store=rank == 0, secret=secret)
         comm.join(rank, world, plane=NixlPlane, device=device)
         out.put((rank, fn(comm, rank)))
-    except Exception:  # noqa: BLE001 - reported to the test
+    except Exception as e:  # noqa: BLE001 - reported to the test, and to the peers (they raise at once)
         out.put((rank, traceback.format_exc()))
+        if comm is not None:
+            comm.fail(f"party {rank}: {type(e).__name__}: {e}", e)
     done.wait(120)  # the store's host stays up until every party reported
 
 
