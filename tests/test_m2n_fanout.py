@@ -114,7 +114,7 @@ def _one_replica_from_the_trainers(trainers: list[dict], workers: list[dict], tp
 def test_nixl_fan_out_sends_one_replica_from_the_trainers_and_is_bit_exact(cluster):
     """The same plan over NIXL along a chain of 3 replicas: workers READ their pieces from the
     trainers (replica 0) or from their parent worker, which announces what it received."""
-    lay = layout(2, 3, backend="weightsync_nixl")
+    lay = layout(1, 3, backend="weightsync_nixl")
     cluster.setup(lay, fresh=True)
     cluster.make_engines(init_info("weightsync_nixl", lay, buffer_bytes=1 << 16, fan_out="chain"), source="local")
     stats, trainers, workers = counted_sync(cluster, "nixl-chain")
