@@ -102,10 +102,14 @@ def test_trainer_egress_is_one_replica_whatever_the_replica_count(cluster, tp):
     assert sent[2, "off"] == [2 * s for s in one]  # without fan-out each trainer rank sends every replica's
 
 
-def _one_replica_from_the_trainers(trainers: list[dict], workers: list[dict], tp: int) -> None:
-    """The trainers sent exactly what replica 0's workers received, and the workers forwarded exactly
-    what the other replicas' workers received: trainer egress is one replica's worth."""
+def _one_replica_from_the_trainers(stats: dict, trainers: list[dict], workers: list[dict], tp: int) -> None:
+    """Every worker received exactly its shard bytes; the trainers sent exactly what replica 0's workers
+    received, and the workers forwarded exactly what the other replicas' workers received: trainer
+    egress is one replica's worth."""
     received = [c["received"] for c in workers]
+    lower = stats["lower_bound_per_worker"]
+    assert received == [lower[w] for w in range(len(workers))]
+    assert stats["bytes_received_per_worker"] == lower
     assert sum(c["sent"] for c in trainers) == sum(received[:tp]) > 0
     assert all(c["received"] == 0 for c in trainers)
     assert sum(c["sent"] for c in workers) == sum(received[tp:])
@@ -119,9 +123,7 @@ def test_nixl_fan_out_sends_one_replica_from_the_trainers_and_is_bit_exact(clust
     cluster.make_engines(init_info("weightsync_nixl", lay, buffer_bytes=1 << 16, fan_out="chain"), source="local")
     stats, trainers, workers = counted_sync(cluster, "nixl-chain")
     assert mismatches(cluster) == {}
-    lower = stats["lower_bound_per_worker"]
-    assert [c["received"] for c in workers] == [lower[w] for w in range(lay.num_workers)]
-    _one_replica_from_the_trainers(trainers, workers, lay.tp)
+    _one_replica_from_the_trainers(stats, trainers, workers, lay.tp)
 
 
 @pytest.mark.parametrize("backend", ["weightsync_m2n", "weightsync_nixl"])
@@ -135,10 +137,8 @@ def test_fp8_blocks_on_the_wire_go_through_the_fan_out_unchanged(cluster, backen
     cluster.make_engines(init_info(backend, lay, fp8_wire=True, fan_out="chain"))
     cluster.train_step(21)
     stats, trainers, workers = counted_sync(cluster, "fp8")
-    assert stats["bytes_received_per_worker"] == stats["lower_bound_per_worker"]
-    assert [c["received"] for c in workers] == [stats["lower_bound_per_worker"][w] for w in range(4)]
     assert sum(b["trainer"] for b in stats["fp8_blocks_per_worker"].values()) > 0  # (fp8 on the wire)
-    _one_replica_from_the_trainers(trainers, workers, lay.tp)
+    _one_replica_from_the_trainers(stats, trainers, workers, lay.tp)
     full = cluster.on_trainers("full_state_dict")[0]
     got = cluster.on_receivers("test_fp8:fp8_differences", full)
     assert [g["bad"] for g in got] == [[]] * lay.num_workers
