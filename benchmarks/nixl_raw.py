@@ -64,8 +64,10 @@ def _raw_read(agent: Any, peer: str, dst: torch.Tensor, comm: Any) -> float:
 
 def _serve(agent: Any) -> float:
     """Rank 0: drive the raw agent's progress (no progress thread) until rank 1's READ-done notification."""
+    pause = 2e-5  # as ``NixlPlane.wait_all`` pauses between looks
     while not agent.get_new_notifs():
-        pass
+        time.sleep(pause)
+        pause = min(2 * pause, 1e-3)
     return 0.0
 
 
