@@ -7,15 +7,22 @@ on_engine_failure="fail" makes every rank raise."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import socket
+import tempfile
+import time
 
 import pytest
 
-from helpers import init_info, mismatches
+from helpers import init_info, mismatches, until
 from test_failures import TIMEOUT, kill_mid_sync, recover_and_verify
-from weightsync.testing.cluster import Layout
+from weightsync.registry import transport
+from weightsync.testing.client import LocalWeightSyncClient
+from weightsync.testing.cluster import Layout, free_port, model_config_dir
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
 
+_R = "weightsync.testing.receiver:"
 _COUNTS: dict[str, int] = {}
 _ORIGINAL: dict[type, object] = {}
 
@@ -102,13 +109,14 @@ def test_trainer_egress_is_one_replica_whatever_the_replica_count(cluster, tp):
     assert sent[2, "off"] == [2 * s for s in one]  # without fan-out each trainer rank sends every replica's
 
 
-def _one_replica_from_the_trainers(stats: dict, trainers: list[dict], workers: list[dict], tp: int) -> None:
+def _one_replica_from_the_trainers(stats: dict, trainers: list[dict], workers: list[dict], tp: int,
+                                   ids: list[int] | None = None) -> None:
     """Every worker received exactly its shard bytes; the trainers sent exactly what replica 0's workers
     received, and the workers forwarded exactly what the other replicas' workers received: trainer
-    egress is one replica's worth."""
+    egress is one replica's worth. ``ids``: the stats' worker of each of ``workers`` (default: in order)."""
     received = [c["received"] for c in workers]
     lower = stats["lower_bound_per_worker"]
-    assert received == [lower[w] for w in range(len(workers))]
+    assert received == [lower[w] for w in (ids if ids is not None else range(len(workers)))]
     assert stats["bytes_received_per_worker"] == lower
     assert sum(c["sent"] for c in trainers) == sum(received[:tp]) > 0
     assert all(c["received"] == 0 for c in trainers)
@@ -212,3 +220,86 @@ def test_fan_out_is_validated_naming_the_field():
     with pytest.raises(ValueError, match="fan_out must be one of"):
         dataclasses.replace(info, fan_out=None)
 
+
+
+DROP_TIMEOUT_S = 20.0
+"""timeout_s of the drop tests' syncs: a hung worker is noticed only then."""
+BACKENDS = ("weightsync_m2n", "weightsync_nixl")
+
+
+def start_dropping(cluster, backend: str) -> list:
+    """A chain over three TP-1 replicas under on_engine_failure="drop" (the elastic engine's one fanned
+    group), synced once and trained a step; the three receivers."""
+    lay = layout(1, 3, backend)
+    cluster.setup(lay, fresh=True)
+    rs = cluster.receivers[:3]
+    client = LocalWeightSyncClient([[r.address] for r in rs], timeout_s=DROP_TIMEOUT_S)
+    cluster.make_engines(init_info(backend, lay, buffer_bytes=1 << 14, timeout_s=DROP_TIMEOUT_S,
+                                   on_engine_failure="drop", delta=True, fan_out="chain"), client=client)
+    stats, trainers, workers = counted_sync(cluster, "v1")
+    assert (stats["replicas"], stats["dropped"]) == ([0, 1, 2], {}) and mismatches(cluster) == {}
+    _one_replica_from_the_trainers(stats, trainers, workers, 1)  # one group, fanned out: one replica's egress
+    cluster.train_step(1)
+    return rs
+
+
+def dropped_and_exact(cluster, stats: dict, survivors: list, version: str) -> None:
+    assert (stats["replicas"], list(stats["dropped"])) == ([0, 2], [1]), stats
+    assert "weight sync" in stats["dropped"][1] and "failed" in stats["dropped"][1], stats["dropped"]
+    sd = cluster.on_trainers("full_state_dict")[0]
+    assert {r.name: bad for r in survivors if (bad := r.call(_R + "compare_with_oracle", sd))} == {}
+    assert [r.call(_R + "weight_version") for r in survivors] == [version] * len(survivors)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_replica_killed_mid_fan_out_under_drop_is_dropped_and_the_ones_behind_it_complete(cluster, backend):
+    """Chain 0 -> 1 -> 2 under "drop": replica 1 dies while it forwards; every trainer rank drops it
+    alike, replica 2 behind it is fed from the trainers in the same sync (a group over the survivors),
+    both survivors end bit-exact at the new version, and the next sync (a delta) goes on without it."""
+    r0, r1, r2 = start_dropping(cluster, backend)
+    count = os.path.join(tempfile.mkdtemp(), r1.name)
+    plane = transport(backend).worker_engine.data_plane
+    r1.call("weightsync.testing.faults:slow_data_plane", 0.3, count, f"{plane.__module__}:{plane.__qualname__}")
+    futs = [a.submit("weightsync.testing.trainer:send_weights", "v2") for a in cluster.active_trainers]
+    until(lambda: os.path.exists(count) and os.path.getsize(count) >= 1, "replica 1 did not start forwarding", 60)
+    t0 = time.monotonic()
+    r1.kill()
+    stats = [f.result(timeout=4 * DROP_TIMEOUT_S) for f in futs]
+    assert time.monotonic() - t0 < 2 * DROP_TIMEOUT_S  # noticed at the latest at timeout_s, then regrouped
+    assert stats[1]["dropped"] == stats[0]["dropped"]  # every rank dropped it alike
+    dropped_and_exact(cluster, stats[0], [r0, r2], "v2")
+    cluster.train_step(2)
+    assert (cluster.sync("v3")["replicas"]) == [0, 2]
+    dropped_and_exact(cluster, {**stats[0], "replicas": [0, 2]}, [r0, r2], "v3")
+
+    assert cluster.replace_dead() == [r1.name]  # a new engine in replica 1's place joins the fanned group
+    new = cluster.receivers[1]
+    new.call(_R + "setup", model_config_dir("tiny_qwen3"), tp=1, rank=0, replica=1, port=free_port(),
+             dtype="float32", backend=backend)
+    assert cluster.on_trainers("add_engines", [[new.address]]) == [[3], [3]]
+    cluster.train_step(3)
+    stats, trainers, workers = counted_sync(cluster, "v4")
+    assert (stats["replicas"], stats["dropped"]) == ([0, 2, 3], {}) and mismatches(cluster) == {}
+    _one_replica_from_the_trainers(stats, trainers, workers, 1, ids=[0, 3, 2])  # (the new one is in slot 1)
+    assert cluster.on_trainers("remove_engines", [0]) == [[0], [0]]  # (replica ids work too)
+    cluster.train_step(4)
+    assert cluster.sync("v5")["replicas"] == [2, 3]
+    assert [r.call(_R + "weight_version") for r in (r0, r2, new)] == ["v4", "v5", "v5"]
+    cluster.on_trainers("shutdown_engine")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_replica_hung_in_the_fan_out_under_drop_is_dropped_after_timeout_s(cluster, backend):
+    """Replica 1 alive but stuck (its update call hangs): its parent's forward and its child's receive
+    wait; after timeout_s every trainer rank drops it (it does not answer), and the survivors complete
+    the same sync bit-exact from a group of their own, within timeout_s plus a regroup."""
+    r0, r1, r2 = start_dropping(cluster, backend)
+    with socket.create_server(("127.0.0.1", 0)) as release:  # closing it releases the hung worker
+        r1.call("weightsync.testing.faults:hang", "update_weights", release.getsockname()[1])
+        t0 = time.monotonic()
+        stats = cluster.sync("v2")
+        elapsed = time.monotonic() - t0
+    assert DROP_TIMEOUT_S <= elapsed < DROP_TIMEOUT_S + 20, elapsed
+    dropped_and_exact(cluster, stats, [r0, r2], "v2")
+    assert r1.call(_R + "weight_version") == "v1"
+    cluster.on_trainers("shutdown_engine")

@@ -151,9 +151,10 @@ class TrainerInitInfo:
 
     on_engine_failure: str = "fail"
     """``"fail"`` (all-or-nothing): a worker's failure fails the sync on every replica. ``"drop"``:
-    one sync group per replica (docs/elastic.md); a replica whose worker fails or does not answer
-    within ``timeout_s`` is dropped (its update aborted, it is poisoned, ``SyncStats.dropped`` says
-    why), every other replica completes the sync, and replicas can be added and removed between syncs."""
+    one sync group per replica (one fanned-out group of them all where ``fans_out()``; docs/elastic.md);
+    a replica whose worker fails or does not answer within ``timeout_s`` is dropped (its update aborted,
+    it is poisoned, ``SyncStats.dropped`` says why), every other replica completes the sync, and
+    replicas can be added and removed between syncs."""
 
     def __post_init__(self) -> None:
         name = type(self).__name__
@@ -219,6 +220,16 @@ class TrainerInitInfo:
         """This info for one replica of ``tp`` workers, its group's store on ``port``."""
         self.replica_workers(1)  # raises for a transport without per-replica groups
         raise NotImplementedError(f"{type(self).__name__} does not implement for_replica")
+
+    def fans_out(self) -> bool:
+        """Whether the trainers send one replica's worth and the workers forward it to the others (then
+        ``on_engine_failure="drop"`` keeps one group over every replica: ``for_replicas``)."""
+        return False
+
+    def for_replicas(self, replicas: int, tp: int, port: int) -> TrainerInitInfo:
+        """This info for one group of ``replicas`` replicas of ``tp`` workers (all-or-nothing), its store on
+        ``port``: the fanned-out group of ``on_engine_failure="drop"`` (``fans_out``)."""
+        raise NotImplementedError(f"{type(self).__name__} does not fan out to replicas")
 
 
 @dataclass(kw_only=True)

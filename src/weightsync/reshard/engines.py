@@ -157,6 +157,14 @@ class M2NTrainerInitInfo(TrainerInitInfo):
         return dataclasses.replace(self, master_port=port, world_size=self.num_trainer_ranks + tp,
                                    dst_mesh_dims=(1, tp), on_engine_failure="fail")
 
+    def fans_out(self) -> bool:
+        return self.fan_out != "off"
+
+    def for_replicas(self, replicas: int, tp: int, port: int) -> M2NTrainerInitInfo:
+        """The replicas' one fanned-out group: every trainer rank and ``replicas * tp`` workers."""
+        return dataclasses.replace(self, master_port=port, world_size=self.num_trainer_ranks + replicas * tp,
+                                   dst_mesh_dims=(replicas, tp), on_engine_failure="fail")
+
 
 @dataclass(kw_only=True)
 class M2NWorkerInitInfo(WorkerInitInfo):

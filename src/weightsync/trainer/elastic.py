@@ -15,6 +15,15 @@ workers, built from ``init_info.for_replica``. So:
 * a replica that joins gets the current version dense in its first sync (its group has no delta
   base), while the others take deltas where ``delta=True``.
 
+With fan-out (``init_info.fans_out()``: M2N and NIXL with ``fan_out`` set) the replicas share **one**
+group instead (``init_info.for_replicas``), so that the trainers send one replica's worth and every
+replica syncs at once. A sync that fails there is settled on every rank alike: rank 0 asks each engine
+whether its generation is paused (one call per engine, within a bound); those that do not answer (dead,
+or stuck in a call) and the replica of a worker the failure names are dropped, the survivors' workers
+leave the failed group, a new group over them is built and the same sync runs again on it, dense (so
+the replicas behind a dead one are fed from the trainers within that sync). A membership change
+rebuilds that group over the new set.
+
 Bad input at add (a duplicate engine, another model, another TP size, an engine bound to another
 trainer's live session) is refused on every rank naming ``engines[i]``, and the replicas added by
 that call are released again: the running ones are untouched.
@@ -22,7 +31,10 @@ that call are released again: the running ones are untouched.
 
 from __future__ import annotations
 
+import re
 import socket
+import time
+from dataclasses import fields
 from typing import Any
 
 from ..comm import Communicator
@@ -33,7 +45,7 @@ from ..pausing import not_paused
 from ..protocol import WeightSource
 from ..stats import DeltaStats, SyncStats
 from .session import connect_fresh, leave
-from .waits import MARGIN_S, client_result, in_thread
+from .waits import MARGIN_S, client_result, in_thread, settle
 
 __all__ = ["ElasticTrainerEngine"]
 
@@ -41,9 +53,13 @@ _UNREACHABLE = "could not ask whether every engine's generation is paused"
 """A sync's preflight refusal (``weightsync.pausing``) for an engine that did not answer: dropped too."""
 
 
+_PROBE_S = 10.0
+"""At most how long rank 0 waits for an engine's answer when it settles a failed fanned-out sync."""
+
+
 class _Member:
     def __init__(self, rid: int, engine: Any, group: Any) -> None:
-        self.id, self.engine, self.group = rid, engine, group
+        self.id, self.engine, self.group = rid, engine, group  # (group: None when fanned out)
 
 
 def _free_port(host: str) -> int:
@@ -57,6 +73,17 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, str) and isinstance(b, str):
         return a.rstrip("/") == b.rstrip("/")
     return a is b or a == b
+
+
+def _leave_failed(client: Any) -> None:
+    """``client``'s engines leave a failed group: first the update the failed sync left active in vLLM (a
+    finish without a version, as the trainer's abort sends, which may still be on its way: a next start
+    would find the update active), then the group."""
+    try:
+        client.finish_weight_update(None)
+    except Exception:  # noqa: BLE001,S110 - no update active there (the abort's finish came first)
+        pass
+    client.shutdown_weight_transfer_engine()
 
 
 class ElasticTrainerEngine:
@@ -73,6 +100,8 @@ class ElasticTrainerEngine:
         self._next_id = self._changes = 0
         self._tp = 0
         self.sync_id = 0
+        self._fanned = init_info.fans_out()
+        self._group: Any = None  # fanned out: the one group over every replica
 
     @classmethod
     def trainer_init(cls, engine_cls: type, init_info: TrainerInitInfo, *, client: Any,
@@ -102,9 +131,10 @@ class ElasticTrainerEngine:
         """Replica id -> its engine (the handle or URL; None on ranks > 0), in sync order."""
         return {rid: m.engine for rid, m in self._members.items()}
 
-    def _agree(self, decide: Any) -> dict[str, Any]:
+    def _agree(self, decide: Any, timeout_s: float | None = None) -> dict[str, Any]:
         """Rank 0 decides the next membership change (``decide()``: a dict, or ``ValueError``) and
-        publishes it; every rank returns it, or raises the same ``ValueError``."""
+        publishes it; every rank returns it (the others wait at most ``timeout_s``, default the store's),
+        or raises the same ``ValueError``."""
         if self.comm is None:
             raise RuntimeError("the engine was shut down; call trainer_init again")
         self._changes += 1
@@ -118,7 +148,7 @@ class ElasticTrainerEngine:
             if self._changes > 2:
                 self.comm.delete([membership_change(self._changes - 2)])  # every rank read it before the last one
         else:
-            change = self.comm.read(key)
+            change = self.comm.read(key) if timeout_s is None else self.comm.read(key, timeout_s=timeout_s)
         if "error" in change:
             raise ValueError(change["error"])
         return change
@@ -142,7 +172,8 @@ class ElasticTrainerEngine:
         self.client.for_engines(engines)  # the client's own checks of each entry, before any rank acts on it
         tp = self.init_info.replica_workers(len(engines)) if initial else self._tp
         ids = list(range(self._next_id, self._next_id + len(engines)))
-        return {"add": [[rid, _free_port(self.init_info.master_address)] for rid in ids], "tp": tp}
+        return {"add": [[rid, _free_port(self.init_info.master_address)] for rid in ids], "tp": tp,
+                "port": _free_port(self.init_info.master_address), "again": _free_port(self.init_info.master_address)}
 
     def add_engines(self, engines: Any = None, *, _initial: bool = False) -> list[int]:
         """Add replicas (rank 0: an engine or a list, as the client takes them; ranks > 0: nothing) and
@@ -152,6 +183,8 @@ class ElasticTrainerEngine:
         change = self._agree(lambda: self._decide_add(listed, _initial))
         listed = self._engine_list(listed) if self.is_sender else []
         self._tp, added = change["tp"], []
+        if self._fanned:
+            return self._add_fanned(change, listed, _initial)
         try:
             for k, (rid, port) in enumerate(change["add"]):
                 client = self.client.for_engines([listed[k]]) if self.is_sender else None
@@ -172,6 +205,39 @@ class ElasticTrainerEngine:
             self.client.add_engines([m.engine for m in added])
         return [m.id for m in added]
 
+    def _add_fanned(self, change: dict[str, Any], listed: list[Any], initial: bool) -> list[int]:
+        """Fanned out: one group over the running replicas and the added ones. Refused: the running ones
+        get a group of their own again (on ``change["again"]``) and every rank raises."""
+        added = [_Member(rid, listed[k] if self.is_sender else None, None) for k, (rid, _) in enumerate(change["add"])]
+        running = list(self._members.values())
+        try:
+            self._regroup(running + added, change["port"])
+        except ValueError as e:
+            if running:
+                self._regroup(running, change["again"])
+            kind = Refused if isinstance(e, Refused) else ValueError
+            raise kind(f"engines: refused ({e}); the running replicas were regrouped without them") from e
+        self._members.update((m.id, m) for m in added)
+        self._next_id += len(added)
+        if self.is_sender and not initial:
+            self.client.add_engines([m.engine for m in added])
+        return [m.id for m in added]
+
+    def _regroup(self, members: list[_Member], port: int, *, leaving: list[_Member] | None = None) -> None:
+        """Fanned out: shut the group down (its workers leave it; ``leaving``: those of ``members`` only,
+        without waiting for a stuck call), then build one over ``members`` on ``port``."""
+        old, self._group = self._group, None
+        if old is not None:
+            if leaving is not None and self.is_sender:  # the survivors' workers leave the failed group
+                leavers = self.client.for_engines([m.engine for m in leaving])
+                settle(in_thread(lambda: _leave_failed(leavers), "weightsync-leave"), self.init_info.timeout_s)
+            old.shutdown(drain=leaving is None)
+        if not members:
+            return
+        client = self.client.for_engines([m.engine for m in members]) if self.is_sender else None
+        self._group = self.engine_cls.trainer_init(self.init_info.for_replicas(len(members), self._tp, port),
+                                                   client=client, source=self.source)
+
     def _decide_remove(self, engines: list[Any]) -> dict[str, Any]:
         ids = []
         for k, e in enumerate(engines):
@@ -179,14 +245,20 @@ class ElasticTrainerEngine:
             if m is None:
                 raise ValueError(f"engines[{k}]: {e!r} is not a replica of this trainer")
             ids.append(m.id)
-        return {"remove": ids}
+        return {"remove": ids, "port": _free_port(self.init_info.master_address)}
 
     def remove_engines(self, engines: Any = None) -> list[int]:
         """Remove replicas (rank 0: engines or replica ids; ranks > 0: nothing): their groups are shut
         down, their workers leave the weight transfer; the others are not touched. Returns their ids."""
         listed = engines if self.is_sender else []
-        ids = self._agree(lambda: self._decide_remove(self._engine_list(listed)))["remove"]
-        listed = self._engine_list(listed) if self.is_sender else []
+        change = self._agree(lambda: self._decide_remove(self._engine_list(listed)))
+        ids = change["remove"]
+        if self._fanned:
+            gone = [self._members.pop(rid) for rid in ids]
+            self._regroup(list(self._members.values()), change["port"])
+            for m in gone if self.is_sender else ():
+                self._release(m)
+            return ids
         for rid in ids:
             m = self._members.pop(rid)
             m.group.shutdown()  # (its workers leave the transfer: ``TrainerEngine.shutdown``)
@@ -209,6 +281,8 @@ class ElasticTrainerEngine:
             raise RuntimeError("no replicas: every one was dropped or removed; add_engines first")
         self.sync_id += 1
         self._check_paused()
+        if self._fanned:
+            return self._send_fanned(weight_version, verify)
         done: dict[int, SyncStats] = {}
         dropped: dict[int, str] = {}
         for rid, m in list(self._members.items()):
@@ -223,6 +297,76 @@ class ElasticTrainerEngine:
                              + "; ".join(f"replica {r}: {why}" for r, why in dropped.items()), restored=False)
         return merged(done, dropped, self._tp, backend=self.init_info.backend, rank=self.rank,
                       weight_version=weight_version)
+
+    def _send_fanned(self, weight_version: str | None, verify: bool) -> SyncStats:
+        """Fanned out: the sync on the one group; after a failure, drop the replicas it was theirs (rank 0
+        decides, ``_decide_failed``), regroup the survivors and run it again (see the module docstring)."""
+        dropped: dict[int, str] = {}
+        while True:
+            try:
+                stats = self._group.send_weights(weight_version=weight_version, verify=verify)
+                return self._replica_stats(stats, dropped)
+            except (SyncFailed, ValueError) as e:
+                if isinstance(e, ValueError) and _UNREACHABLE not in str(e):
+                    raise  # bad input (the source's, or an unpaused engine): nothing moved
+                self._drop_failed(e, dropped)
+
+    def _drop_failed(self, error: Exception, dropped: dict[int, str]) -> None:
+        """Every rank, after a failed fanned-out sync: drop the replicas rank 0 found failed (into
+        ``dropped``) and regroup the others; ``error`` again when it found none (no replica's own
+        failure: a trainer rank's, the source's) or none is left."""
+        members = list(self._members.values())
+        verdict = self._agree(lambda: self._decide_failed(members, str(error)),
+                              timeout_s=2 * self.init_info.timeout_s + _PROBE_S + MARGIN_S)
+        if not verdict["failed"]:
+            raise error
+        for rid, why in verdict["failed"].items():
+            dropped[int(rid)] = why
+            gone = self._members.pop(int(rid))
+            if self.is_sender:
+                self._release(gone)
+        survivors = list(self._members.values())
+        self._regroup(survivors, verdict["port"], leaving=survivors)
+        if not survivors:
+            raise SyncFailed(f"weight sync {self.sync_id}: every replica was dropped: "
+                             + "; ".join(f"replica {r}: {why}" for r, why in dropped.items()), restored=False)
+
+    def _decide_failed(self, members: list[_Member], reason: str) -> dict[str, Any]:
+        """Rank 0, after a failed fanned-out sync: the replicas it drops (id -> why): those whose engine does
+        not say whether its generation is paused within ``_PROBE_S`` (dead, or stuck in a call); when every
+        one answers, the replica of the worker the failure names (group worker ``k * tp + tp rank`` is
+        ``members[k]``'s). Not the other way round: a worker behind a dead one reports that one's failure."""
+        asked = {m.id: in_thread(self.client.for_engines([m.engine]).generation_paused, "weightsync-probe")
+                 for m in members}
+        deadline = time.monotonic() + min(_PROBE_S, self.init_info.timeout_s)
+        failed: dict[int, str] = {}
+        for rid, fut in asked.items():
+            try:
+                client_result(fut, max(0.0, deadline - time.monotonic()), "generation_paused")
+            except Exception as e:  # noqa: BLE001 - any failure to answer is this engine's
+                failed[rid] = f"{reason} (replica {rid}: {type(e).__name__}: {e})"
+        if not failed and (named := re.search(r"\bworker (\d+)\b", reason)) is not None:
+            k = int(named.group(1)) // self._tp
+            if k < len(members):
+                failed.setdefault(members[k].id, reason)
+        port = _free_port(self.init_info.master_address)
+        return {"failed": {str(rid): why for rid, why in failed.items()}, "port": port}
+
+    def _replica_stats(self, stats: SyncStats, dropped: dict[int, str]) -> SyncStats:
+        """The fanned-out group's stats with its workers (``k * tp + tp rank``: ``k``-th replica) under the
+        replicas' ids (``replica * tp + tp rank``), the replicas it completed on and those dropped."""
+        ids, tp = list(self._members), self._tp
+
+        def worker(w: int) -> int:
+            return ids[w // tp] * tp + w % tp
+
+        for f in fields(stats):
+            if f.name.endswith("_per_worker") or f.name == "worker_phases":
+                setattr(stats, f.name, {worker(w): v for w, v in getattr(stats, f.name).items()})
+        if stats.delta is not None:
+            stats.delta.workers = [worker(w) for w in stats.delta.workers]
+        stats.replicas, stats.dropped = sorted(ids), dict(dropped)
+        return stats
 
     def _check_paused(self) -> None:
         """Every rank: ``Refused`` (the same on every rank, before any replica's sync) when some replica's
@@ -264,7 +408,11 @@ class ElasticTrainerEngine:
     def shutdown(self) -> None:
         """Shut every replica's group down, then the membership store. Call on every trainer rank."""
         for m in list(self._members.values()):
-            m.group.shutdown()
+            if m.group is not None:
+                m.group.shutdown()
+        if self._group is not None:
+            self._group.shutdown()
+            self._group = None
         self._members.clear()
         if self.comm is not None:
             if not self.is_sender:
