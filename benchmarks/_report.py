@@ -8,11 +8,24 @@ import os
 import statistics
 from typing import Any
 
-__all__ = ["TARGETS", "acceptance", "markdown", "plots", "row_line"]
+__all__ = ["TARGETS", "acceptance", "markdown", "plots", "portable", "row_line"]
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TARGETS = {"wire_over_lower_bound": 1.00, "speedup_over_naive": 2.0, "fraction_of_p2p": 0.80,
            "trainer_extra_over_staging": 1.0}
 """Issue 8 / issue 4 targets for weightsync_m2n at 2 trainers -> TP 2."""
+
+
+def portable(fields: Any) -> dict[str, Any]:
+    """``fields`` (a dict, or an argparse namespace) as a saved result records it: every absolute path
+    relative to this repository, or its last part outside it (no machine's paths in docs/results)."""
+    out = dict(fields if isinstance(fields, dict) else vars(fields))
+    for k, v in out.items():
+        if isinstance(v, str) and os.path.isabs(v):
+            inside = os.path.commonpath([_REPO, os.path.abspath(v)]) == _REPO
+            out[k] = os.path.relpath(v, _REPO) if inside else os.path.basename(v.rstrip("/"))
+    return out
 
 
 def _layout(r: dict[str, Any]) -> str:

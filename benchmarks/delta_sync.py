@@ -41,7 +41,7 @@ import tempfile
 import time
 from typing import Any
 
-from _report import _f, _legend_below
+from _report import _f, _legend_below, portable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DOCS = os.path.join(os.path.dirname(HERE), "docs")
@@ -220,7 +220,7 @@ def main() -> int:
     from weightsync.testing.fsdp2 import FSDP2Ranks, write_checkpoint
 
     started = time.perf_counter()
-    result: dict[str, Any] = {"machine": machine(), "args": vars(args), "lrs": [], "error": None}
+    result: dict[str, Any] = {"machine": machine(), "args": portable(args), "lrs": [], "error": None}
     with open(os.path.join(model_config_dir(args.model), "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
     ckpt = write_checkpoint(os.path.join(tempfile.mkdtemp(prefix="delta-bench-"), "actor"), seed=0, config=args.model)

@@ -54,6 +54,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
 
 import _gpu_transfer
+from _report import portable
 
 from weightsync.plan import align_up
 from weightsync.plan.buckets import plan_buckets
@@ -280,7 +281,7 @@ def main() -> None:
     print("\n" + "\n".join(lines))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "gpu_bench.json"), "w") as f:
-        json.dump({"device": name, "torch": torch.__version__, "args": vars(args), "rows": rows}, f, indent=1)
+        json.dump({"device": name, "torch": torch.__version__, "args": portable(args), "rows": rows}, f, indent=1)
     try:
         import matplotlib
 

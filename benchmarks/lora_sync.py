@@ -25,6 +25,8 @@ import statistics
 import sys
 import time
 
+from _report import portable
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 DOCS = os.path.join(os.path.dirname(HERE), "docs")
 
@@ -72,7 +74,7 @@ def main() -> int:
         result = {
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_avg_start": load0,
                         "load_avg_end": os.getloadavg()[0]},
-            "args": vars(args), "model": "small_qwen3", "dtype": "bfloat16", "engine_start_s": round(start_s, 1),
+            "args": portable(args), "model": "small_qwen3", "dtype": "bfloat16", "engine_start_s": round(start_s, 1),
             "adapter_bytes": source.nbytes, "full_model_bytes": full_bytes,
             "received_per_worker": list(runs[-1].bytes_received_per_worker.values()),
             "shard_bytes": sync.worker_bytes(),

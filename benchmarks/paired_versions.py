@@ -23,6 +23,8 @@ import tempfile
 import time
 from typing import Any
 
+from _report import portable
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 COMMON = ("weightsync_m2n", "weightsync_m2n/rollback", "weightsync_nccl", "weightsync_ipc", "naive")
 """The transports both versions know (this checkout's ``weightsync_nixl`` is not in the old one)."""
@@ -144,7 +146,7 @@ def main() -> None:
         reps.append(one_repeat(i, versions, args))
         summary = summarize(reps)
         with open(args.out, "w") as f:  # a checkpoint after every repeat
-            json.dump({"versions": versions, "commits": commits, "started": started, "loadavg_start": load0,
+            json.dump({"versions": portable(versions), "commits": commits, "started": started, "loadavg_start": load0,
                        "loadavg_now": os.getloadavg(), "repeats_done": i + 1, "rows": summary,
                        "errors": {v: [e for r in reps for e in r[v]["errors"]] for v in versions},
                        "paired": [{v: r[v].get("paired") for v in versions} for r in reps]}, f, indent=1)

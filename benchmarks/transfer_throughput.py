@@ -343,7 +343,7 @@ def main() -> None:
         with open(os.path.join(dirs[label], "config.json"), "w") as f:
             json.dump(qwen3_config(*spec), f)
     started = time.perf_counter()
-    result: dict[str, Any] = {"machine": machine(), "args": vars(args), "rows": [], "p2p": {}, "paired": {},
+    result: dict[str, Any] = {"machine": machine(), "args": _report.portable(args), "rows": [], "p2p": {}, "paired": {},
                               "memcpy": None, "errors": []}
     plan = scenarios(args)
     biggest = max((sc for sc in plan if sc.sweep == "size"), key=lambda sc: SIZES[sc.size][:2], default=None)
