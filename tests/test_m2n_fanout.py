@@ -265,7 +265,9 @@ def test_a_replica_killed_mid_fan_out_under_drop_is_dropped_and_the_ones_behind_
     t0 = time.monotonic()
     r1.kill()
     stats = [f.result(timeout=4 * DROP_TIMEOUT_S) for f in futs]
-    assert time.monotonic() - t0 < 2 * DROP_TIMEOUT_S  # noticed at the latest at timeout_s, then regrouped
+    elapsed = time.monotonic() - t0
+    print(f"{backend}: killed replica 1 dropped, the others synced, {elapsed:.1f} s after the kill")
+    assert elapsed < 2 * DROP_TIMEOUT_S  # noticed at the latest at timeout_s, then regrouped
     assert stats[1]["dropped"] == stats[0]["dropped"]  # every rank dropped it alike
     dropped_and_exact(cluster, stats[0], [r0, r2], "v2")
     cluster.train_step(2)
@@ -292,14 +294,15 @@ def test_a_replica_killed_mid_fan_out_under_drop_is_dropped_and_the_ones_behind_
 def test_a_replica_hung_in_the_fan_out_under_drop_is_dropped_after_timeout_s(cluster, backend):
     """Replica 1 alive but stuck (its update call hangs): its parent's forward and its child's receive
     wait; after timeout_s every trainer rank drops it (it does not answer), and the survivors complete
-    the same sync bit-exact from a group of their own, within timeout_s plus a regroup."""
+    the same sync bit-exact from a group of their own, within timeout_s, the question and a regroup."""
     r0, r1, r2 = start_dropping(cluster, backend)
     with socket.create_server(("127.0.0.1", 0)) as release:  # closing it releases the hung worker
         r1.call("weightsync.testing.faults:hang", "update_weights", release.getsockname()[1])
         t0 = time.monotonic()
         stats = cluster.sync("v2")
         elapsed = time.monotonic() - t0
-    assert DROP_TIMEOUT_S <= elapsed < DROP_TIMEOUT_S + 20, elapsed
+    print(f"{backend}: hung replica 1 dropped, the others synced, {elapsed:.1f} s after the sync began")
+    assert DROP_TIMEOUT_S <= elapsed < DROP_TIMEOUT_S + 30, elapsed  # (+ up to 10 s asking it, then a regroup)
     dropped_and_exact(cluster, stats, [r0, r2], "v2")
     assert r1.call(_R + "weight_version") == "v1"
     cluster.on_trainers("shutdown_engine")

@@ -2,7 +2,8 @@
 ``on_engine_failure="drop"``. An engine actor killed during a sync is dropped and reported while the
 other two complete (every tensor they compute with equals vLLM's own reload of the trainer's weights,
 versions advanced); a new engine actor, added, is brought to the same version by the next sync (greedy
-tokens equal HF's); one is removed; and under the default policy a sync stays all-or-nothing.
+tokens equal HF's); one is removed; with fan-out under "drop" the engines left after one is gone are
+regrouped within the sync; and under the default policy a sync stays all-or-nothing.
 Three engines start once (in parallel) for the module, and one more for the joiner."""
 
 from __future__ import annotations
@@ -129,6 +130,36 @@ def test_a_killed_engine_is_dropped_a_new_one_joins_and_one_leaves(ray_session, 
         assert stats["replicas"] == [0, 3]
         _check(trainers, [a, joiner], "v4", token_prompts)
         assert ray.get(c.get_weight_version.remote()) == "v3"  # removed: left alone
+    finally:
+        trainers.teardown()
+
+
+def test_fan_out_under_drop_regroups_the_engines_left_when_one_is_gone(engines, trainer_actors):
+    """``fan_out="chain"`` under "drop": one group of the three live engines (0 -> 1 -> 2); once engine 1's
+    actor is gone the sync drops it on every rank (it does not answer), the other two leave the group,
+    join a new one and take the same sync from the trainers, equal to vLLM's own reload."""
+    import ray
+
+    live = [h for h in engines if _alive(h)]
+    assert len(live) == 3, live  # (the first engine, the one removed above and the joiner)
+    trainers = vllm_cpu.Trainers(trainer_actors[:2])
+    trainers.setup(ENGINE.model, ENGINE.dtype, seed=6)
+    token_prompts = vllm_cpu.prompts(151)
+    try:
+        info = vllm_cpu.init_info("weightsync_m2n", trainers=2, tp=1, replicas=3, timeout_s=TIMEOUT_S,
+                                  on_engine_failure="drop", delta=True, fan_out="chain")
+        trainers.make_engines(info, live, "local")
+        stats = trainers.send_weights("f1")
+        assert stats[0]["replicas"] == [0, 1, 2] and stats[0]["dropped"] == {}
+        assert stats[0]["bytes_received_per_worker"] == stats[0]["lower_bound_per_worker"]
+        assert sum(s["bytes_sent"] for s in stats) == stats[0]["lower_bound_per_worker"][0]  # one replica's worth
+        _check(trainers, live, "f1", token_prompts)
+        ray.kill(live[1], no_restart=True)
+        trainers.train_step(1)
+        stats = trainers.send_weights("f2")
+        for s in stats:  # every rank dropped it alike
+            assert s["replicas"] == [0, 2] and list(s["dropped"]) == [1], s
+        _check(trainers, [live[0], live[2]], "f2", token_prompts)
     finally:
         trainers.teardown()
 

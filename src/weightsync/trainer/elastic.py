@@ -19,8 +19,8 @@ With fan-out (``init_info.fans_out()``: M2N and NIXL with ``fan_out`` set) the r
 group instead (``init_info.for_replicas``), so that the trainers send one replica's worth and every
 replica syncs at once. A sync that fails there is settled on every rank alike: rank 0 asks each engine
 whether its generation is paused (one call per engine, within a bound); those that do not answer (dead,
-or stuck in a call) and the replica of a worker the failure names are dropped, the survivors' workers
-leave the failed group, a new group over them is built and the same sync runs again on it, dense (so
+or stuck in a call) are dropped (when all answer: the replica of the worker the failure names), the
+survivors' workers leave the failed group, a new group over them is built and the same sync runs again on it, dense (so
 the replicas behind a dead one are fed from the trainers within that sync). A membership change
 rebuilds that group over the new set.
 
@@ -303,6 +303,9 @@ class ElasticTrainerEngine:
         decides, ``_decide_failed``), regroup the survivors and run it again (see the module docstring)."""
         dropped: dict[int, str] = {}
         while True:
+            if self._group is None:  # its rebuild failed (raised then): nothing to sync on
+                raise RuntimeError("the replicas' group could not be rebuilt after a failure; add_engines or "
+                                   "trainer_init again")
             try:
                 stats = self._group.send_weights(weight_version=weight_version, verify=verify)
                 return self._replica_stats(stats, dropped)
