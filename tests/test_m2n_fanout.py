@@ -86,7 +86,7 @@ def layout(tp: int, replicas: int, backend: str = "weightsync_m2n", **kw) -> Lay
 def test_trainer_egress_is_one_replica_whatever_the_replica_count(cluster, tp):
     sent: dict[tuple[int, str], list[int]] = {}
     for replicas, fan_out in ((1, "auto"), (2, "off"), (2, "chain"), (4, "auto"), (4, "tree")):
-        lay = layout(tp, replicas)
+        lay = layout(tp, replicas, model="small_qwen3")
         cluster.setup(lay, fresh=True)  # (the same seed: the same weights every time)
         cluster.make_engines(init_info("weightsync_m2n", lay, buffer_bytes=1 << 16, fan_out=fan_out), source="local")
         stats, trainers, workers = counted_sync(cluster, f"{replicas}-{fan_out}")
