@@ -172,8 +172,10 @@ class ElasticTrainerEngine:
         self.client.for_engines(engines)  # the client's own checks of each entry, before any rank acts on it
         tp = self.init_info.replica_workers(len(engines)) if initial else self._tp
         ids = list(range(self._next_id, self._next_id + len(engines)))
-        return {"add": [[rid, _free_port(self.init_info.master_address)] for rid in ids], "tp": tp,
-                "port": _free_port(self.init_info.master_address), "again": _free_port(self.init_info.master_address)}
+        host = self.init_info.master_address
+        if self._fanned:  # one group over all: its port, and one to regroup the running ones on if refused
+            return {"add": [[rid, 0] for rid in ids], "tp": tp, "port": _free_port(host), "again": _free_port(host)}
+        return {"add": [[rid, _free_port(host)] for rid in ids], "tp": tp}
 
     def add_engines(self, engines: Any = None, *, _initial: bool = False) -> list[int]:
         """Add replicas (rank 0: an engine or a list, as the client takes them; ranks > 0: nothing) and
@@ -245,7 +247,7 @@ class ElasticTrainerEngine:
             if m is None:
                 raise ValueError(f"engines[{k}]: {e!r} is not a replica of this trainer")
             ids.append(m.id)
-        return {"remove": ids, "port": _free_port(self.init_info.master_address)}
+        return {"remove": ids, **({"port": _free_port(self.init_info.master_address)} if self._fanned else {})}
 
     def remove_engines(self, engines: Any = None) -> list[int]:
         """Remove replicas (rank 0: engines or replica ids; ranks > 0: nothing): their groups are shut
