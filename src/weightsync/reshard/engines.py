@@ -154,14 +154,13 @@ class M2NTrainerInitInfo(TrainerInitInfo):
 
     def for_replica(self, tp: int, port: int) -> M2NTrainerInitInfo:
         """One replica's group: every trainer rank and that replica's ``tp`` workers (its pairs only)."""
-        return dataclasses.replace(self, master_port=port, world_size=self.num_trainer_ranks + tp,
-                                   dst_mesh_dims=(1, tp), on_engine_failure="fail")
+        return self.for_replicas(1, tp, port)
 
     def fans_out(self) -> bool:
         return self.fan_out != "off"
 
     def for_replicas(self, replicas: int, tp: int, port: int) -> M2NTrainerInitInfo:
-        """The replicas' one fanned-out group: every trainer rank and ``replicas * tp`` workers."""
+        """One group of every trainer rank and ``replicas * tp`` workers (the fanned-out one of "drop")."""
         return dataclasses.replace(self, master_port=port, world_size=self.num_trainer_ranks + replicas * tp,
                                    dst_mesh_dims=(replicas, tp), on_engine_failure="fail")
 

@@ -20,9 +20,9 @@ group instead (``init_info.for_replicas``), so that the trainers send one replic
 replica syncs at once. A sync that fails there is settled on every rank alike: rank 0 asks each engine
 whether its generation is paused (one call per engine, within a bound); those that do not answer (dead,
 or stuck in a call) are dropped (when all answer: the replica of the worker the failure names), the
-survivors' workers leave the failed group, a new group over them is built and the same sync runs again on it, dense (so
-the replicas behind a dead one are fed from the trainers within that sync). A membership change
-rebuilds that group over the new set.
+survivors' workers leave the failed group, a new group over them is built and the same sync runs again
+on it, dense (so the replicas behind a dead one are fed from the trainers within that sync). A
+membership change rebuilds that group over the new set.
 
 Bad input at add (a duplicate engine, another model, another TP size, an engine bound to another
 trainer's live session) is refused on every rank naming ``engines[i]``, and the replicas added by
