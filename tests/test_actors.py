@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from weightsync.testing.actors import Actor, ActorAddress, RemoteError, _forget, call, call_many
+from weightsync.testing.actors import Actor, ActorAddress, NotAwaited, RemoteError, _forget, call, call_many
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -141,6 +141,23 @@ def test_a_dead_actor_is_an_error_for_its_call_only():
     finally:
         dead.close()
         live.close()
+
+
+def test_fail_fast_stops_waiting_once_an_actor_dies_mid_call():
+    """An actor that dies in its call fails the fan-out at once: the other, still in a 60 s call, is not
+    waited for (its connection closed); without ``fail_fast`` the same fan-out would wait out the 60 s."""
+    dying, busy = Actor("dying"), Actor("busy")
+    try:
+        started = time.monotonic()
+        out = call_many([(dying.address, "os:_exit", (3,), {}), (busy.address, "time:sleep", (60,), {})],
+                        fail_fast=True)
+        assert time.monotonic() - started < 30
+        assert isinstance(out[0], (OSError, EOFError)), out[0]
+        assert isinstance(out[1], NotAwaited) and "time:sleep in actor busy" in str(out[1])
+    finally:
+        dying.close()
+        busy.kill()  # (still in its call)
+        busy.close()
 
 
 def test_arguments_that_cannot_be_pickled_raise_and_the_actors_serve_on(actors):

@@ -267,7 +267,7 @@ def test_a_replica_killed_mid_fan_out_under_drop_is_dropped_and_the_ones_behind_
     stats = [f.result(timeout=4 * DROP_TIMEOUT_S) for f in futs]
     elapsed = time.monotonic() - t0
     print(f"{backend}: killed replica 1 dropped, the others synced, {elapsed:.1f} s after the kill")
-    assert elapsed < 2 * DROP_TIMEOUT_S  # noticed at the latest at timeout_s, then regrouped
+    assert elapsed < DROP_TIMEOUT_S  # a lost worker is reported by the client at once, on NIXL too: not at timeout_s
     assert stats[1]["dropped"] == stats[0]["dropped"]  # every rank dropped it alike
     dropped_and_exact(cluster, stats[0], [r0, r2], "v2")
     cluster.train_step(2)

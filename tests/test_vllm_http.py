@@ -7,8 +7,11 @@ receiver processes: vLLM's request types accept our requests and a sync lands bi
 from __future__ import annotations
 
 import asyncio
+import http.server
 import json
 import socket
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -337,6 +340,39 @@ def test_the_client_sends_the_token():
     client = HTTPVLLMWeightSyncClient("http://127.0.0.1:1", token="s3cret")
     assert client._headers()["X-Weightsync-Token"] == "s3cret"
     assert "X-Weightsync-Token" not in HTTPVLLMWeightSyncClient("http://127.0.0.1:1")._headers()
+
+
+def test_a_server_that_is_gone_fails_the_call_without_waiting_for_the_others():
+    """One of two servers is gone (nothing listens), the other holds the request until released: the
+    call raises at once, naming the gone one, as a dead replica should fail a sync without waiting out
+    ``timeout_s`` on the live ones."""
+    release, arrived = threading.Event(), threading.Event()
+
+    class Holding(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
+            arrived.set()
+            release.wait(120)
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Holding)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    gone = free_port()
+    client = HTTPVLLMWeightSyncClient([f"http://127.0.0.1:{server.server_port}", f"http://127.0.0.1:{gone}"],
+                                      timeout_s=120)
+    try:
+        started = time.monotonic()
+        with pytest.raises(RemoteCallError, match=f"POST http://127.0.0.1:{gone}/start_weight_update failed"):
+            client.start_weight_update()
+        assert time.monotonic() - started < 60  # the live server holds its request for 120 s
+        assert arrived.wait(60)
+    finally:
+        release.set()
+        server.shutdown()
+        server.server_close()
 
 
 def test_a_refused_init_info_connects_nowhere():

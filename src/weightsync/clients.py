@@ -12,7 +12,7 @@ import json
 import urllib.error
 import urllib.request
 import weakref
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from .errors import EngineDead, RemoteCallError, Unauthorized
@@ -184,10 +184,20 @@ class HTTPVLLMWeightSyncClient(EngineMembership):
 
     def _post(self, path: str, body: dict[str, Any] | None = None,
               bodies: list[dict[str, Any]] | None = None) -> None:
+        """POST to every server at once; the first failure is raised at once (a server that died fails
+        the call without waiting for the others, which finish in the background within ``timeout_s``)."""
         bodies = bodies or [body] * len(self.base_urls)  # type: ignore[list-item]
-        with ThreadPoolExecutor(len(self.base_urls)) as pool:
-            for f in [pool.submit(self._post_one, u, path, b) for u, b in zip(self.base_urls, bodies)]:
+        pool = ThreadPoolExecutor(len(self.base_urls))
+        try:
+            futures = [pool.submit(self._post_one, u, path, b) for u, b in zip(self.base_urls, bodies)]
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            for f in futures:
+                if f in done and f.exception() is not None:
+                    f.result()
+            for f in futures:
                 f.result()
+        finally:
+            pool.shutdown(wait=False)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         """Each engine gets the init info with its ``engine_index`` (see ``per_engine``)."""

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, Listener, answer_challenge, deliver_challenge, wait
 from multiprocessing.reduction import ForkingPickler
-from typing import Any
+from typing import Any, cast
 
-__all__ = ["STATE", "ActorAddress", "Actor", "call", "call_many", "RemoteError"]
+__all__ = ["STATE", "ActorAddress", "Actor", "call", "call_many", "NotAwaited", "RemoteError"]
 
 STATE: dict[str, Any] = {}
 """Per-process storage for what calls keep between calls."""
@@ -163,49 +163,80 @@ def call(addr: ActorAddress, fn: str, *args: Any, timeout_s: float = 600.0, **kw
 
 
 def call_many(calls: list[tuple[ActorAddress, str, tuple[Any, ...], dict[str, Any]]], *,
-              timeout_s: float = 600.0) -> list[Any]:
+              timeout_s: float = 600.0, fail_fast: bool = False) -> list[Any]:
     """Run every ``(addr, fn, args, kwargs)`` call at once from this thread: each request goes out
     before any reply is read. Returns per call its result, or the exception it raised
-    (``RemoteError``, ``TimeoutError`` after ``timeout_s`` in all, ``OSError``, ``EOFError``)."""
+    (``RemoteError``, ``TimeoutError`` after ``timeout_s`` in all, ``OSError``, ``EOFError``).
+
+    ``fail_fast``: once an actor is lost (its connection broke), the calls still running are not
+    waited for, as vLLM's executor fails every call once a worker process died: their outcome is
+    :class:`NotAwaited` (their connections are closed; the calls themselves run to their end)."""
     if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:  # (None would wait forever)
         raise ValueError(f"timeout_s must be a number > 0, got {timeout_s!r}")
     deadline = time.monotonic() + timeout_s
-    sent: list[Connection | BaseException] = []
-    for addr, fn, args, kwargs in calls:
+    out: list[Any] = [None] * len(calls)
+    pending: dict[Connection, int] = {}
+    for k, (addr, fn, args, kwargs) in enumerate(calls):
         conn = None
         try:
             conn = _take(addr, min(READ_BOUND_S, max(0.001, deadline - time.monotonic())))
             conn.send((fn, args, kwargs))
-            sent.append(conn)
+            pending[conn] = k
         except (OSError, EOFError) as e:  # this call failed on the wire; the others go on
             if conn is not None:
                 conn.close()
-            sent.append(e)
+            out[k] = e
         except BaseException:  # e.g. arguments that cannot be pickled: no call is made
-            for c in [conn, *sent]:
-                if isinstance(c, Connection):
+            for c in [conn, *pending]:
+                if c is not None:
                     c.close()  # their replies are not read
             raise
-    out: list[Any] = []
-    for (addr, fn, _, _), conn in zip(calls, sent):
-        if isinstance(conn, BaseException):
-            out.append(conn)
-            continue
-        try:
-            if not conn.poll(max(0.0, deadline - time.monotonic())):
-                raise TimeoutError(f"{fn} in actor {addr.name} did not answer within {timeout_s}s")
-            status, value = conn.recv()
-        except (OSError, EOFError, TimeoutError) as e:
+    lost = fail_fast and any(isinstance(o, BaseException) for o in out)
+    try:
+        while pending and not lost:
+            lost = _read_replies(calls, pending, out, deadline, timeout_s) and fail_fast
+    except BaseException:
+        for c in pending:
+            c.close()
+        raise
+    for conn, k in pending.items():
+        conn.close()
+        out[k] = NotAwaited(f"{calls[k][1]} in actor {calls[k][0].name} was not waited for: another actor was lost")
+    return out
+
+
+class NotAwaited(RuntimeError):
+    """A call of :func:`call_many` with ``fail_fast`` whose reply was not waited for."""
+
+
+def _read_replies(calls: list[tuple[ActorAddress, str, tuple[Any, ...], dict[str, Any]]],
+                  pending: dict[Connection, int], out: list[Any], deadline: float, timeout_s: float) -> bool:
+    """Read the replies that arrived (waiting for one until ``deadline``) into ``out``; True when a
+    connection was lost or the deadline passed."""
+    ready = wait(list(pending), max(0.0, deadline - time.monotonic()))
+    if not ready:
+        for conn, k in pending.items():
             conn.close()
-            out.append(e)
+            out[k] = TimeoutError(f"{calls[k][1]} in actor {calls[k][0].name} did not answer within {timeout_s}s")
+        pending.clear()
+        return True
+    lost = False
+    for conn in cast("list[Connection]", ready):
+        k = pending.pop(conn)
+        addr, fn = calls[k][0], calls[k][1]
+        try:
+            status, value = conn.recv()
+        except (OSError, EOFError) as e:
+            conn.close()
+            out[k], lost = e, True
             continue
         except BaseException:
             conn.close()
             raise
         with _IDLE_LOCK:
             _IDLE.setdefault(addr, []).append(conn)
-        out.append(value if status == "ok" else RemoteError(f"{fn} in actor {addr.name} failed: {value}"))
-    return out
+        out[k] = value if status == "ok" else RemoteError(f"{fn} in actor {addr.name} failed: {value}")
+    return lost
 
 
 def _actor_main(name: str, env: dict[str, str], ready: Any) -> None:

@@ -2,7 +2,9 @@
 
 Each call runs the matching worker method on every worker of every replica concurrently
 (vLLM's ``collective_rpc``: every request goes out before any reply is read) and blocks until all
-returned. Picklable: it holds only addresses, so trainer rank 0 can use it from its own process.
+returned, or until one worker process is lost: like vLLM's executor, which fails every call once a
+worker died, the call then raises at once naming it. Picklable: it holds only addresses, so trainer
+rank 0 can use it from its own process.
 
 ``serve_http``: vLLM's own RL HTTP router (FastAPI) on loopback, inside an actor process, whose engine
 client forwards to a ``LocalWeightSyncClient``: requests are parsed by vLLM's own route signatures and
@@ -25,7 +27,7 @@ from typing import Any
 from ..clients import EngineMembership, per_engine
 from ..errors import RemoteCallError
 from ..pausing import UpdateTracker, WeightsPartlyApplied, _check_mode, partly_applied_message
-from .actors import STATE, ActorAddress, call_many
+from .actors import STATE, ActorAddress, NotAwaited, call_many
 
 __all__ = ["LocalWeightSyncClient", "serve_http", "http_calls"]
 
@@ -68,10 +70,13 @@ class LocalWeightSyncClient(EngineMembership):
         fn = fn or _RECEIVER + method
         calls = [(a, fn, per_replica[i] if per_replica else args, {})
                  for i, r in enumerate(self.replicas) for a in r]
-        outcomes = call_many(calls, timeout_s=self.timeout_s)
-        errors = [f"{a.name}: {o}" for a, o in zip(self.workers, outcomes) if isinstance(o, BaseException)]
+        outcomes = call_many(calls, timeout_s=self.timeout_s, fail_fast=True)
+        errors = [f"{a.name}: {o}" for a, o in zip(self.workers, outcomes)
+                  if isinstance(o, BaseException) and not isinstance(o, NotAwaited)]
         if errors:
-            raise RemoteCallError(f"{method} failed on {len(errors)} worker(s): " + "\n".join(errors))
+            unread = sum(isinstance(o, NotAwaited) for o in outcomes)
+            raise RemoteCallError(f"{method} failed on {len(errors)} worker(s)"
+                                  f"{f' ({unread} not waited for)' if unread else ''}: " + "\n".join(errors))
         return outcomes
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
