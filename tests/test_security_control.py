@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from helpers import until
+from helpers import mismatches, until
 from weightsync import RemoteCallError
 from weightsync.testing.actors import RemoteError
 from weightsync.testing.faults import JsonRoundTripClient
@@ -241,6 +241,27 @@ def test_a_take_over_waits_then_aborts_the_first_trainers_update_as_its_failure(
         assert cluster.client().weight_versions() == ["B's"] * layout.num_workers
     finally:
         b.shutdown()
+        cluster.on_trainers("shutdown_engine")
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("backend", ["weightsync_m2n", "weightsync_nixl"])
+def test_a_start_refused_by_one_worker_is_retried_without_poisoning_the_one_it_reached(cluster, backend):
+    """A previous trainer left vLLM's update active on worker 1 only: the start reaches worker 0 and is
+    refused by worker 1. The trainer aborts before any data moved and starts again; worker 0, which
+    received nothing of the sync, is neither poisoned nor refused as a replayed start, and the sync lands."""
+    from weightsync.testing.cluster import Layout
+
+    cluster.setup(Layout(trainers=2, tp=2, backend=backend))
+    cluster.make_engines(cluster.init_info(timeout_s=TIMEOUT_S))
+    cluster.sync(weight_version="v1")
+    _on(cluster.active_receivers[1], "from weightsync.testing.actors import STATE\nSTATE['active'] = True")
+    cluster.train_step(1)
+    try:
+        cluster.sync(weight_version="v2")
+        assert mismatches(cluster) == {}
+        assert cluster.client().weight_versions() == ["v2", "v2"]
+    finally:
         cluster.on_trainers("shutdown_engine")
 
 

@@ -273,21 +273,23 @@ class TrainerEngine(Generic[TInit, TUpdate, TPrepared]):
         self._update_call = self._watched(start_then_update, "update_weights", wake=self._recv_keys())
         return lambda: client_result(started, self.init_info.timeout_s, "start_weight_update")
 
-    def _announce(self, call: str) -> None:
+    def _announce(self, call: str, **extra: bool) -> None:
         """Rank 0, before it sends ``call`` (``start``, ``finish``, ``abort``) to the engines: say so on the store,
         where the workers check it (``WorkerEngine.fence_call``). From the client calls' channel: the main one
         may be blocked in a wait."""
-        (self._calls or self.comm).publish(announced(call), {"session": self.session, "sync_id": self.sync_id})
+        (self._calls or self.comm).publish(announced(call), {"session": self.session, "sync_id": self.sync_id,
+                                                             **extra})
 
     def _start_on_engines(self) -> None:
         """vLLM's worker refuses to start while an update is active, which a trainer that died
-        mid-sync leaves behind; that one is aborted, then started again."""
+        mid-sync leaves behind; that one is aborted, then started again. No rank posted data yet (the
+        ranks post once the start returned): the workers the first start reached leave it unpoisoned."""
         self._announce("start")
         self._start_sent = True  # from here some worker may be in the update: a failure aborts it
         try:
             self.client.start_weight_update()
         except Exception:  # noqa: BLE001 - a second refusal is raised as it is
-            self._abort_workers("a previous trainer left this update active")
+            self._abort_workers("a previous trainer left this update active", before_data=True)
             self.client.start_weight_update()
         self._started = True
 
@@ -297,13 +299,15 @@ class TrainerEngine(Generic[TInit, TUpdate, TPrepared]):
             return []
         return [w for w in range(num_workers) if self.comm.peek(SyncKeys(base).held(w)) == base]
 
-    def _abort_workers(self, reason: str) -> None:
+    def _abort_workers(self, reason: str, before_data: bool = False) -> None:
         """Rank 0: every worker of the update restores its parameters (the abort update), then leaves
         the update (``finish_weight_update`` without a version: vLLM's worker clears its active flag,
-        the version stays). Workers answer both without raising (:mod:`weightsync.worker.engine`)."""
+        the version stays). Workers answer both without raising (:mod:`weightsync.worker.engine`).
+        ``before_data``: no rank posted any data of this sync (announced with the abort): a worker that
+        received nothing keeps its weights, its base and its data plane, and may start this sync again."""
         update = self.update_info_cls(abort=reason, sync_id=self.sync_id, session=self.session)
         try:
-            self._announce("abort")
+            self._announce("abort", before_data=before_data)
         except Exception:  # noqa: BLE001 - the store is gone: the workers' own failure paths restore them
             return
         calls: tuple[Callable[[], object], ...] = (lambda: self.client.update_weights(asdict(update)),

@@ -127,6 +127,7 @@ class WorkerEngine(Generic[TInit, TUpdate]):
         self._lost = ""  # why the base was dropped, for the delta's refusal
         self._started_sync: int | None = None  # the sync of the update started here (``fence_call``)
         self._last_started = 0  # the last sync started under this init: a start must announce a later one
+        self._started_before = 0  # the one before it (an abort before any data lets the same sync start again)
         # the metadata digest ``_check_full_tensor_metadata`` last checked under this init, and its destinations
         self._checked: tuple[str, WorkerDestinations] | None = None
 
@@ -391,7 +392,8 @@ class WorkerEngine(Generic[TInit, TUpdate]):
         self._received, self._aborted, self._sync_id = 0, False, None
         self.phases: dict[str, float] = {}
         self._start(self._applier)
-        self._started_sync = self._last_started = sync
+        self._started_before, self._started_sync = self._last_started, sync
+        self._last_started = sync
         self.phases["start"] = time.perf_counter() - t0
 
     def receive_weights(self, update_info: TUpdate) -> None:
@@ -407,9 +409,13 @@ class WorkerEngine(Generic[TInit, TUpdate]):
             except ValueError as e:
                 _log.warning("%s", e)
                 return
-            if self._applier is not None:
-                self.poisoned = self.poisoned or f"trainer aborted weight sync {update_info.sync_id}"
-            self._rollback()
+            if self._applier is not None and self._sync_id is None and self._before_data():
+                self._applier.abort()  # nothing of the sync reached this worker: weights, base and plane intact
+                self._applier, self._last_started = None, self._started_before  # (it may start this sync again)
+            else:
+                if self._applier is not None:
+                    self.poisoned = self.poisoned or f"trainer aborted weight sync {update_info.sync_id}"
+                self._rollback()
             self._aborted = True  # the finish that follows leaves vLLM's update (a dead trainer's, too)
             return
         if self.poisoned is not None and self._failed_sync == update_info.sync_id:
@@ -427,6 +433,14 @@ class WorkerEngine(Generic[TInit, TUpdate]):
                 raise
             self._failed_sync = update_info.sync_id
             self._fail(e)
+
+    def _before_data(self) -> bool:
+        """Whether trainer rank 0 announced its abort as one before any rank posted data of the sync."""
+        try:
+            said = self._comm.peek(announced("abort"))
+        except Exception:  # noqa: BLE001 - no store, or gone: not known, so not before data
+            return False
+        return isinstance(said, dict) and said.get("before_data") is True
 
     def _fail(self, error: BaseException) -> None:
         """Poison this engine, report ``error`` to every party (dropping the data plane), roll back."""
