@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from .plan.buckets import WireMeta
+
 __all__ = ["ParamMeta", "WeightSource", "check_metadata", "checked", "dtype_name", "dtype_from_name",
            "default_device"]
 
@@ -91,7 +93,7 @@ class ParamMeta:
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
 
-    def wire(self) -> dict[str, Any]:
+    def wire(self) -> WireMeta:
         """JSON-safe ``{name, dtype, shape}``."""
         return {"name": self.name, "dtype": dtype_name(self.dtype), "shape": list(self.shape)}
 

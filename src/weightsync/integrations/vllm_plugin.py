@@ -91,7 +91,7 @@ def register() -> None:
     _register_into(WeightTransferEngineFactory, ANY, _WORKER + ANY)
 
 
-class AnyTransportWorkerEngine(WorkerEngine):
+class AnyTransportWorkerEngine(WorkerEngine[WorkerInitInfo, WorkerUpdateInfo]):
     """Delegates to the worker engine of the transport each init info names."""
 
     init_info_cls = WorkerInitInfo

@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, ClassVar, Generic, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, ClassVar, Generic, Protocol, TypeVar
 
 import torch
 
@@ -75,8 +75,8 @@ class ParallelLayout(Protocol):
 
 
 def _wire(metas: Sequence[ParamMeta | WireMeta]) -> list[WireMeta]:
-    """The JSON-safe metadata of ``metas`` (``ParamMeta.wire()`` makes a ``WireMeta``; it is typed a plain dict)."""
-    return [m if isinstance(m, dict) else cast("WireMeta", m.wire()) for m in metas]
+    """The JSON-safe metadata of ``metas``."""
+    return [m if isinstance(m, dict) else m.wire() for m in metas]
 
 
 class WorkerEngine(Generic[TInit, TUpdate]):
