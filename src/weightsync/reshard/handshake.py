@@ -17,7 +17,8 @@ from ..plan.regions import Region
 from ..plan.schedule import ALONE, PEERS, ItemProbe, Message, pair_rounds
 from ..plan.transfer import DestPiece, PairItems, TensorSource, TransferPlan, build_plan, dtype_itemsize
 from ..worker.destinations import WorkerDestinations
-from .executor import DEPTH, FastRounds, run_rounds  # DEPTH, run_rounds re-exported: callers import them from here
+from .compiled import FastRounds
+from .executor import DEPTH, run_rounds  # DEPTH, run_rounds re-exported: callers import them from here
 from .packing import Spans
 
 __all__ = ["DEPTH", "FALLBACK", "DestsWire", "SourceWire", "sources_to_wire", "sources_from_wire", "sources_digest",

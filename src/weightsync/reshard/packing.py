@@ -222,6 +222,23 @@ class Spans:
     def __len__(self) -> int:
         return len(self._of) + len(self._direct)
 
+    @property
+    def shapes(self) -> list[_ByteShape]:
+        """The strided byte views' (shape, strides), by shape id."""
+        return self._shape_list
+
+    def found(self, key: SpanKey) -> _Found | Literal[False] | None:
+        """A staged message's numbers (False: it goes item by item; None: not found yet)."""
+        return self._of.get(key)
+
+    def direct_at(self, key: SpanKey) -> tuple[Layout, int] | None:
+        """A one-item message's layout and start in its tensor (-1: not one run), if found."""
+        return self._direct.get(key)
+
+    def item_by_item(self) -> bool:
+        """Whether some staged message goes item by item (a tensor not contiguous in the wire dtype)."""
+        return any(v is False for v in self._of.values())
+
     def nbytes(self) -> int:
         """About the host bytes kept: the arrays, a reference per item, ~200 bytes per message."""
         n = 200 * len(self) + 200 * len(self._shape_list)
