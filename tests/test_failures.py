@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import socket
 import tempfile
 import time
 
@@ -259,8 +260,9 @@ def test_source_not_fitting_the_engine_fails_at_init_on_every_rank_then_a_good_s
     cluster.setup(dataclasses.replace(good, **changes))
     cluster.on_trainers("shutdown_engine")  # the last test's group is not part of what is timed
     cluster.on_receivers("shutdown_weight_transfer_engine")
+    refused = info(backend)
     t0 = time.perf_counter()
-    errors = make(lambda: info(backend), SOURCES[backend], fault)(cluster)
+    errors = make(lambda: refused, SOURCES[backend], fault)(cluster)
     elapsed = time.perf_counter() - t0
     assert len(errors) == good.trainers
     for err in errors:  # every trainer rank raises, naming the parameter
@@ -272,11 +274,13 @@ def test_source_not_fitting_the_engine_fails_at_init_on_every_rank_then_a_good_s
         assert all(f"(send the engine's dtype ({hint}) or set cast_dtypes=True" in e for e in errors), errors
     print(f"{backend} {case}: rejected after {elapsed:.2f} s")
     failed_before_the_timeout(elapsed, f"{case}: ")
+    with pytest.raises(ConnectionRefusedError):  # rank 0's store closed as the init failed: nothing listens
+        socket.create_connection(("127.0.0.1", refused.master_port), timeout=10).close()
     assert cluster.on_receivers("checksum") == before
     assert cluster.client().weight_versions() == versions
 
-    cluster.setup(good)  # the engines take a correct sync right after
-    cluster.make_engines(info(backend), source=SOURCES[backend])
+    cluster.setup(good)  # the engines take a correct sync right after, on the refused init's port (left free)
+    cluster.make_engines(dataclasses.replace(info(backend), master_port=refused.master_port), source=SOURCES[backend])
     assert cluster.sync(weight_version="after", verify=True)["verified"] is True
     assert mismatches(cluster) == {}
 

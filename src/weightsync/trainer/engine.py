@@ -230,6 +230,8 @@ class TrainerEngine(Generic[TInit, TUpdate, TPrepared]):
                 self._acknowledge(init_ack)  # rank 0 (the store's host) lingers until every rank saw it
             if self._calls is not None:
                 self._calls.shutdown()
+            if comm is not None:  # rank 0: its store stops listening (the port is free for a retry)
+                comm.shutdown()
             self._pool.shutdown(wait=False)
             if known is not None:  # a worker refused, or the client's init call failed: every rank says so
                 raise known from e
