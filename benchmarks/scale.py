@@ -37,6 +37,9 @@ layer ratio (marked ``~``). The last line: ``scale targets: K/N met`` (host CPU 
 NVLink bound; median message >= 1 MiB; k2 init < 5 s and < 1 GiB per rank; k2's host CPU < 2x
 DeepSeek-V3 TP's, with ~60x the tensors at ~2/3 of the bytes: issue 36's "10x the items").
 
+For the shapes with several replicas (``FAN_OUT_SHAPES``) worker 0 also runs one warm sync as a
+fan-out relay forwarding every round to one child (``relay_host_cpu_s``).
+
 ``--fan-out`` (plans only, no executor run; ``docs/results/scale_fanout.json``): for the TP shapes with
 several replicas, the direct plan (every replica from the trainers) against the fan-out one (replica 0
 from the trainers, the rest forwarded worker to worker, :mod:`weightsync.plan.fanout`, ``auto``): the
@@ -68,7 +71,7 @@ from plan_scale import _fsdp, _reset_peak, _rss_mib
 from weightsync.plan import DestPiece, TensorSource, build_plan
 from weightsync.plan.fanout import LinkCost, plan_fan_out
 from weightsync.plan.schedule import ALONE, message_cap
-from weightsync.reshard.executor import run_rounds
+from weightsync.reshard.executor import Relay, run_rounds
 from weightsync.reshard.handshake import my_messages
 
 STAGING = 256 << 20  # M2N's DEFAULT_STAGING_BYTES
@@ -117,10 +120,10 @@ def _timed(sync, device: str) -> tuple[float, float, float]:
 
 
 def _side(plan, sources: list[TensorSource], pieces: list[DestPiece], *, sender: bool, cap: int,
-          members: dict[str, list[str]], device: str) -> dict:
+          members: dict[str, list[str]], device: str, relay: bool = False) -> dict:
     """One rank's listing, stats pass, warm-up sync and timed sync (a sender's includes stacking
     its fused tensors' ``members``, as ``DTensorModuleSource(fuse_experts=True)`` does per sync), its
-    tensors and staging on ``device``."""
+    tensors and staging on ``device``; with ``relay`` (a worker) also one warm sync as a fan-out relay."""
     size = {s.name: 2 for s in sources}
     rss0, _ = _rss_mib()
     _reset_peak()
@@ -176,13 +179,22 @@ def _side(plan, sources: list[TensorSource], pieces: list[DestPiece], *, sender:
     c0 = time.process_time()
     run_rounds(Instant(), rounds, staging, **kw)
     work, torch._foreach_copy_ = time.process_time() - c0, copy
+    relay_cpu = _relay_cpu(rounds, staging, kw, plan.num_src_ranks, device) if relay else None
     return {"items": rounds.items, "messages": len(nbytes), "staged_messages": staged, "rounds": n_rounds,
             "kept_mib": rounds.kept_bytes() / 2**20,
             "median_msg": median(nbytes) if nbytes else 0, "min_msg": min(nbytes, default=0),
             "host_cpu_s": cpu, "host_wall_s": wall, "device_s": on_device, "host_work_s": work,
             "copied_bytes": copied[0], "memcpy_s": copied[0] / _copy_rate(device), "copy_calls": copied[1],
             "per_tensor_copies": copied[2],
-            "list_s": list_s, "list_peak_mib": peak - rss0}
+            "list_s": list_s, "list_peak_mib": peak - rss0, "relay_host_cpu_s": relay_cpu}
+
+
+def _relay_cpu(rounds, staging: torch.Tensor, kw: dict, trainers: int, device: str) -> float:
+    """Host CPU of one warm sync of this worker as a fan-out relay: every round it receives is also
+    sent on to one child (compiled, as its rounds are after the warm-up)."""
+    relay = Relay(children=(1 << 20,), from_parent=False, trainers=trainers)
+    run_rounds(Instant(), rounds, staging, **kw, relay=relay)  # warm-up
+    return _timed(lambda: run_rounds(Instant(), rounds, staging, **kw, relay=relay), device)[0]
 
 
 @cache
@@ -213,7 +225,8 @@ def measure(shape: str, quick: bool, device: str = "cpu") -> dict:
     cap = message_cap(STAGING // S, plan.num_src_ranks, plan.num_dst_ranks, buffers=2)
     torch.set_num_threads(1)
     trainer = _side(plan, sources, dests[0], sender=True, cap=cap, members=members, device=device)
-    worker = _side(plan, sources, dests[0], sender=False, cap=cap, members=members, device=device)
+    worker = _side(plan, sources, dests[0], sender=False, cap=cap, members=members, device=device,
+                   relay=shape in FAN_OUT_SHAPES)
     return {"shape": shape, "label": LABELS[shape], "device": device, "layers": layers, "full_layers": full,
             "extrapolate": full / layers, "S": S, "tensors": len(per_expert), "fused_tensors": len(members),
             "cap_true": cap * S, "items_plan": plan.num_items,
@@ -402,6 +415,11 @@ def main() -> None:
               f"trainer {r['trainer']['host_cpu_s']:.3f} s, worker {r['worker']['host_cpu_s']:.3f} s", flush=True)
     print()
     print(table(rows))
+    for r in rows:
+        if (relay := r["worker"].get("relay_host_cpu_s")) is not None:
+            q = "~" if r["extrapolate"] != 1 else ""
+            print(f"{r['label']}: worker 0 as a fan-out relay (forwarding to one child) {q}{_x(r, relay):.3f} s "
+                  f"host CPU per sync, {q}{_x(r, r['worker']['host_cpu_s']):.3f} s without forwarding")
     met = targets(rows)
     for text, ok in met:
         print(f"  [{'x' if ok else ' '}] {text}")

@@ -123,15 +123,21 @@ def _one_replica_from_the_trainers(stats: dict, trainers: list[dict], workers: l
     assert sum(c["sent"] for c in workers) == sum(received[tp:])
 
 
-def test_nixl_fan_out_sends_one_replica_from_the_trainers_and_is_bit_exact(cluster):
-    """The same plan over NIXL along a chain of 3 replicas: workers READ their pieces from the
-    trainers (replica 0) or from their parent worker, which announces what it received."""
-    lay = layout(1, 3, backend="weightsync_nixl")
+@pytest.mark.parametrize("backend", ["weightsync_m2n", "weightsync_nixl"])
+def test_a_chain_is_bit_exact_and_one_replica_from_the_trainers_sync_after_sync(cluster, backend):
+    """A chain of 3 replicas (over NIXL, workers READ their pieces from the trainers, replica 0, or from
+    their parent worker, which announces what it received): the first sync and the next dense ones,
+    whose rounds every party (the relays too) runs compiled, move the same bytes, bit-exact."""
+    lay = layout(1, 3, backend=backend)
     cluster.setup(lay, fresh=True)
-    cluster.make_engines(init_info("weightsync_nixl", lay, buffer_bytes=1 << 16, fan_out="chain"), source="local")
-    stats, trainers, workers = counted_sync(cluster, "nixl-chain")
-    assert mismatches(cluster) == {}
-    _one_replica_from_the_trainers(stats, trainers, workers, lay.tp)
+    cluster.make_engines(init_info(backend, lay, buffer_bytes=1 << 16, fan_out="chain"), source="local")
+    for step in range(3):
+        cluster.train_step(step + 1)
+        stats, trainers, workers = counted_sync(cluster, f"chain-{step}")
+        assert mismatches(cluster) == {}, step
+        _one_replica_from_the_trainers(stats, trainers, workers, lay.tp)
+    compiled = "__import__('weightsync.testing.actors', fromlist=['STATE']).STATE['engine'].plan.rounds.fast is not None"
+    assert [r.call("builtins:eval", compiled, {}) for r in cluster.active_receivers] == [True] * 3
 
 
 @pytest.mark.parametrize("backend", ["weightsync_m2n", "weightsync_nixl"])

@@ -81,24 +81,30 @@ def _plan():
     return sources, build_plan(sources, dests), params
 
 
-def _sync(replicas: int, mode: str, *, cap: int = 1024, kill: int | None = None):
-    """One sync over ``replicas`` replicas; returns (trainer planes, worker planes, worker params,
-    reference params per position, errors per rank)."""
+def _sync(replicas: int, mode: str, *, cap: int = 1024, kill: int | None = None, syncs: int = 1, fast=None):
+    """``syncs`` syncs (new values each) over ``replicas`` replicas, each rank keeping its rounds across
+    them; returns (trainer planes, worker planes, worker params, reference params per position of the
+    last sync, errors per rank, plan). ``fast``: per worker, the syncs its rounds ran compiled."""
     sources, plan, shapes = _plan()
-    full = {s.name: torch.randn(s.shape) for s in sources}
-    shards = make_local_shards(full, sources)
+    fulls = [{s.name: torch.randn(s.shape) for s in sources} for _ in range(syncs)]
+    shards = [make_local_shards(full, sources) for full in fulls]
     want = {p: {n: torch.zeros(s) for n, s in shapes.items()} for p in range(TP)}
-    execute_reference(plan, shards, want)
+    execute_reference(plan, shards[-1], want)
     fan = plan_fan_out(replicas, plan.coverage().lower_bound, chunk_bytes=cap, mode=mode)
     net, dtypes = Net(), {s.name: s.dtype for s in sources}
     planes = [MemoryPlane(net, r) for r in range(TRAINERS + replicas * TP)]
     got = [{n: torch.zeros(s) for n, s in shapes.items()} for _ in range(replicas * TP)]
     errors: dict[int, BaseException] = {}
+    done = threading.Barrier(TRAINERS + replicas * TP, timeout=TIMEOUT_S)  # a sync ends before the next starts
 
     def trainer(r: int) -> None:
         rounds = my_messages(plan, sources, rank=r, sender=True, cap=cap)
-        run_rounds(planes[r], rounds, torch.empty(2 * cap * TP, dtype=torch.uint8), sender=True,
-                   peer_rank=lambda w: TRAINERS + w, dtypes=dtypes, tensor_of=lambda m, i: shards[r][m.items[i].name])
+        for k in range(syncs):
+            run_rounds(planes[r], rounds, torch.empty(2 * cap * TP, dtype=torch.uint8), sender=True,
+                       peer_rank=lambda w: TRAINERS + w, dtypes=dtypes,
+                       tensor_of=lambda m, i: shards[k][r][m.items[i].name])
+            if k + 1 < syncs:
+                done.wait()
 
     def worker(w: int) -> None:
         if w == kill:
@@ -108,9 +114,15 @@ def _sync(replicas: int, mode: str, *, cap: int = 1024, kill: int | None = None)
         children = () if fan is None else tuple(TRAINERS + c for c in fan.children(w))
         relay = None if fan is None else Relay(children, parent is not None, TRAINERS)
         rounds = my_messages(plan, sources, rank=w % TP, sender=False, cap=cap)
-        run_rounds(planes[TRAINERS + w], rounds, torch.empty(2 * cap * TRAINERS, dtype=torch.uint8), sender=False,
-                   peer_rank=(lambda r: r) if parent is None else (lambda r: TRAINERS + parent), dtypes=dtypes,
-                   tensor_of=lambda m, i: got[w][m.items[i].param], relay=relay)
+        staging = torch.empty(2 * cap * TRAINERS, dtype=torch.uint8)
+        for k in range(syncs):
+            if fast is not None and rounds.fast is not None:
+                fast.setdefault(w, []).append(k)
+            run_rounds(planes[TRAINERS + w], rounds, staging, sender=False,
+                       peer_rank=(lambda r: r) if parent is None else (lambda r: TRAINERS + parent), dtypes=dtypes,
+                       tensor_of=lambda m, i: got[w][m.items[i].param], relay=relay)
+            if k + 1 < syncs:
+                done.wait()
 
     def run(fn, rank, arg):
         try:
@@ -153,3 +165,20 @@ def test_a_failed_replica_wakes_everyone_below_it():
     _, _, _, _, errors, _ = _sync(3, "chain", cap=256, kill=TP)
     assert isinstance(errors.get(TRAINERS + TP), DataPlaneError)
     assert isinstance(errors.get(TRAINERS + 2 * TP), DataPlaneError), errors
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_a_relays_later_dense_syncs_run_compiled_forward_the_same_bytes_and_stay_exact(mode):
+    """Three dense syncs of new values through rounds each rank keeps: from the second one every worker,
+    relays included, runs its compiled rounds (forwarding each part as it completes), every worker ends
+    exact and receives its shard once per sync, and each forward goes once per sync."""
+    replicas, syncs, fast = 3, 3, {}
+    trainers, workers, got, want, errors, plan = _sync(replicas, mode, cap=256, syncs=syncs, fast=fast)
+    assert errors == {}
+    assert fast == {w: [1, 2] for w in range(replicas * TP)}  # (rounds compiled by the first sync)
+    lower = plan.coverage().lower_bound
+    assert [p.received for p in workers] == [syncs * lower[w % TP] for w in range(replicas * TP)]
+    assert sum(p.sent for p in workers) == syncs * (replicas - 1) * sum(lower)
+    for w in range(replicas * TP):
+        for n, t in got[w].items():
+            assert torch.equal(t, want[w % TP][n]), (w, n)

@@ -63,7 +63,20 @@ class DenseEnd(Protocol):
     @property
     def staging(self) -> Staging: ...
 
+    @property
+    def relay_key(self) -> tuple[tuple[int, ...], bool] | None:
+        """Its fan-out relay's children and whether it receives from a parent worker (None: no relay)."""
+        ...
+
     def peer(self, m: Message) -> int: ...
+
+    def tag_of(self, peer: int, index: int) -> int:
+        """The tag of message ``index`` to or from plan peer ``peer``."""
+        ...
+
+    def forward_tag(self, peer: int, index: int) -> int | None:
+        """The tag a relay forwards that message to its children with (None: it forwards nothing)."""
+        ...
 
 
 WIDE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -97,19 +110,21 @@ class _One:
 class Part:
     """One posting of a round: ``vids`` per message (>= 0: a view of this rank's tensor, sent from /
     received into it; < 0: ``~vid``-th part of the staging span's ``msg_sizes`` split), the ops'
-    ranks and tags, and the staged items' copies: tensor views ``item_vids``, span parts
-    ``item_picks`` of its ``item_sizes`` split (``item_shapes`` for strided ones), then batches of
-    equal items evenly spaced on both sides: tensor views ``batch_vids`` (one more dim) and span
-    views ``batch_at`` (shape, strides, offset, width); a sender's ``reps`` (copies, elements,
-    step, offset, width): a batch's one region copied from the span to the next messages'."""
+    ranks and tags (a relay's also its forwards' tags, ``fwd``), and the staged items' copies:
+    tensor views ``item_vids``, span parts ``item_picks`` of its ``item_sizes`` split
+    (``item_shapes`` for strided ones), then batches of equal items evenly spaced on both sides:
+    tensor views ``batch_vids`` (one more dim) and span views ``batch_at`` (shape, strides, offset,
+    width); a sender's ``reps`` (copies, elements, step, offset, width): a batch's one region copied
+    from the span to the next messages'."""
 
-    __slots__ = ("vids", "ranks", "index", "moved", "need", "msg_sizes", "item_vids", "item_sizes", "item_picks",
+    __slots__ = ("vids", "ranks", "tags", "fwd", "moved", "need", "msg_sizes", "item_vids", "item_sizes", "item_picks",
                  "item_shapes", "batch_vids", "batch_at", "reps")
 
     def __init__(self) -> None:
         self.vids: list[int] = []
         self.ranks: list[int] = []
-        self.index: list[int] = []
+        self.tags: list[int] = []
+        self.fwd: list[int] = []  # a relay's: each op's tag to its children
         self.moved = self.need = 0
         self.msg_sizes: list[int] = []
         self.item_vids: list[int] = []
@@ -145,8 +160,8 @@ class Part:
         return bufs, mine, theirs, reps
 
     def nbytes(self) -> int:
-        lists = (self.vids, self.ranks, self.index, self.msg_sizes, self.item_vids, self.item_sizes, self.item_picks,
-                 self.batch_vids)
+        lists = (self.vids, self.ranks, self.tags, self.fwd, self.msg_sizes, self.item_vids, self.item_sizes,
+                 self.item_picks, self.batch_vids)
         extra = 8 * len(self.item_shapes or ()) + 200 * (len(self.batch_at) + len(self.reps))
         return 120 + 36 * sum(map(len, lists)) + extra
 
@@ -165,9 +180,10 @@ class FastRounds:
     sid: npt.NDArray[np.int32]
 
     def __init__(self, slots: list[tuple[_One, Layout]], table: list[_Row], shapes: list[_Shape],
-                 rounds: list[tuple[Part | None, Part | None]], peers: dict[int, int], whole: bool, room: int) -> None:
+                 rounds: list[tuple[Part | None, Part | None]], peers: dict[int, int], whole: bool, room: int,
+                 relay_key: tuple[tuple[int, ...], bool] | None) -> None:
         self.slots, self.shapes, self.rounds, self.peers = slots, shapes, rounds, peers
-        self.whole, self.room = whole, room
+        self.whole, self.room, self.relay_key = whole, room, relay_key
         order, self.groups = _grouped(table)
         new = [0] * len(table)
         for i, old in enumerate(order):
@@ -188,10 +204,11 @@ class FastRounds:
         return arrays + groups + 200 * len(self.slots) + parts
 
     def views(self, tensor_of: Callable[[_One, int], torch.Tensor], runs: ByteRuns, peer_rank: Callable[[int], int],
-              whole: bool, room: int, staging_offset: int) -> list[torch.Tensor] | None:
+              whole: bool, room: int, staging_offset: int,
+              relay_key: tuple[tuple[int, ...], bool] | None) -> list[torch.Tensor] | None:
         """This sync's views (by view id), or None when a tensor's layout, a peer's rank, the plane's
-        ordering or the staging room differ from the compiled sync's."""
-        if whole != self.whole or room != self.room or staging_offset % 8:
+        ordering, the staging room or the fan-out relay differ from the compiled sync's."""
+        if whole != self.whole or room != self.room or staging_offset % 8 or relay_key != self.relay_key:
             return None
         if any(peer_rank(p) != r for p, r in self.peers.items()):
             return None
@@ -316,7 +333,9 @@ class _Compiler:
         for peer, index, nbytes, vid, items in msgs:
             rank = self.peers.setdefault(peer, peer_rank(peer))
             part.ranks.append(rank)
-            part.index.append(index)
+            part.tags.append(self.ex.tag_of(peer, index))
+            if (fwd := self.ex.forward_tag(peer, index)) is not None:
+                part.fwd.append(fwd)
             part.moved += nbytes
             if vid >= 0:
                 part.vids.append(vid)
@@ -461,4 +480,5 @@ def compile_rounds(ex: DenseEnd, plan_rounds: Iterable[list[Message]],
             rounds.append((early, staged))
         pending = msgs
     table = sorted(comp.vid_of, key=comp.vid_of.__getitem__)
-    return FastRounds(comp.slots, table, comp.shapes, rounds, comp.peers, ex.whole_rounds, ex.staging.room)
+    return FastRounds(comp.slots, table, comp.shapes, rounds, comp.peers, ex.whole_rounds, ex.staging.room,
+                      ex.relay_key)

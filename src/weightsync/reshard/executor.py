@@ -91,7 +91,11 @@ class Relay:
 
     def tag(self, m: Message) -> int:
         """A message's tag over a (parent, child) pair: unique per (trainer rank, message index)."""
-        return m.src + self.trainers * m.index
+        return self.tag_of(m.src, m.index)
+
+    def tag_of(self, src: int, index: int) -> int:
+        """:meth:`tag` of message ``index`` from trainer rank ``src``."""
+        return src + self.trainers * index
 
 
 class SlotKind(enum.Enum):
@@ -114,6 +118,7 @@ class Posted:
     span: tuple[int, int] = (0, 0)  # staging bytes [start, end) it holds; empty for an early part
     moved: int = 0
     copies: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+    fwd: list[int] | None = None  # a compiled part's tags to a relay's children
 
 
 class _Executor(Generic[_SparseT]):
@@ -240,7 +245,20 @@ class _Executor(Generic[_SparseT]):
         return (self.peer(m), m.index)
 
     def tag(self, m: Message) -> int:
-        return self.relay.tag(m) if self.relay is not None and self.relay.from_parent else m.index
+        return self.tag_of(self.peer(m), m.index)
+
+    def tag_of(self, peer: int, index: int) -> int:
+        """The tag of message ``index`` to or from plan peer ``peer`` (a receiver's peer: its trainer rank)."""
+        return self.relay.tag_of(peer, index) if self.relay is not None and self.relay.from_parent else index
+
+    def forward_tag(self, peer: int, index: int) -> int | None:
+        """The tag a relay forwards that message to its children with (None: it forwards nothing)."""
+        return cast(Relay, self.relay).tag_of(peer, index) if self.forwarding else None
+
+    @property
+    def relay_key(self) -> tuple[tuple[int, ...], bool] | None:
+        """Its relay's children and whether it receives from a parent (None: no relay)."""
+        return None if self.relay is None else (self.relay.children, self.relay.from_parent)
 
     def run(self, plan_rounds: Iterable[list[Message]]) -> int:
         for rnd in plan_rounds:
@@ -259,8 +277,14 @@ class _Executor(Generic[_SparseT]):
         for early, staged in fast.rounds:
             if early is not None:
                 bufs = [views[v] for v in early.vids]
-                self.early.append(self._post(Posted(None, bufs, None, [], moved=early.moved),
-                                             list(zip(bufs, early.ranks, early.index))))
+                posted = self._post(Posted(None, bufs, None, [], moved=early.moved, fwd=early.fwd),
+                                    list(zip(bufs, early.ranks, early.tags)))
+                if self.forwarding:  # forwarded as it arrives: completed in order with the staged parts
+                    in_flight.append(posted)
+                    if len(in_flight) == DEPTH:
+                        self._complete(in_flight.popleft())
+                else:
+                    self.early.append(posted)
             if staged is None:
                 continue
             need = staged.need
@@ -275,8 +299,8 @@ class _Executor(Generic[_SparseT]):
             elif mine:
                 copies = (mine, theirs)
             span = (cast(int, start), cast(int, start) + need) if need else (0, 0)
-            posted = Posted(None, bufs, None, [], span, staged.moved, copies)
-            in_flight.append(self._post(posted, list(zip(bufs, staged.ranks, staged.index))))
+            posted = Posted(None, bufs, None, [], span, staged.moved, copies, staged.fwd)
+            in_flight.append(self._post(posted, list(zip(bufs, staged.ranks, staged.tags))))
             if len(in_flight) == DEPTH:
                 self._complete(in_flight.popleft())
         self._release()
@@ -355,20 +379,26 @@ class _Executor(Generic[_SparseT]):
     def _complete(self, posted: Posted) -> None:
         self._release()
         self.plane.wait_all(posted.works[::-1], "M2N round")  # the last posted first: the others are done by then
+        relay = cast(Relay, self.relay)  # (read only when forwarding: a relay)
         if posted.rnd is None:  # a compiled part: at a receiver, its staged items' copies
             self.moved += posted.moved
+            tags = cast("list[int]", posted.fwd)  # (a relay's parts carry their forward tags)
+            works = self._forward([(b, t) for b, t in zip(posted.bufs, tags)]) if self.forwarding else []
             if posted.copies is not None:
                 torch._foreach_copy_(*posted.copies)
-            return
-        self.moved += sum(b.numel() for b in posted.bufs)  # what the data plane filled, padding included
-        if not self.forwarding:
+        else:
+            self.moved += sum(b.numel() for b in posted.bufs)  # what the data plane filled, padding included
+            works = self._forward([(b, relay.tag(m)) for m, b in zip(posted.rnd, posted.bufs)]) \
+                if self.forwarding else []
             self._finish(posted)
-            return
-        relay = cast(Relay, self.relay)  # (forwarding: a relay)
-        sends = [(buf, child, relay.tag(m)) for child in relay.children for m, buf in zip(posted.rnd, posted.bufs)]
-        works = self.plane.post(sends, [])  # on the wire while this worker applies the round
-        self._finish(posted)
-        self.plane.wait_all(works[::-1], "M2N fan-out")  # the span is free (and reused) only after this
+        if works:
+            self.plane.wait_all(works[::-1], "M2N fan-out")  # the span is free (and reused) only after this
+
+    def _forward(self, msgs: list[tuple[torch.Tensor, int]]) -> list[Work]:
+        """A relay: send a completed round's (buffer, tag) messages on to each child, in order; they are
+        on the wire while this worker applies the round."""
+        children = cast(Relay, self.relay).children
+        return self.plane.post([(buf, child, tag) for child in children for buf, tag in msgs], [])
 
     def _fold(self, m: Message, views: Iterable[torch.Tensor]) -> None:
         acc = 0
@@ -527,18 +557,20 @@ def run_rounds(plane: DataPlane, plan_rounds: Iterable[list[Message]], staging: 
     arrived, while it is applied; the round's span is reused only after the children received it.
     No deadlock: a child posts its rounds as a receiver does and completes them in order, so a
     parent's forward of round k is matched once the child completed its rounds < k, which needs only
-    the parent's earlier forwards. A relay runs the general path (not compiled)."""
+    the parent's earlier forwards. A relay's dense syncs are compiled too (each part forwarded as it
+    completes, with its messages' tags): the same messages, tags and order as the general path's."""
     end: type[_Sender] | type[_Receiver] = _Sender if sender else _Receiver
     paused = gc.isenabled()  # a sync's views are freed by their counts: no cyclic GC pass over the plan's objects
     gc.disable()
     try:
         ex = end(plane, staging, peer_rank=peer_rank, dtypes=dtypes, tensor_of=tensor_of, sums=sums,
                  sparse=sparse, ready=ready, spans=getattr(plan_rounds, "spans", None), relay=relay)
-        dense = sums is None and not sparse and hasattr(plan_rounds, "fast") and relay is None
+        dense = sums is None and not sparse and hasattr(plan_rounds, "fast")
         fast = cast(_Kept, plan_rounds).fast if dense else None
         if fast is not None:
             views = fast.views(tensor_of, ex.runs, peer_rank, ex.whole_rounds, ex.staging.room,
-                               staging.storage_offset())  # type: ignore[arg-type]  # (int | SymInt: SymInt if traced)
+                               staging.storage_offset(),  # type: ignore[arg-type]  # (int | SymInt: SymInt if traced)
+                               ex.relay_key)
             if views is not None:
                 return ex.run_fast(fast, views)
         moved = ex.run(plan_rounds)
