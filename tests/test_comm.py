@@ -223,3 +223,25 @@ def test_a_rank_reinitializing_on_a_fixed_port_connects_to_the_new_store_only():
         comm.shutdown()
         assert hosts[-1] is not None
         hosts[-1].shutdown()
+
+
+def test_a_party_told_the_store_is_hosted_fails_at_once_when_nothing_listens_there():
+    """A worker connects only once its trainer hosted the store (``hosted=True``): a refused connection
+    means the store is gone (the trainer's init failed, or it shut down), so connecting, and reporting a
+    failure there, raise ``StoreClosed`` naming the address at once instead of retrying for ``timeout_s``;
+    while the store is up the same call connects."""
+    from weightsync.sealed import StoreClosed
+
+    host = Communicator.connect("127.0.0.1", 0, name="host", timeout_s=TIMEOUT_S, host_store=True)
+    port = host.port
+    client = Communicator.connect("127.0.0.1", port, name="worker", timeout_s=TIMEOUT_S, hosted=True)
+    client.publish("k", 1)
+    assert host.read("k") == 1
+    client.shutdown()
+    host.shutdown()
+    for attempt in (lambda: Communicator.connect("127.0.0.1", port, name="worker", timeout_s=TIMEOUT_S, hosted=True),
+                    lambda: Communicator.report("127.0.0.1", port, "worker 0: failed", timeout_s=TIMEOUT_S)):
+        t0 = time.monotonic()
+        with pytest.raises(StoreClosed, match=f"store at 127.0.0.1:{port} refused the connection: nothing listens"):
+            attempt()
+        assert time.monotonic() - t0 < TIMEOUT_S / 4

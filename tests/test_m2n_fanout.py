@@ -136,7 +136,8 @@ def test_a_chain_is_bit_exact_and_one_replica_from_the_trainers_sync_after_sync(
         stats, trainers, workers = counted_sync(cluster, f"chain-{step}")
         assert mismatches(cluster) == {}, step
         _one_replica_from_the_trainers(stats, trainers, workers, lay.tp)
-    compiled = "__import__('weightsync.testing.actors', fromlist=['STATE']).STATE['engine'].plan.rounds.fast is not None"
+    compiled = ("__import__('weightsync.testing.actors', fromlist=['STATE'])"
+                ".STATE['engine'].plan.rounds.fast is not None")
     assert [r.call("builtins:eval", compiled, {}) for r in cluster.active_receivers] == [True] * 3
 
 

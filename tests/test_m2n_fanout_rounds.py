@@ -102,7 +102,7 @@ def _sync(replicas: int, mode: str, *, cap: int = 1024, kill: int | None = None,
         for k in range(syncs):
             run_rounds(planes[r], rounds, torch.empty(2 * cap * TP, dtype=torch.uint8), sender=True,
                        peer_rank=lambda w: TRAINERS + w, dtypes=dtypes,
-                       tensor_of=lambda m, i: shards[k][r][m.items[i].name])
+                       tensor_of=lambda m, i, mine=shards[k][r]: mine[m.items[i].name])
             if k + 1 < syncs:
                 done.wait()
 

@@ -106,17 +106,18 @@ class Communicator:
 
     @classmethod
     def connect(cls, host: str, port: int, *, name: str, timeout_s: float = 300.0, host_store: bool = False,
-                secret: Any = None, group: str = "") -> Communicator:
+                secret: Any = None, group: str = "", hosted: bool = False) -> Communicator:
         """The control channel of the group at ``host:port``; ``host_store`` hosts it, listening on
         ``host`` only (port 0: any free port). ``secret`` (default ``$WEIGHTSYNC_STORE_SECRET``) seals
         the store: every party must have the same one; ``group`` (hex, a client's): the group id the
         host drew (:attr:`group`), learnt from a trusted channel, else taken from the store. A failed
-        group of this process on ``port`` is released."""
+        group of this process on ``port`` is released. ``hosted``: the store was hosted before this party
+        was asked to connect (a worker's init), so a refused connection raises ``StoreClosed`` at once."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if not host_store:
-            return cls(open_store(host, port, timeout_s, is_master=False, secret=secret, group=group), name=name,
-                       timeout_s=timeout_s, secret=secret, group=group)
+            return cls(open_store(host, port, timeout_s, is_master=False, secret=secret, group=group, hosted=hosted),
+                       name=name, timeout_s=timeout_s, secret=secret, group=group)
         if (old := _HOSTED.get(port)) is not None and old.failed:
             old, _ = None, old.shutdown()  # the store's server closes its socket with its last reference
         try:
@@ -151,7 +152,7 @@ class Communicator:
     @staticmethod
     def report(host: str, port: int, message: str, timeout_s: float = 10.0, secret: Any = None) -> None:
         """Tell every party of the group at ``host:port`` that this one failed (it never connected)."""
-        open_store(host, port, timeout_s, is_master=False, secret=secret).compare_set(_ERROR, "", message)
+        open_store(host, port, timeout_s, is_master=False, secret=secret, hosted=True).compare_set(_ERROR, "", message)
 
     def join(self, rank: int, world_size: int, *, device: torch.device | str = "cpu",
              group_name: str = "weightsync", plane: PlaneFactory = TorchGroupPlane) -> None:

@@ -307,12 +307,15 @@ def loopback_store(port: int, *, is_master: bool, timeout: timedelta) -> Any:
 
 
 def open_store(host: str, port: int, timeout_s: float, *, is_master: bool, secret: str | bytes | None,
-               group: str = "") -> Any:
+               group: str = "", hosted: bool = False) -> Any:
     """The group's store at ``host:port``: its host (``is_master``, listening on ``host`` only) or a
     client; sealed when a secret is set (``store_secret(secret)``), with a new group id per hosted
     group (its keys: :func:`group_keys`). A client checks that its secret setting matches the host's
     (``DataPlaneError`` saying what to set) and, given ``group`` (hex, from a channel it trusts: a
-    worker's init info), that the store's group is that one (else ``ForgedValueError``)."""
+    worker's init info), that the store's group is that one (else ``ForgedValueError``). ``hosted``: the
+    host listened before this party was asked to connect, so a refused connection means the store is gone
+    (its trainer's init failed, timed out or was shut down): :class:`StoreClosed` at once, where torch's
+    client would retry for ``timeout_s``."""
     key = store_secret(secret)
     timeout = timedelta(seconds=timeout_s)
     if is_master:
@@ -326,7 +329,21 @@ def open_store(host: str, port: int, timeout_s: float, *, is_master: bool, secre
         raw.set(_CHECK, store._sealed(_CHECK, "ok"))  # plain name: a party with another secret fails to open it
         raw.set(_MARKER, "sealed")
         return store
+    if hosted:
+        _check_listening(host, port, timeout_s)
     return _client_store(host, port, timeout, key, group)
+
+
+def _check_listening(host: str, port: int, timeout_s: float) -> None:
+    """``StoreClosed`` when nothing listens at ``host:port`` (one TCP connect, closed at once; the host's
+    store takes a client that leaves without a request). Any other failure is left to torch's client."""
+    try:
+        socket.create_connection((host, port), timeout=min(timeout_s, 5.0)).close()
+    except ConnectionRefusedError:
+        raise StoreClosed(f"the sync group's store at {host}:{port} refused the connection: nothing listens "
+                          "there (its trainer's init failed or timed out, or the trainer shut it down)") from None
+    except OSError:
+        pass
 
 
 def _closed(where: str, error: BaseException) -> StoreClosed:

@@ -127,7 +127,7 @@ def worker_receive(worker: Any, adapter_id: int, host: str, port: int, base: int
     comm = None
     slots = lora_slots(worker)
     try:
-        comm = Communicator.connect(host, port, name=f"worker {worker.rank}", timeout_s=timeout_s)
+        comm = Communicator.connect(host, port, name=f"worker {worker.rank}", timeout_s=timeout_s, hosted=True)
         n, w = num_trainer_ranks, base - num_trainer_ranks + int(worker.rank)
         targets = slots.begin(adapter_id)
         comm.join(base + int(worker.rank), world, device=slots.device)
@@ -351,7 +351,7 @@ class LoRASync:
             if self.source.rank == 0:
                 return self._lead(comm, port, _fail_at, t0)
             comm = Communicator.connect(self.host, port, name=f"trainer rank {self.source.rank}",
-                                        timeout_s=self.timeout_s)
+                                        timeout_s=self.timeout_s, hosted=True)  # (rank 0 shared its port)
             return self._follow(comm, _fail_at, t0)
         finally:
             if comm is not None:

@@ -282,7 +282,7 @@ class WorkerEngine(Generic[TInit, TUpdate]):
         i = init_info
         try:
             self.comm = Communicator.connect(i.master_address, i.master_port, name=f"worker {self.worker_rank}",
-                                             timeout_s=i.timeout_s, group=i.store_group)
+                                             timeout_s=i.timeout_s, group=i.store_group, hosted=True)
             self._check_deployment(i)
             self._use_drafter(i)
             self._init(i)
