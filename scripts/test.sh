@@ -9,6 +9,9 @@
 # Usage: scripts/test.sh [--main|--engine] [pytest args]   (default: both tiers; args go to each run)
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# A native crash (segfault, abort) in any test's process -- trainer ranks, workers, engines -- prints that
+# process's Python stack, so a rare crash in CI names its line.
+export PYTHONFAULTHANDLER=1
 tiers="main engine"
 case "${1:-}" in --main) tiers=main; shift ;; --engine) tiers=engine; shift ;; esac
 
