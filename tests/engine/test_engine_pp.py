@@ -7,8 +7,7 @@ without weightsync: a worker dies of SIGILL, or asserts on intermediate tensors)
 read-backs of every tensor each worker computes with: for the dense model against vLLM's own reload
 of the trainer's weights; for the MoE model (whose prepacked experts vLLM's reload does not process,
 see ``test_engine_moe``) against an engine that loaded the same weights from a checkpoint at start; for
-a LoRA adapter, the stages' slots against one engine's without PP (which ``test_engine_lora`` checks
-against vLLM's own loading).
+a LoRA adapter, each stage's slot against vLLM's own loading of the saved adapter on the same engine.
 """
 
 from __future__ import annotations
@@ -111,7 +110,9 @@ def test_moe_stages_take_their_experts_as_a_fresh_load_does(ray_session, trainer
     assert stats["verified"] and stats["bytes_received_per_worker"] == stats["lower_bound_per_worker"]
 
 
-def test_lora_stages_together_hold_the_slots_of_an_engine_without_pp(ray_session, tmp_path):
+def test_lora_stages_hold_the_slots_vllms_own_loading_makes(ray_session, tmp_path):
+    """A synced adapter (id 1) and vLLM's own loading of it saved to a directory (id 9) fill the same
+    slot tensors on each stage; each stage takes only its layers' part of the adapter."""
     import ray
     import torch
     from test_engine_lora import _peft_model, _start
@@ -123,21 +124,20 @@ def test_lora_stages_together_hold_the_slots_of_an_engine_without_pp(ray_session
     base = write_checkpoint(os.path.join(tmp_path, "base"), seed=0)
     shutil.copy(os.path.join(config_dir("tiny_qwen3"), "config.json"), base)
     adapter = _peft_model(base, seed=1)
-    slots, received = {}, {}
+    adapter.save_pretrained(os.path.join(tmp_path, "adapter"))
     try:
-        for pp in (1, PP):
-            handle = _start(ray_session, base, 1, pp=pp)
-            received[pp] = LoRASync(LoRASource(adapter), 1, [handle], timeout_s=120.0).sync().bytes_received_per_worker
-            received[pp] = list(received[pp].values())
-            slots[pp] = ray.get(handle.lora_slots.remote(1), timeout=600)
+        handle = _start(ray_session, base, 1, pp=PP)
+        sync = LoRASync(LoRASource(adapter), 1, [handle], timeout_s=120.0)
+        shard_bytes, stats = sync.worker_bytes(), sync.sync()
+        ours = ray.get(handle.lora_slots.remote(1), timeout=600)
+        assert ray.get(handle.load_lora.remote(9, os.path.join(tmp_path, "adapter")), timeout=600)
+        theirs = ray.get(handle.lora_slots.remote(9), timeout=600)
     finally:
         ray_session.stop_engines()
-    (whole,), stages = slots[1], slots[PP]
-    assert len(stages) == PP and not {n for n in stages[0] if ".layers." in n} & set(stages[1])
-    merged: dict = {}
-    for stage in stages:
-        for name, t in stage.items():
-            assert name not in merged or torch.equal(merged[name], t), name  # (the tied embedding's: on both)
-            merged[name] = t
-    assert sorted(merged) == sorted(whole) and all(torch.equal(merged[n], whole[n]) for n in whole)
-    assert all(0 < r < sum(received[1]) for r in received[PP]), received
+    assert len(ours) == PP and not {n for n in ours[0] if ".layers." in n} & set(ours[1])
+    for w, (got, want) in enumerate(zip(ours, theirs, strict=True)):
+        assert got and sorted(got) == sorted(want), f"stage {w}"
+        assert all(torch.equal(got[n], want[n]) for n in want), f"stage {w}"
+    received = list(stats.bytes_received_per_worker.values())
+    whole = sum(p.numel() * p.element_size() for n, p in adapter.named_parameters() if "lora_" in n)
+    assert received == shard_bytes and all(0 < r < whole for r in received), (received, whole)

@@ -285,6 +285,13 @@ class EngineActor(LLM):
         """Per worker, the stacked LoRA tensors of the slot that serves ``lora_id``."""
         return [unpacked(d) for d in self.collective_rpc("weightsync_test_lora_slot", args=(lora_id,))]
 
+    def load_lora(self, lora_id: int, path: str) -> bool:
+        """vLLM's own loading of the PEFT adapter saved at ``path`` into a slot as ``lora_id``, without a
+        request (``add_lora``: what it does before serving one; also where the engine cannot generate)."""
+        from vllm.lora.request import LoRARequest
+
+        return self.llm_engine.add_lora(LoRARequest(f"adapter-{lora_id}", lora_id, path))
+
     def remove_lora(self, lora_id: int) -> bool:
         """vLLM's own removal of an adapter it loaded (frees its slot)."""
         return self.llm_engine.remove_lora(lora_id)
