@@ -115,7 +115,7 @@ def test_lora_stages_hold_the_slots_vllms_own_loading_makes(ray_session, tmp_pat
     slot tensors on each stage; each stage takes only its layers' part of the adapter."""
     import ray
     import torch
-    from test_engine_lora import _peft_model, _start
+    from test_engine_lora import _peft_model, _slots, _start
 
     from weightsync.testing.fsdp2 import write_checkpoint
     from weightsync.trainer.lora import LoRASource
@@ -129,9 +129,9 @@ def test_lora_stages_hold_the_slots_vllms_own_loading_makes(ray_session, tmp_pat
         handle = _start(ray_session, base, 1, pp=PP)
         sync = LoRASync(LoRASource(adapter), 1, [handle], timeout_s=120.0)
         shard_bytes, stats = sync.worker_bytes(), sync.sync()
-        ours = ray.get(handle.lora_slots.remote(1), timeout=600)
+        ours = _slots(handle, 1)
         assert ray.get(handle.load_lora.remote(9, os.path.join(tmp_path, "adapter")), timeout=600)
-        theirs = ray.get(handle.lora_slots.remote(9), timeout=600)
+        theirs = _slots(handle, 9)
     finally:
         ray_session.stop_engines()
     assert len(ours) == PP and not {n for n in ours[0] if ".layers." in n} & set(ours[1])
