@@ -272,6 +272,7 @@ class Server:
         src = os.path.dirname(os.path.dirname(os.path.abspath(weightsync.__file__)))
         here = os.path.dirname(os.path.abspath(__file__))
         env = {**os.environ, **ENGINE_ENV, "VLLM_SERVER_DEV_MODE": "1", "VLLM_TARGET_DEVICE": "cpu",
+               "VLLM_ENABLE_V1_MULTIPROCESSING": "1",  # as vllm serve runs: engine core in its own process
                "PYTHONPATH": os.pathsep.join([src, here, os.environ.get("PYTHONPATH", "")]), **(env or {})}
         os.makedirs(env["VLLM_RPC_BASE_PATH"], exist_ok=True)
         self.cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,

@@ -123,7 +123,7 @@ def test_a_dead_engine_core_is_reported_as_such_trimmed_and_cleaned_up(ray_sessi
 
     ray_session.stop_engines()  # one engine at a time on this machine
     path = weightsync.configs.path("tiny_qwen3")
-    llm = ray.remote(num_cpus=0)(LLM).remote(
+    llm = ray.remote(num_cpus=0, runtime_env={"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}})(LLM).remote(
         model=path, load_format="dummy", skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
         max_model_len=256, weight_transfer_config=WeightTransferConfig(backend="weightsync"),
         worker_extension_cls=READBACKS)  # the test's held call (weightsync_test_hold), called by name
