@@ -111,7 +111,6 @@ def server(ray_session):
 # --- hardening (issue 34): pausing (item 5), the middleware's limits and token (item 3) ----------------
 # (before the flow: these set the trainer actors up and tear them down; ``flow`` holds them to the end)
 def test_vllm_serve_refuses_unpaused_syncs_and_its_resume_after_a_torn_one(server, trainer_actors):
-
     from weightsync import HTTPVLLMWeightSyncClient
     from weightsync.pausing import WeightsPartlyApplied
 
@@ -163,10 +162,7 @@ def test_vllm_serve_refuses_unpaused_syncs_and_its_resume_after_a_torn_one(serve
 
 def _maker(trainers, client):
     """``make(fault=None)``: every trainer rank makes its engine on ``client`` (nccl broadcast, 2 ranks)."""
-    from dataclasses import replace
-
     import ray
-    from engine_support import Case, init_info
 
     info = init_info(Case("nccl", 1, DTYPE, MODEL, 2), timeout_s=60.0)
 
