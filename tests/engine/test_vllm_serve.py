@@ -45,10 +45,9 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from engine_support import Case, Server, config_dir, init_info, prompts, save_checkpoint
+from engine_support import Case, Server, Trainers, config_dir, init_info, prompts, save_checkpoint
 from test_engine_security import NOT_PAUSED, _outcomes_text, _unpaused
 
-from weightsync.testing import vllm_cpu
 from weightsync.testing.vllm_cpu import NEAR_TIE, parting
 
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
@@ -59,7 +58,7 @@ pytestmark = pytest.mark.timeout(900)
 MODEL, DTYPE, MAX_TOKENS = "tiny_llama", "bfloat16", 8
 SERVED = "weightsync-tiny"
 TOKEN = secrets.token_hex(16)  # the server requires it on the routes that change the engine
-PROMPTS = vllm_cpu.prompts(151)
+PROMPTS = prompts(151)
 """What the server is asked to generate from. Not one 3-token prompt: on a CPU with AMX tiles, vllm-cpu 0.32
 runs AMX code without asking Linux for it (``llm_actor.request_amx``), and a first request of one 3-token
 prompt reaches it before oneDNN has asked: the worker dies of SIGILL, weights synced or not."""
@@ -116,7 +115,7 @@ def test_vllm_serve_refuses_unpaused_syncs_and_its_resume_after_a_torn_one(serve
 
     url = server.url
     client = HTTPVLLMWeightSyncClient(url, token=TOKEN)
-    trainers = vllm_cpu.Trainers(trainer_actors[:2])
+    trainers = Trainers(trainer_actors[:2])
     trainers.setup(MODEL, DTYPE, seed=12)
     make = _maker(trainers, client)
 
@@ -192,7 +191,6 @@ def _raw(url: str, path: str, body: bytes, length: int | None = None) -> tuple[i
 def test_vllm_serve_refuses_bad_bodies_and_a_refused_init_connects_nowhere(server):
     """Item 3 on the real server: the middleware answers 413/400 naming the problem before vLLM reads the
     body, and an init it or a worker refuses never makes a worker connect to the host it names."""
-
     url = server.url
     listener = socket.create_server(("127.0.0.1", 0))  # where a refused init would make a worker connect
     port = listener.getsockname()[1]
@@ -241,7 +239,7 @@ def test_vllm_serve_needs_its_token_and_refuses_an_init_while_an_update_is_activ
     status, body = http(url, "v1/completions", {"model": SERVED, "prompt": PROMPTS, "max_tokens": 1})
     assert status == 200 and len(body["choices"]) == len(PROMPTS), body
 
-    trainers = vllm_cpu.Trainers(trainer_actors[:2])
+    trainers = Trainers(trainer_actors[:2])
     trainers.setup(MODEL, DTYPE, seed=13)
     posts = str(tmp_path / "posts")
     # refused before its body is read while an update is active (409); otherwise 400, changing nothing
@@ -283,10 +281,8 @@ def test_vllm_serve_answers_health_while_a_14_mib_body_is_validated(server):
     body was sent completes before that update is answered (an ordering check, not a time bound); when the
     validation ran in the event loop, ``/health`` waited for it."""
     import threading
-    import time
     import urllib.parse
     from http import client
-
 
     body = _heavy_update(280_000)
     assert len(body) > 14 << 20
@@ -325,12 +321,10 @@ class Flow:
     """Two FSDP2 trainer actors syncing into the server; each sync is checked against vLLM's reload."""
 
     def __init__(self, server: Server, trainer_actors: list[Any]) -> None:
-        from engine_support import Trainers
-
         self.server, self.trainers = server, Trainers(trainer_actors[:2])
         self.trainers.setup(MODEL, DTYPE, seed=0)
         self.url = server.ready()
-        self.P = prompts(151)
+        self.P = PROMPTS
         self.step = 0
         self.last: str | None = None
         self.seconds: dict[str, float] = {}
