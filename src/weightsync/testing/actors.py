@@ -1,10 +1,11 @@
 """Long-lived local worker processes ("actors") that run named functions on request.
 
-Each actor is a spawned Python process listening on a loopback socket (authkey-protected,
+Each actor is a Python process listening on a loopback socket (authkey-protected,
 ``multiprocessing.connection``); any process holding its address can call
 ``module:function`` in it. Calls run one at a time on the actor's main thread; objects a call
 wants to keep (a model, an engine) go into ``STATE``. Used by the CPU demo and the tests: each
-vLLM process costs seconds to import, so actors are started once and reused.
+vLLM process costs seconds to import, so actors fork from a server that imported it once
+(``testing.preload``), and are started once and reused.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import time
 import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from multiprocessing import AuthenticationError
+from multiprocessing import AuthenticationError, forkserver
 from multiprocessing.connection import Connection, Listener, answer_challenge, deliver_challenge, wait
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, cast
@@ -317,11 +318,34 @@ def _answer(conn: Connection) -> bool:
     return True
 
 
+_SERVER_LOCK = threading.Lock()
+
+
+def _context() -> Any:
+    """Actors fork from one server process that imported what they all import (``testing.preload``):
+    an actor starts in a fraction of a second instead of importing torch and vLLM again. The server
+    (re)starts with this process's environment and ``OMP_NUM_THREADS=1``, as every actor runs: OpenMP
+    then starts no thread in it (a process with threads must not fork). Each actor applies its own env."""
+    ctx = mp.get_context("forkserver")
+    with _SERVER_LOCK:
+        ctx.set_forkserver_preload(["weightsync.testing.preload"])
+        saved = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = "1"
+        try:
+            forkserver.ensure_running()
+        finally:
+            if saved is None:
+                del os.environ["OMP_NUM_THREADS"]
+            else:
+                os.environ["OMP_NUM_THREADS"] = saved
+    return ctx
+
+
 class Actor:
     """Parent-side handle: starts the process and calls into it."""
 
     def __init__(self, name: str, env: dict[str, str] | None = None) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         parent, child = ctx.Pipe(duplex=False)
         self.process = ctx.Process(target=_actor_main, args=(name, dict(env or {}), child), daemon=True, name=name)
         self.process.start()
