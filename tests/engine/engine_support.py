@@ -351,3 +351,22 @@ def _group_members(pgid: int) -> list[int]:
         except (ProcessLookupError, psutil.Error):
             pass
     return out
+
+
+def session_processes(sid: int, within_s: float = 60.0) -> list[str]:
+    """The processes of session ``sid`` (a script started in its own session, and all it started) still
+    alive ``within_s`` seconds from now (processes being killed take a moment to go; zombies count as gone)."""
+    import psutil
+
+    deadline = time.monotonic() + within_s
+    while True:
+        left = []
+        for p in psutil.process_iter(["pid", "name", "cmdline", "status"]):
+            try:
+                if os.getsid(p.pid) == sid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                    left.append(f"{p.pid} {p.info['name']}: {' '.join(p.info['cmdline'] or [])[:200]}")
+            except (OSError, psutil.Error):
+                continue
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)

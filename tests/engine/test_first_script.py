@@ -22,6 +22,8 @@ import pytest
 import weightsync
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: doc_blocks
+from engine_support import session_processes  # noqa: E402
+
 from doc_blocks import page_blocks  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -83,9 +85,15 @@ def test_the_first_script_runs_as_printed_and_leaves_nothing_behind(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "VLLM_")) and k != "PYTHONWARNINGS"}
     env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths have a limit
     before = set(os.listdir("/dev/shm"))
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=900)
-    out = proc.stdout + proc.stderr
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    out = stdout + stderr
     assert proc.returncode == 0, out[-6000:]
     steps = re.findall(r"step (\d): synced in [\d.]+ s, verified=True, engine tokens (\[[\d, ]+\]), "
                        r"HF tokens (\[[\d, ]+\])", out)
@@ -95,6 +103,9 @@ def test_the_first_script_runs_as_printed_and_leaves_nothing_behind(tmp_path):
     assert re.search(r"\(Worker pid=\d+\) WARNING", out), "the engine's workers' warnings reach this log"
     assert "Failed to load weights" not in out, [ln for ln in out.splitlines() if "Failed to load" in ln]
     assert "SyncStats(backend='weightsync_nccl', rank=0, weight_version='step1', seconds=" in out
+    # what the script started (Ray, vLLM's processes, multiprocessing's resource tracker, which unlinks what a
+    # killed process left) goes within a minute of its exit; then nothing it made is left in /dev/shm
+    assert session_processes(proc.pid) == [], "processes of the script left after it exited"
     assert left_in_shm(before) == []
 
 
