@@ -325,7 +325,8 @@ def _context() -> Any:
     """Actors fork from one server process that imported what they all import (``testing.preload``):
     an actor starts in a fraction of a second instead of importing torch and vLLM again. The server
     (re)starts with this process's environment and ``OMP_NUM_THREADS=1``, as every actor runs: OpenMP
-    then starts no thread in it (a process with threads must not fork). Each actor applies its own env."""
+    then starts no thread in it (a process with threads must not fork). An actor has the environment
+    this process had when the server started, plus its own ``env``."""
     ctx = mp.get_context("forkserver")
     with _SERVER_LOCK:
         ctx.set_forkserver_preload(["weightsync.testing.preload"])
