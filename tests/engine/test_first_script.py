@@ -18,12 +18,11 @@ import threading
 import time
 
 import pytest
+from engine_support import session_processes
 
 import weightsync
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: doc_blocks
-from engine_support import session_processes  # noqa: E402
-
 from doc_blocks import page_blocks  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
