@@ -65,13 +65,14 @@ def check_exact(cluster) -> None:
 def sync_dense_then_delta(cluster, layout: Layout, own: list[str]) -> None:
     """Dense, then two train steps (target and drafter) as deltas where the transport has them: after
     each, every parameter of both equals vLLM's own loading; on M2N each worker receives its shards."""
+    written = [n for n in own if "norm" not in n]  # (norms start at ones on both sides)
+    cluster.on_receivers(_D + "fill_drafter", written, 7.0)  # a value the sync must replace
     before = cluster.on_receivers(_D + "drafter_params")
     delta = transport(layout.backend).capabilities.delta
     make_engines(cluster, layout, delta=delta)
     stats = cluster.sync("v0")
     check_exact(cluster)
     after = cluster.on_receivers(_D + "drafter_params")
-    written = [n for n in own if "norm" not in n]  # (norms start at ones on both sides)
     assert written and all(not torch.equal(before[0][n], after[0][n]) for n in written), "the drafter was written"
     drafter = stats["drafter_bytes_per_worker"]
     assert sorted(drafter) == [0, 1] and all(0 < b < stats["bytes_received_per_worker"][w] for w, b in drafter.items())

@@ -135,6 +135,16 @@ def drafter_params() -> dict[str, torch.Tensor]:
     return {n: params[n].detach().clone() for n in model.own_parameters()}
 
 
+def fill_drafter(names: list[str], value: float) -> None:
+    """Set the drafter's parameters ``names`` on this rank to ``value``: a state no trainer's weights leave,
+    so that a test sees what a sync wrote (as built, they hold whatever memory the allocator gave back, which
+    can be an earlier sync's same weights)."""
+    params = dict(STATE["model"].named_parameters())
+    with torch.no_grad():
+        for n in names:
+            params[n].fill_(value)
+
+
 def compare_with_oracle(target_sd: dict[str, torch.Tensor], drafter_sd: dict[str, torch.Tensor] | None) -> list[str]:
     """Names of live parameters (target's and drafter's) not ``torch.equal`` to what vLLM's loading of the
     checkpoint (``target_sd`` into the target, ``drafter_sd`` into the drafter) gives on this rank
